@@ -1,0 +1,67 @@
+"""Flags from a dataclass (each field's docstring is its --help) and the metrics log."""
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import textwrap
+import typing
+
+
+def _field_docs(cls):
+    """The string literal under each field of a dataclass body: its documentation."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body, docs = tree.body[0].body, {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _bool(text):
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def parse_args(cls, argv=None):
+    """Parse argv into an instance of the dataclass `cls`: `--name value`, bools as `--name [true|false]`."""
+    parser = argparse.ArgumentParser(description=inspect.getdoc(inspect.getmodule(cls)),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        args = typing.get_args(kind)
+        if typing.get_origin(kind) is typing.Union:  # Optional[X]
+            kind = next(a for a in args if a is not type(None))
+        help_text = f"{docs.get(f.name, '')} (default: {f.default})"
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", type=_bool, nargs="?", const=True, default=f.default, help=help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=help_text)
+    return cls(**vars(parser.parse_args(argv)))
+
+
+class MetricsLog:
+    """Appends one JSON object per row to OUTPUT_DIR/metrics.jsonl and formats the console line."""
+
+    def __init__(self, output_dir, enabled=True):
+        self.enabled = enabled
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        if enabled:
+            open(self.path, "w").close()
+
+    def write(self, step, metrics):
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    @staticmethod
+    def line(step, metrics, keys):
+        """`step 3 | reward 0.512 | ...` for the (label, key) pairs present in metrics."""
+        parts = [f"step {step}"] + [f"{label} {metrics[key]:.4g}" for label, key in keys if key in metrics]
+        return " | ".join(parts)

@@ -1,0 +1,87 @@
+"""Prompt data: the built-in arithmetic task, local files through `datasets`, and prompt encoding.
+
+A prompt row is {"prompt": str | list of chat messages, "label": str}.
+"""
+
+import os
+import random
+
+BUILTIN_TASKS = ("arithmetic",)
+
+# Few-shot turns: SmolLM2-135M never emits <answer> tags unprompted (0 of 2,560 samples measured),
+# but copies the format from two worked examples and gets easy problems right. The worked form
+# "a + b = c" lets the model use the arithmetic it knows before committing to the tagged answer.
+ARITHMETIC_SYSTEM = "Solve the arithmetic problem. Write the equation, then the final answer in <answer></answer> tags."
+ARITHMETIC_SHOTS = (("2 + 3", 5), ("4 * 2", 8))
+
+
+def _arithmetic_pools():
+    """All problems, by family: 2-digit +/- 1-digit and 1-digit x 1-digit (784 in all)."""
+    pools = {
+        "+": [(a, b, a + b) for a in range(10, 50) for b in range(1, 10)],
+        "-": [(a, b, a - b) for a in range(10, 50) for b in range(1, 10)],
+        "*": [(a, b, a * b) for a in range(2, 10) for b in range(2, 10)],
+    }
+    shots = {q for q, _ in ARITHMETIC_SHOTS}
+    return {op: [p for p in ps if f"{p[0]} {op} {p[1]}" not in shots] for op, ps in pools.items()}
+
+
+def _arithmetic_row(a, op, b, c):
+    messages = [{"role": "system", "content": ARITHMETIC_SYSTEM}]
+    for question, answer in ARITHMETIC_SHOTS:
+        messages += [{"role": "user", "content": f"What is {question}?"},
+                     {"role": "assistant", "content": f"{question} = {answer}\n<answer>{answer}</answer>"}]
+    messages.append({"role": "user", "content": f"What is {a} {op} {b}?"})
+    return {"prompt": messages, "label": str(c)}
+
+
+def arithmetic_task(num_train=4096, num_eval=96, seed=0):
+    """Seeded train/eval rows; eval problems (fixed, family-balanced) never appear in train."""
+    pools = _arithmetic_pools()
+    eval_rng = random.Random(1234)  # the eval split is the same whatever --seed is
+    eval_rows, train_pools = [], {}
+    for op, problems in pools.items():
+        held = set(eval_rng.sample(range(len(problems)), num_eval // len(pools)))
+        eval_rows += [_arithmetic_row(a, op, b, c) for i, (a, b, c) in enumerate(problems) if i in held]
+        train_pools[op] = [p for i, p in enumerate(problems) if i not in held]
+    rng = random.Random(seed)
+    train_rows = []
+    for _ in range(num_train):  # families equally likely, so easy and hard problems mix in a batch
+        op = rng.choice(sorted(train_pools))
+        a, b, c = rng.choice(train_pools[op])
+        train_rows.append(_arithmetic_row(a, op, b, c))
+    return train_rows, eval_rows
+
+
+def load_prompt_rows(path, input_key="prompt", label_key="label"):
+    """Rows from a local JSONL / JSON / parquet file, a directory of them, or a `save_to_disk` dir."""
+    import datasets  # heavy; only needed for files
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--prompt_data {path!r}: no such file or directory (built-in tasks: {BUILTIN_TASKS})")
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+        ds = datasets.load_from_disk(path)
+        ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+    else:
+        files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
+        kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+        found = {kinds[os.path.splitext(f)[1]] for f in files if os.path.splitext(f)[1] in kinds}
+        if len(found) != 1:
+            raise ValueError(f"--prompt_data {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, found {found or 'none'}")
+        ds = datasets.load_dataset(found.pop(), data_files=[f for f in files if kinds.get(os.path.splitext(f)[1])], split="train")
+    for key in (input_key, label_key):
+        if key not in ds.column_names:
+            raise KeyError(f"--prompt_data {path!r} has no column {key!r} (columns: {ds.column_names}); set --input_key / --label_key")
+    return [{"prompt": row[input_key], "label": "" if row[label_key] is None else str(row[label_key])} for row in ds]
+
+
+def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):
+    """Token ids of a prompt given as a string or a list of chat messages."""
+    if isinstance(prompt, str):
+        if not apply_chat_template:
+            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt = [{"role": "user", "content": prompt}]
+    if system_prompt and prompt[0]["role"] != "system":
+        prompt = [{"role": "system", "content": system_prompt}] + list(prompt)
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -1,0 +1,85 @@
+"""Rollout engines. Every engine offers the same four calls, so the scripts never branch on it:
+
+    generate(prompt_token_ids, max_new_tokens, temperature, top_p) -> list[Generation]
+        one Generation per prompt, in order: the response token ids (ending with EOS unless the
+        length limit cut it) and the logprob of each under the sampling distribution
+        (temperature applied; temperature 0 means greedy, logprobs then at temperature 1)
+    sleep()                 free the engine's GPU memory while the trainer runs
+    wake_up(tags=None)      take it back ("weights", "kv_cache", or both)
+    update_weights(model)   load the trainer's current weights
+
+HFEngine uses transformers `generate` on the training model itself: weights are shared, so
+sleep / wake_up / update_weights have nothing to do. It is the engine wherever vLLM is absent.
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Generation:
+    token_ids: list
+    logprobs: list
+
+
+class HFEngine:
+    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None):
+        self.model = model  # the unwrapped training model: always the current weights
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.autocast_dtype = autocast_dtype
+
+    def sleep(self):
+        pass
+
+    def wake_up(self, tags=None):
+        pass
+
+    def update_weights(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0):
+        was_training = self.model.training
+        self.model.eval()  # also turns gradient checkpointing off, which `generate` cannot use
+        out = []
+        for i in range(0, len(prompt_token_ids), self.micro_batch_size):
+            out += self._generate_batch(prompt_token_ids[i:i + self.micro_batch_size], max_new_tokens, temperature, top_p)
+        self.model.train(was_training)
+        return out
+
+    def _generate_batch(self, prompts, max_new_tokens, temperature, top_p):
+        device = next(self.model.parameters()).device
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)  # (B, P)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        greedy = temperature == 0
+        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext())
+        with autocast:
+            res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                      pad_token_id=pad, eos_token_id=eos, output_logits=True,
+                                      return_dict_in_generate=True, **sampling)
+        responses = res.sequences[:, width:]  # (B, L)
+        logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)  # (B, L, V) raw model logits
+        logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, L)
+        gens = []
+        for ids, lps in zip(responses.tolist(), logprobs.tolist()):
+            end = ids.index(eos) + 1 if eos in ids else len(ids)  # keep the EOS: it is an action too
+            gens.append(Generation(ids[:end], lps[:end]))
+        return gens
+
+
+def create_engine(engine_type, model, tokenizer, args):
+    """The engine named by --engine_type ("auto" is hf until the vLLM engine lands)."""
+    if engine_type == "auto":
+        engine_type = "hf"
+    if engine_type == "hf":
+        dtype = torch.bfloat16 if args.bf16 else None
+        return HFEngine(model, tokenizer, args.micro_rollout_batch_size, dtype)
+    if engine_type == "vllm":
+        raise NotImplementedError("--engine_type vllm: the vLLM engine is not built yet; use --engine_type hf")
+    raise ValueError(f"unknown --engine_type {engine_type!r}; choose auto, hf or vllm")

@@ -1,0 +1,94 @@
+"""Policy losses and KL estimators: pure functions on (B, T) tensors.
+
+Loss aggregation (`loss_agg_mode`), with l_it the per-token loss of sequence i, token t, m_it the
+action mask, |o_i| = sum_t m_it the response length, N the number of sequences and L a constant:
+
+    token-mean               sum_it m_it l_it / sum_it m_it                    (DAPO)
+    seq-mean-token-sum       (1/N) sum_i sum_t m_it l_it
+    seq-mean-token-mean      (1/N) sum_i (sum_t m_it l_it / |o_i|)             (GRPO paper)
+    seq-mean-token-sum-norm  (1/N) sum_i sum_t m_it l_it / L                   (Dr.GRPO, L = max length)
+
+The denominators are those of the whole optimizer step: `num_tokens` and `num_seqs` are the
+totals over every micro-batch and data-parallel rank, so the per-micro-batch values returned here
+*sum* to the full-batch loss, whatever the split (tests/test_losses.py checks this).
+"""
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over positions where mask is 1 (all of them if dim is None)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def aggregate_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None, max_len=None):
+    """Reduce a (B, T) per-token loss to a scalar; see the module docstring for the formulas.
+
+    num_tokens / num_seqs: the optimizer step's totals (default: this batch's own). max_len: the
+    Dr.GRPO constant L (default: T).
+    """
+    mask = mask.to(loss_mat.dtype)
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
+    seq_sums = (loss_mat * mask).sum(-1)  # (B,)
+    if loss_agg_mode == "token-mean":
+        return seq_sums.sum() / max(float(num_tokens), 1.0)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return seq_sums.sum() / num_seqs
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (seq_sums / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return seq_sums.sum() / (num_seqs * (max_len or loss_mat.shape[-1]))
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {LOSS_AGG_MODES}")
+
+
+def kl_estimate(logprobs, ref_logprobs, kl_estimator="k3"):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, 'Approximating KL').
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r  with  log r = logprobs - ref_logprobs.
+    k3 is unbiased and non-negative; the log-ratio is clamped to [-10, 10] as OpenRLHF/verl do,
+    so one wild token cannot overflow exp.
+    """
+    log_ratio = (logprobs - ref_logprobs).clamp(-10.0, 10.0)  # (B, T)
+    if kl_estimator == "k1":
+        return log_ratio
+    if kl_estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if kl_estimator == "k3":
+        return torch.exp(-log_ratio) - 1.0 + log_ratio
+    raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}")
+
+
+def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, loss_agg_mode="token-mean",
+                num_tokens=None, num_seqs=None, max_len=None):
+    """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1-eps, 1+eps) A).
+
+    logprobs, old_logprobs, action_mask: (B, T); advantages: (B, T) or (B,) broadcast over tokens.
+    Returns (loss, metrics) with metrics detached: clip fraction and the k1/k3 policy-vs-old KL.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)  # (B, T)
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    ratio = torch.exp(log_ratio)
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * advantages
+    loss_mat = -torch.minimum(surr1, surr2)  # (B, T)
+    loss = aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean((surr2 < surr1).float(), action_mask).item(),
+            "ppo_kl": masked_mean(-log_ratio, action_mask).item(),
+        }
+    return loss, metrics
+
+
+def entropy_from_logits(logits):
+    """Per-position entropy of softmax(logits): logsumexp(z) - sum softmax(z) z.  (..., V) -> (...)"""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)

