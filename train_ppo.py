@@ -82,8 +82,8 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling of the rollouts"""
     # ---- batches and schedule ----
-    rollout_batch_size: Optional[int] = None
-    """prompts per step, over all ranks (default: 8 on CPU, 32 on GPU)"""
+    rollout_batch_size: int = 8
+    """prompts per step, over all ranks"""
     micro_rollout_batch_size: int = 32
     """per-rank batch for generation and logprob passes"""
     train_batch_size: Optional[int] = None
@@ -94,9 +94,9 @@ class Args:
     """passes of the optimizer over each rollout batch"""
     num_episodes: int = 1
     """passes over the prompt data"""
-    max_steps: Optional[int] = None
-    """stop after this many rollout steps (default: 15 on CPU, 200 on GPU)"""
-    actor_learning_rate: float = 2e-5
+    max_steps: int = 15
+    """stop after this many rollout steps (or fewer, when the episodes run out)"""
+    actor_learning_rate: float = 1e-5
     """AdamW learning rate"""
     lr_warmup_ratio: float = 0.0
     """fraction of optimizer steps spent warming the learning rate up linearly"""
@@ -136,10 +136,7 @@ def main():
     world = PartialState().num_processes
 
     # ---- derived values and checks ----
-    on_gpu = torch.cuda.is_available()
-    args.bf16 = on_gpu if args.bf16 is None else args.bf16
-    args.rollout_batch_size = args.rollout_batch_size or (32 if on_gpu else 8)
-    args.max_steps = args.max_steps if args.max_steps is not None else (200 if on_gpu else 15)
+    args.bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     args.train_batch_size = args.train_batch_size or samples_per_step
     if args.rollout_batch_size % world:

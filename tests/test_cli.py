@@ -1,0 +1,41 @@
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+from rft_core.cli import MetricsLog, parse_args
+
+
+@dataclass
+class Toy:
+    lr: float = 1e-5
+    """the learning rate"""
+    name: Optional[str] = None
+    """a name"""
+    flag: bool = False
+    """a switch"""
+
+
+def test_parse_args():
+    assert parse_args(Toy, []) == Toy()
+    assert parse_args(Toy, ["--lr", "3e-4", "--name", "x", "--flag"]) == Toy(3e-4, "x", True)
+    assert parse_args(Toy, ["--flag", "false"]).flag is False
+    with pytest.raises(SystemExit):
+        parse_args(Toy, ["--flag", "maybe"])
+    with pytest.raises(SystemExit):
+        parse_args(Toy, ["--no_such_flag", "1"])
+
+
+def test_docstrings_become_help(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(Toy, ["--help"])
+    out = capsys.readouterr().out
+    assert "the learning rate (default: 1e-05)" in out and "a switch" in out
+
+
+def test_metrics_log(tmp_path):
+    log = MetricsLog(str(tmp_path))
+    log.write(1, {"rollout/reward_mean": 0.5})
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "rollout/reward_mean": 0.5}\n'
+    line = MetricsLog.line(1, {"a": 0.123456, "b": 2.0}, [("A", "a"), ("C", "c"), ("B", "b")])
+    assert line == "step 1 | A 0.1235 | B 2"

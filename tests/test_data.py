@@ -1,0 +1,66 @@
+import json
+
+import pytest
+
+from rft_core.data import arithmetic_task, encode_prompt, load_prompt_rows
+
+
+def question(row):
+    return row["prompt"][-1]["content"]
+
+
+def test_arithmetic_task_seeded_and_held_out():
+    train, evals = arithmetic_task(num_train=500, seed=3)
+    train_again, evals_again = arithmetic_task(num_train=500, seed=3)
+    assert train == train_again and evals == evals_again
+    other_train, other_evals = arithmetic_task(num_train=500, seed=4)
+    assert other_evals == evals and other_train != train  # the eval split does not move with --seed
+    assert len(evals) == 96 and len({question(r) for r in evals}) == 96
+    assert not {question(r) for r in evals} & {question(r) for r in train}
+    for row in train[:50] + evals:
+        a, op, b = question(row)[len("What is "):-1].split()
+        assert str(eval(f"{a} {op} {b}")) == row["label"]
+    ops = [question(r).split()[3] for r in train]
+    assert {op: ops.count(op) > 100 for op in "+-*"} == {"+": True, "-": True, "*": True}
+
+
+def test_load_jsonl_parquet_and_directory(tmp_path):
+    rows = [{"question": "What is 1 + 1?", "answer": 2}, {"question": "What is 2 + 2?", "answer": 4}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    loaded = load_prompt_rows(str(path), "question", "answer")
+    assert loaded == [{"prompt": "What is 1 + 1?", "label": "2"}, {"prompt": "What is 2 + 2?", "label": "4"}]
+
+    import datasets
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "part.parquet"))
+    assert load_prompt_rows(str(tmp_path / "part.parquet"), "question", "answer") == loaded
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert load_prompt_rows(str(tmp_path / "saved"), "question", "answer") == loaded
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.jsonl").write_text(json.dumps(rows[0]))
+    (tmp_path / "dir" / "b.jsonl").write_text(json.dumps(rows[1]))
+    assert load_prompt_rows(str(tmp_path / "dir"), "question", "answer") == loaded
+
+
+def test_bad_paths_and_columns(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no_such.jsonl"):
+        load_prompt_rows(str(tmp_path / "no_such.jsonl"))
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a"}))
+    with pytest.raises(KeyError, match="no column 'prompt'.*--input_key"):
+        load_prompt_rows(str(path))
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ValueError, match="expected .jsonl"):
+        load_prompt_rows(str(tmp_path / "notes.txt"))
+
+
+def test_encode_prompt(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = encode_prompt(tok, "What is 1 + 1?", apply_chat_template=False)
+    assert tok.decode(plain) == "What is 1 + 1?"
+    chat = tok.decode(encode_prompt(tok, "What is 1 + 1?", system_prompt="Be brief."))
+    assert chat.startswith("<|im_start|>system\nBe brief.<|im_end|>") and chat.endswith("<|im_start|>assistant\n")
+    messages = [{"role": "user", "content": "hello"}]
+    assert encode_prompt(tok, messages) == encode_prompt(tok, "hello")
