@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 from transformers import get_scheduler
@@ -133,10 +133,11 @@ def batches(rows, rollout_batch_size, num_episodes, seed):
 
 def main():
     args = parse_args(Args)
-    world = PartialState().num_processes
+    args.bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
+    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no")
+    world = accelerator.num_processes
 
     # ---- derived values and checks ----
-    args.bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     args.train_batch_size = args.train_batch_size or samples_per_step
     if args.rollout_batch_size % world:
@@ -153,7 +154,7 @@ def main():
     if args.advantage_estimator not in ADVANTAGE_ESTIMATORS or args.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, --loss_agg_mode one of {LOSS_AGG_MODES}")
 
-    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", gradient_accumulation_steps=grad_accum)
+    accelerator.gradient_accumulation_steps = grad_accum  # before prepare(): DeepSpeed reads it there
     set_seed(args.seed, device_specific=True)
     os.makedirs(args.output_dir, exist_ok=True)
     if accelerator.is_main_process:

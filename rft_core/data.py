@@ -55,10 +55,10 @@ def arithmetic_task(num_train=4096, num_eval=96, seed=0):
 
 def load_prompt_rows(path, input_key="prompt", label_key="label"):
     """Rows from a local JSONL / JSON / parquet file, a directory of them, or a `save_to_disk` dir."""
-    import datasets  # heavy; only needed for files
-
     if not os.path.exists(path):
         raise FileNotFoundError(f"--prompt_data {path!r}: no such file or directory (built-in tasks: {BUILTIN_TASKS})")
+    import datasets  # heavy; only needed for files
+
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
         ds = datasets.load_from_disk(path)
         ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds

@@ -90,3 +90,17 @@ def test_default_model_two_steps(tmp_path):
     """The acceptance command: the embedded SmolLM2-135M, default flags, two steps."""
     run(["--max_steps", "2", "--output_dir", str(tmp_path)])
     check_outputs(str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_grad_accumulation_invariance(tiny_model_dir, tmp_path, mode):
+    """Same rollouts, 1 vs 4 micro-batches per optimizer step: same loss and pre-clip gradient norm."""
+    rows = []
+    for micro in ("4", "1"):
+        out = tmp_path / micro
+        run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--micro_train_batch_size", micro,
+             "--loss_agg_mode", mode, "--output_dir", str(out)])
+        rows.append(read_metrics(str(out))[0][0])
+    assert rows[0]["rollout/reward_mean"] == rows[1]["rollout/reward_mean"]
+    assert rows[0]["train/grad_norm"] == pytest.approx(rows[1]["train/grad_norm"], rel=1e-4)
+    assert rows[0]["train/policy_loss"] == pytest.approx(rows[1]["train/policy_loss"], rel=1e-4, abs=1e-7)
