@@ -104,7 +104,19 @@ class Args:
     """gradient clipping norm"""
     # ---- engine, precision, memory ----
     engine_type: str = "auto"
-    """rollout engine: hf (transformers generate) | vllm | auto"""
+    """rollout engine: vllm | hf (transformers generate) | auto (vllm when it imports and a GPU is present)"""
+    engine_tp_size: int = 1
+    """vLLM tensor-parallel size: groups of this many consecutive ranks share one engine"""
+    engine_mem_util: float = 0.3
+    """fraction of GPU memory vLLM takes for weights and KV cache"""
+    enable_engine_sleep: bool = False
+    """always sleep the vLLM engine during training"""
+    disable_engine_sleep: bool = False
+    """never sleep it (default: auto, sleep only when training needs the memory)"""
+    engine_sleep_level: int = 1
+    """vLLM sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
+    engine_enforce_eager: bool = False
+    """vLLM without CUDA graphs and torch.compile: fast start, slower decode"""
     bf16: Optional[bool] = None
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     gradient_checkpointing: bool = False
@@ -151,6 +163,10 @@ def main():
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
     reuse_old_logprobs = args.max_epochs == 1 and args.train_batch_size == samples_per_step
+    if args.enable_engine_sleep and args.disable_engine_sleep:
+        raise ValueError("--enable_engine_sleep and --disable_engine_sleep contradict each other: pass one")
+    if world % args.engine_tp_size:
+        raise ValueError(f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
     if args.advantage_estimator not in ADVANTAGE_ESTIMATORS or args.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, --loss_agg_mode one of {LOSS_AGG_MODES}")
 
@@ -197,6 +213,7 @@ def main():
     def evaluate(step):
         """Greedy accuracy on the held-out split, each rank scoring its shard."""
         local = encoded["eval"][rank::world]
+        engine.wake_up()
         gens = engine.generate([ids for ids, _ in local], args.generate_max_len, temperature=0.0) if local else []
         _, parts = answer_reward(tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True),
                                  [label for _, label in local])
@@ -213,21 +230,27 @@ def main():
     line_keys = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/accuracy"),
                  ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"), ("kl", "train/kl"),
                  ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
-                 ("gnorm", "train/grad_norm"), ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"),
-                 ("t_upd", "perf/update_s")]
+                 ("gnorm", "train/grad_norm"), ("lp_diff", "rollout/logprob_diff_mean"),
+                 ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
+                 ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]
 
     data = batches(encoded["train"], args.rollout_batch_size, args.num_episodes, args.seed)
     k = args.rollout_batch_size // world
+    train_bytes = None  # extra GPU memory one update takes, measured each step
     for step in tqdm(range(1, num_steps + 1), desc="steps", disable=not accelerator.is_main_process):
         t0 = time.time()
         # ---- rollout ----
         batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay on one rank
         prompt_ids = [ids for ids, _ in batch for _ in range(args.n_samples_per_prompt)]
         labels = [label for _, label in batch for _ in range(args.n_samples_per_prompt)]
-        engine.wake_up()
+        t_wake = time.time()
+        engine.wake_up()  # the KV cache, if the engine slept
+        t_wake = time.time() - t_wake
         generations = engine.generate(prompt_ids, args.generate_max_len, args.temperature, args.top_p)
-        engine.sleep()
-        t_gen = time.time() - t0
+        t_gen = time.time() - t0 - t_wake
+        t_sleep = time.time()
+        slept = engine.sleep(needed_bytes=train_bytes)  # auto mode: only if training needs the memory
+        t_sleep = time.time() - t_sleep
 
         # ---- rewards and advantages ----
         completions = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
@@ -249,6 +272,9 @@ def main():
         # ---- update ----
         t2 = time.time()
         model.train()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            mem_before = torch.cuda.memory_allocated()
         sums, count = {}, 0
         for epoch in range(args.max_epochs):
             order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(args.seed * 100003 + step * 101 + epoch))
@@ -289,9 +315,13 @@ def main():
                         sums[key] = sums.get(key, 0.0) + v
                     count += 1
         t_upd = time.time() - t2
+        if torch.cuda.is_available():
+            train_bytes = torch.cuda.max_memory_allocated() - mem_before  # what the next update will need
 
         # ---- weight sync ----
+        t_sync = time.time()
         engine.update_weights(accelerator.unwrap_model(model))
+        t_sync = time.time() - t_sync
 
         # ---- log ----
         r = exp.rewards
@@ -304,7 +334,10 @@ def main():
         local.update({f"rollout/{k_}": torch.tensor(v / count) for k_, v in sums.items() if k_.startswith("logprob")})
         metrics = {k_: accelerator.reduce(v.float().to(device), "mean").item() for k_, v in local.items()}
         metrics.update({"train/lr": scheduler.get_last_lr()[0], "perf/generate_s": t_gen, "perf/logprob_s": t_lp,
-                        "perf/update_s": t_upd, "perf/step_time_s": time.time() - t0})
+                        "perf/update_s": t_upd, "perf/weight_sync_s": t_sync, "perf/sleep_s": t_sleep,
+                        "perf/wake_s": t_wake, "perf/engine_slept": float(slept), "perf/step_time_s": time.time() - t0})
+        if torch.cuda.is_available():
+            metrics["perf/mem_train_gb"] = train_bytes / 2**30
         log.write(step, metrics)
         if step % args.logging_steps == 0:
             tqdm.write(MetricsLog.line(step, metrics, line_keys)) if accelerator.is_main_process else None

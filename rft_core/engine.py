@@ -4,7 +4,7 @@
         one Generation per prompt, in order: the response token ids (ending with EOS unless the
         length limit cut it) and the logprob of each under the sampling distribution
         (temperature applied; temperature 0 means greedy, logprobs then at temperature 1)
-    sleep()                 free the engine's GPU memory while the trainer runs
+    sleep(needed_bytes)     free the engine's GPU memory for training (returns whether it slept)
     wake_up(tags=None)      take it back ("weights", "kv_cache", or both)
     update_weights(model)   load the trainer's current weights
 
@@ -12,6 +12,8 @@ HFEngine uses transformers `generate` on the training model itself: weights are 
 sleep / wake_up / update_weights have nothing to do. It is the engine wherever vLLM is absent.
 """
 
+import importlib.util
+import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -31,8 +33,8 @@ class HFEngine:
         self.micro_batch_size = micro_batch_size
         self.autocast_dtype = autocast_dtype
 
-    def sleep(self):
-        pass
+    def sleep(self, needed_bytes=None):
+        return False
 
     def wake_up(self, tags=None):
         pass
@@ -74,12 +76,28 @@ class HFEngine:
 
 
 def create_engine(engine_type, model, tokenizer, args):
-    """The engine named by --engine_type ("auto" is hf until the vLLM engine lands)."""
+    """The engine named by --engine_type ("auto": vllm with a GPU and vllm installed, else hf)."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
     if engine_type == "auto":
-        engine_type = "hf"
+        engine_type = "vllm" if has_vllm and torch.cuda.is_available() else "hf"
     if engine_type == "hf":
         dtype = torch.bfloat16 if args.bf16 else None
         return HFEngine(model, tokenizer, args.micro_rollout_batch_size, dtype)
     if engine_type == "vllm":
-        raise NotImplementedError("--engine_type vllm: the vLLM engine is not built yet; use --engine_type hf")
+        if not has_vllm:
+            raise ImportError("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use --engine_type hf")
+        if not torch.cuda.is_available():
+            raise RuntimeError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
+        from rft_core.vllm_engine import VLLMEngine
+
+        # vLLM reads the architecture and tokenizer from a directory; weights come by sync below.
+        model_dir = tempfile.mkdtemp(prefix="rft_engine_")
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
+        engine = VLLMEngine(model_dir, tokenizer.eos_token_id, args.engine_tp_size, args.engine_mem_util, sleep, args.engine_sleep_level,
+                            args.seed, args.prompt_max_len + args.generate_max_len, args.engine_enforce_eager)
+        engine.update_weights(model)
+        return engine
     raise ValueError(f"unknown --engine_type {engine_type!r}; choose auto, hf or vllm")

@@ -45,6 +45,12 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
         clean = AutoModelForCausalLM.from_config(config, dtype=dtype)
         clean.load_state_dict(model.state_dict())
         model = clean
+    # The model's config names the token that ends a turn; some transformers versions read another
+    # EOS from SmolLM2's GGUF tokenizer (<|im_start|> on 5.17), and vLLM stops at the config's.
+    eos = model.generation_config.eos_token_id or model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    if eos is not None and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
     if tokenizer.pad_token is None:  # SmolLM2's GGUF tokenizer has none on some transformers versions
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

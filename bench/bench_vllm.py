@@ -1,0 +1,121 @@
+"""Benchmarks of the colocated vLLM engine; prints one JSON object.
+
+    python bench/bench_vllm.py --model smollm2           # throughput vs raw vLLM, sleep/wake, sync
+    python bench/bench_vllm.py --model qwen1.5b --only sync
+    python bench/bench_vllm.py --metrics outputs/run/metrics.jsonl   # GRPO step breakdown of a run
+
+One vLLM engine per process (sleep mode's allocator allows no second), so run one model per call.
+Qwen2-architecture models are random-initialised from their published shapes: sync time depends
+on sizes, not values.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+QWEN2 = {  # hidden, intermediate, layers, heads, kv heads (Qwen2.5-0.5B / -1.5B shapes)
+    "qwen0.5b": (896, 4864, 24, 14, 2),
+    "qwen1.5b": (1536, 8960, 28, 12, 2),
+}
+
+
+def build(name):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rft_core.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer()  # the SmolLM2 tokenizer serves every model here
+    if name != "smollm2":
+        h, i, n, heads, kv = QWEN2[name]
+        config = Qwen2Config(vocab_size=151936, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
+                             num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
+                             max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.cuda(), tokenizer
+
+
+def timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def bench_engine(args):
+    from vllm import SamplingParams
+
+    from rft_core.data import arithmetic_task, encode_prompt
+    from rft_core.vllm_engine import VLLMEngine
+
+    model, tokenizer = build(args.model)
+    model_dir = tempfile.mkdtemp()
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    t = time.perf_counter()
+    engine = VLLMEngine(model_dir, tokenizer.eos_token_id, mem_util=args.mem_util, sleep="always", sleep_level=args.sleep_level,
+                        max_model_len=1024, enforce_eager=args.enforce_eager)
+    result = {"model": args.model, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+              "engine_start_s": time.perf_counter() - t, "enforce_eager": args.enforce_eager}
+    result["weight_sync_s"], _ = timed(lambda: engine.update_weights(model), 5)
+
+    if args.only != "sync":
+        rows, _ = arithmetic_task(num_train=args.num_prompts, seed=0)
+        prompts = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+        params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
+        raw = lambda: engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa: E731
+        ours = lambda: engine.generate(prompts, args.max_tokens, 1.0)  # noqa: E731
+        raw()  # warm-up
+        raw_s, outs = timed(raw, 3)
+        raw_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        ours_s, gens = timed(ours, 3)
+        ours_tokens = sum(len(g.token_ids) for g in gens)
+        result.update({"num_prompts": len(prompts), "raw_tokens_per_s": raw_tokens / raw_s,
+                       "engine_tokens_per_s": ours_tokens / ours_s,
+                       "engine_overhead_pct": 100 * (1 - (ours_tokens / ours_s) / (raw_tokens / raw_s))})
+        for level in (1, 2):
+            engine.sleep_level = level
+            free_before, total = torch.cuda.mem_get_info()
+            result[f"sleep_l{level}_s"], _ = timed(engine.sleep, 1)
+            result[f"sleep_l{level}_freed_gib"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
+            result[f"wake_weights_l{level}_s"], _ = timed(lambda: engine.wake_up(["weights"]), 1)
+            result[f"wake_kv_l{level}_s"], _ = timed(lambda: engine.wake_up(["kv_cache"]), 1)
+            engine.update_weights(model)
+        after = [g.token_ids for g in engine.generate(prompts[:8], 16, 0.0)]
+        result["greedy_ok_after_sleep_sync"] = len(after) == 8
+    print(json.dumps(result))
+
+
+def summarize(path):
+    rows = [json.loads(line) for line in open(path)]
+    steps = [r for r in rows if "perf/step_time_s" in r][3:]  # steady state: skip warm-up steps
+    keys = sorted({k for r in steps for k in r if k.startswith("perf/") or k.startswith("rollout/logprob_diff")})
+    print(json.dumps({"steps": len(steps), **{k: statistics.median(r[k] for r in steps if k in r) for k in keys},
+                      "eval": [r for r in rows if "eval/accuracy" in r]}))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", choices=["smollm2", *QWEN2])
+    p.add_argument("--only", default="all", choices=["all", "sync"])
+    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--max_tokens", type=int, default=128)
+    p.add_argument("--mem_util", type=float, default=0.3)
+    p.add_argument("--sleep_level", type=int, default=1)
+    p.add_argument("--enforce_eager", action="store_true")
+    p.add_argument("--metrics", help="summarise a run's metrics.jsonl instead")
+    a = p.parse_args()
+    summarize(a.metrics) if a.metrics else bench_engine(a)

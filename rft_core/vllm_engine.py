@@ -1,0 +1,177 @@
+"""vLLM rollout engine, colocated: one `vllm.LLM` inside every training process (SPMD).
+
+Each rank builds its engine with `distributed_executor_backend="external_launcher"`, so vLLM
+joins the trainer's torch.distributed world instead of spawning workers. Ranks are grouped into
+tensor-parallel groups of `--engine_tp_size` consecutive ranks ([0,1], [2,3], ... as vLLM lays
+them out); a group's prompts are gathered, generated once by the group's shared engine, and each
+rank gets back its own slice in its original order.
+
+Step lifecycle (the script drives it):
+    generate -> sleep (frees weights and KV cache) -> train -> update_weights (wakes the weights,
+    loads the new ones in buckets) -> wake_up (KV cache) -> generate
+so old weights, new weights and the KV cache are never resident together. Sleep costs time
+(0.6 s measured on an H100), so in "auto" mode the engine sleeps only when the free memory is
+short of what the trainer needs.
+
+The engine starts from `load_format="dummy"` (random weights): the first `update_weights`, before
+step 0, is what gives it the trained model, so the sync path runs from the start.
+"""
+
+import os
+import socket
+
+import torch
+
+from rft_core.engine import Generation
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def tp_groups(world_size, tp_size):
+    """Rank lists of the tensor-parallel groups: consecutive ranks, as vLLM forms them."""
+    if world_size % tp_size:
+        raise ValueError(f"world size {world_size} is not divisible by --engine_tp_size {tp_size}")
+    return [list(range(i, i + tp_size)) for i in range(0, world_size, tp_size)]
+
+
+def flatten_group(per_rank):
+    """Concatenate the ranks' lists in rank order; returns (flat, sizes)."""
+    return [x for items in per_rank for x in items], [len(items) for items in per_rank]
+
+
+def slice_for_rank(flat, sizes, index):
+    """This rank's part of a group-wide list built by flatten_group (index: rank within the group)."""
+    start = sum(sizes[:index])
+    return flat[start:start + sizes[index]]
+
+
+def vllm_param_name(name):
+    """HF parameter name as vLLM's load_weights expects it: wrapper prefixes removed.
+
+    vLLM maps HF names itself (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and skips lm_head
+    when embeddings are tied, so nothing else changes here.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+        name = name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
+    return name
+
+
+def iter_weights(model, dtype):
+    """(vLLM name, tensor) for every parameter and persistent buffer of the unwrapped model.
+
+    ZeRO-3 / FSDP2: this is the one place that must gather instead (one layer at a time, with
+    deepspeed.zero.GatheredParameters or DTensor.full_tensor), never the whole model at once.
+    """
+    for name, tensor in model.state_dict().items():
+        yield vllm_param_name(name), tensor.detach().to(dtype)
+
+
+def buckets(weights, bucket_bytes):
+    """Group (name, tensor) pairs into lists of about bucket_bytes each."""
+    bucket, size = [], 0
+    for name, tensor in weights:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _ensure_dist_env():
+    """external_launcher reads RANK / LOCAL_RANK and a rendezvous; plain `python` sets none."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+class VLLMEngine:
+    def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
+                 max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
+        _ensure_dist_env()
+        from vllm import LLM
+
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        groups = tp_groups(world, tp_size)
+        self.group_ranks = groups[rank // tp_size]
+        self.group_index = rank % tp_size
+        self.tp_group = None
+        self.sleep_mode, self.sleep_level, self.dtype = sleep, sleep_level, dtype
+        self.bucket_bytes = bucket_mb << 20
+        self.seed, self.calls, self.sleeping = seed + rank // tp_size, 0, set()  # sleeping: tags asleep
+        self.eos_token_id = eos_token_id  # the trainer's, so both engines stop on the same token
+        self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=tp_size, dtype=dtype,
+                       distributed_executor_backend="external_launcher", gpu_memory_utilization=mem_util,
+                       enable_sleep_mode=sleep != "never", seed=self.seed, max_model_len=max_model_len,
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs")
+        if tp_size > 1:  # created on every rank, as torch.distributed requires
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups)
+
+    def _runner_model(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0):
+        from vllm import SamplingParams
+
+        sizes = None
+        if self.tp_group is not None:  # every rank of the group must submit the same requests
+            per_rank = [None] * len(self.group_ranks)
+            torch.distributed.all_gather_object(per_rank, list(prompt_token_ids), group=self.tp_group)
+            prompt_token_ids, sizes = flatten_group(per_rank)
+        self.calls += 1
+        params = []
+        for i in range(len(prompt_token_ids)):
+            # per-request seeds, identical across the TP group, keep its ranks' sampling in step
+            seed = (self.seed * 1_000_003 + self.calls * 10_007 + i) % (2**31) if self.tp_group is not None else None
+            params.append(SamplingParams(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
+                                         max_tokens=max_new_tokens, logprobs=0, detokenize=False, seed=seed,
+                                         stop_token_ids=[self.eos_token_id]))
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        gens = []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            gens.append(Generation(ids, [lp[t].logprob for lp, t in zip(c.logprobs, ids)]))
+        return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
+
+    def sleep(self, needed_bytes=None):
+        """Free the engine's memory for training. auto: only when free memory < needed_bytes
+        (None, the first step: unknown, so sleep)."""
+        if self.sleep_mode == "never" or self.sleeping:
+            return False
+        if self.sleep_mode == "auto" and needed_bytes is not None:
+            free, _ = torch.cuda.mem_get_info()
+            if free > needed_bytes * 1.2 + (1 << 30):
+                return False
+        self.llm.sleep(level=self.sleep_level)
+        self.sleeping = {"weights", "kv_cache"}
+        return True
+
+    def wake_up(self, tags=None):
+        tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self.sleeping -= set(tags)
+
+    @torch.no_grad()
+    def update_weights(self, model):
+        """Load the trainer's weights into the engine, bucket by bucket, cast to the engine's dtype."""
+        self.wake_up(["weights"])  # the KV cache stays asleep until wake_up()
+        target = self._runner_model()
+        for bucket in buckets(iter_weights(model, self.dtype), self.bucket_bytes):
+            target.load_weights(bucket)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights

@@ -1,0 +1,130 @@
+"""vLLM engine: TP gather/scatter ordering and name mapping on CPU (no vllm needed); sleep/wake,
+weight sync and greedy equality with transformers on GPU (marked, skipped elsewhere)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from rft_core.vllm_engine import buckets, flatten_group, iter_weights, slice_for_rank, tp_groups, vllm_param_name
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("vllm")),
+                         reason="needs a CUDA GPU and vllm")
+
+
+def test_tp_groups():
+    assert tp_groups(4, 2) == [[0, 1], [2, 3]]
+    assert tp_groups(4, 1) == [[0], [1], [2], [3]]
+    assert tp_groups(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="not divisible by --engine_tp_size 4"):
+        tp_groups(6, 4)
+
+
+def test_gather_generate_scatter_keeps_order():
+    """Simulate a TP group of 3 ranks with uneven prompt counts: each gets its own outputs back, in order."""
+    per_rank = [[[1, 2], [3]], [[4], [5, 6], [7]], []]  # prompts (token-id lists) of ranks 0, 1, 2
+    flat, sizes = flatten_group(per_rank)
+    assert sizes == [2, 3, 0] and flat == [[1, 2], [3], [4], [5, 6], [7]]
+    generated = [[t * 10 for t in p] for p in flat]  # a stand-in engine: output depends on the prompt
+    for index, prompts in enumerate(per_rank):
+        mine = slice_for_rank(generated, sizes, index)
+        assert mine == [[t * 10 for t in p] for p in prompts]
+
+
+def test_vllm_param_name():
+    assert vllm_param_name("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert vllm_param_name("module.model.embed_tokens.weight") == "model.embed_tokens.weight"  # DDP
+    assert vllm_param_name("_orig_mod.module.lm_head.weight") == "lm_head.weight"  # torch.compile + DDP
+    assert vllm_param_name("model._fsdp_wrapped_module.layers.1.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
+
+
+def test_iter_weights_and_buckets(tiny_model_dir):
+    from rft_core.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(tiny_model_dir)
+    wrapped = torch.nn.ModuleDict({"module": model})  # names gain a "module." prefix, as under DDP
+    weights = list(iter_weights(wrapped, torch.bfloat16))
+    names = [n for n, _ in weights]
+    assert names == list(model.state_dict().keys())
+    assert all(t.dtype == torch.bfloat16 for _, t in weights)
+    limit = 4096
+    groups = list(buckets(iter(weights), bucket_bytes=limit))
+    assert [n for g in groups for n, _ in g] == names and len(groups) > 1
+    size = lambda pairs: sum(t.numel() * t.element_size() for _, t in pairs)  # noqa: E731
+    for g in groups[:-1]:  # each bucket closes on the tensor that brings it to the limit
+        assert size(g) >= limit > size(g[:-1])
+
+
+# ---- GPU (run on the GPU machine; one vLLM engine per process, so the tests share it) ----
+
+@pytest.fixture(scope="module")
+def engine_and_model():
+    from rft_core.engine import create_engine
+    from rft_core.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer()
+    model = model.cuda()
+
+    class A:  # the flags create_engine reads
+        bf16, micro_rollout_batch_size, engine_tp_size, engine_mem_util = True, 32, 1, 0.3
+        enable_engine_sleep, disable_engine_sleep, engine_sleep_level, engine_enforce_eager = True, False, 1, True
+        seed, prompt_max_len, generate_max_len = 0, 512, 64
+
+    return create_engine("vllm", model, tokenizer, A), model, tokenizer
+
+
+def _prompts(tokenizer):
+    from rft_core.data import arithmetic_task, encode_prompt
+
+    _, rows = arithmetic_task(num_train=1)
+    return [encode_prompt(tokenizer, r["prompt"]) for r in rows[:8]]
+
+
+def _hf_greedy(model, tokenizer, prompts, n):
+    """transformers greedy on a bf16 copy: the very weights the engine was sent."""
+    import copy
+
+    from rft_core.engine import HFEngine
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    return [g.token_ids for g in HFEngine(bf16, tokenizer).generate(prompts, n, 0.0)]
+
+
+@gpu
+def test_greedy_equals_transformers_after_sync(engine_and_model):
+    engine, model, tokenizer = engine_and_model
+    prompts = _prompts(tokenizer)
+    with torch.no_grad():  # move the weights, as a training step would, then sync
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3 * p.abs().mean())
+    engine.update_weights(model)
+    ours = [g.token_ids for g in engine.generate(prompts, 24, temperature=0.0)]
+    assert ours == _hf_greedy(model, tokenizer, prompts, 24)
+
+
+@gpu
+def test_sleep_wake_sync_keeps_outputs_and_frees_memory(engine_and_model):
+    engine, model, tokenizer = engine_and_model
+    prompts = _prompts(tokenizer)
+    before = [g.token_ids for g in engine.generate(prompts, 24, temperature=0.0)]
+    free_awake, _ = torch.cuda.mem_get_info()
+    assert engine.sleep() is True
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep - free_awake > 1 << 30  # the KV cache (and weights) went
+    engine.update_weights(model)
+    engine.wake_up()
+    assert [g.token_ids for g in engine.generate(prompts, 24, temperature=0.0)] == before
+
+
+@gpu
+def test_sampling_logprobs_match_trainer(engine_and_model):
+    from rft_core.experience import batched_logprobs, build_experience
+
+    engine, model, tokenizer = engine_and_model
+    prompts = _prompts(tokenizer) * 4
+    gens = engine.generate(prompts, 32, temperature=1.0)
+    exp = build_experience(prompts, gens, tokenizer.pad_token_id, "cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        trainer = batched_logprobs(model, exp, 32, temperature=1.0)
+    diff = ((trainer - exp.rollout_logprobs).abs() * exp.action_mask).sum() / exp.action_mask.sum()
+    assert diff.item() < 0.05, diff.item()
