@@ -75,7 +75,9 @@ def bench_engine(args):
     if args.only != "sync":
         rows, _ = arithmetic_task(num_train=args.num_prompts, seed=0)
         prompts = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-        params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
+        # the very requests our engine sends: same sampling, logprobs, stop token
+        params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens, logprobs=0,
+                                detokenize=False, stop_token_ids=[tokenizer.eos_token_id])
         raw = lambda: engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa: E731
         ours = lambda: engine.generate(prompts, args.max_tokens, 1.0)  # noqa: E731
         raw()  # warm-up

