@@ -88,6 +88,9 @@ def create_engine(engine_type, model, tokenizer, args):
             raise ImportError("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use --engine_type hf")
         if not torch.cuda.is_available():
             raise RuntimeError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
+        heads = getattr(model.config, "num_attention_heads", None)
+        if heads and heads % args.engine_tp_size:  # SmolLM2-135M has 9 heads: TP 1 only
+            raise ValueError(f"--engine_tp_size {args.engine_tp_size} must divide the model's {heads} attention heads")
         from rft_core.vllm_engine import VLLMEngine
 
         # vLLM reads the architecture and tokenizer from a directory; weights come by sync below.
