@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from rft_core.losses import entropy_from_logits
+
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -73,8 +75,6 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
     logprobs = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, R)
     if not with_entropy:
         return logprobs, None
-    from rft_core.losses import entropy_from_logits
-
     with torch.no_grad():
         entropy = entropy_from_logits(logits)  # (B, R)
     return logprobs, entropy
