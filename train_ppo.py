@@ -27,9 +27,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 from transformers import get_scheduler
 
@@ -40,7 +41,7 @@ from rft_core.engine import create_engine
 from rft_core.experience import batched_logprobs, build_experience
 from rft_core.losses import LOSS_AGG_MODES, aggregate_loss, kl_estimate, masked_mean, policy_loss
 from rft_core.models import export_hf, load_model_and_tokenizer, response_logprobs
-from rft_core.rewards import answer_reward
+from rft_core.rewards import answer_reward, load_reward_fn, remote_reward_fn, score
 
 
 @dataclass
@@ -54,6 +55,15 @@ class Args:
     """column holding the prompt: a string or a list of chat messages"""
     label_key: str = "label"
     """column holding the reference answer"""
+    reward_fn: Optional[str] = None
+    """path/to/file.py:function, called as fn(prompts, completions, labels) -> list of floats or dict of
+    named lists (summed; each logged as rollout/reward/<name>); default: exact match in <answer> tags"""
+    remote_rm_url: Optional[str] = None
+    """HTTP endpoint of a reward model: POST {prompts, completions, labels} -> {"rewards": [...]}"""
+    reward_fallback: float = 0.0
+    """reward given to a sample whose reward raises, is not finite or is missing (counted in rollout/reward_errors)"""
+    strict_rewards: bool = False
+    """make any reward failure fatal, showing the offending sample"""
     apply_chat_template: bool = True
     """wrap string prompts in the tokenizer's chat template"""
     system_prompt: Optional[str] = None
@@ -167,6 +177,8 @@ def main():
         raise ValueError("--enable_engine_sleep and --disable_engine_sleep contradict each other: pass one")
     if world % args.engine_tp_size:
         raise ValueError(f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
+    if args.reward_fn and args.remote_rm_url:
+        raise ValueError("--reward_fn and --remote_rm_url both given: pass one")
     if args.advantage_estimator not in ADVANTAGE_ESTIMATORS or args.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, --loss_agg_mode one of {LOSS_AGG_MODES}")
 
@@ -178,7 +190,9 @@ def main():
             json.dump({**asdict(args), "world_size": world, "grad_accum": grad_accum}, f, indent=2)
     log = MetricsLog(args.output_dir, enabled=accelerator.is_main_process)
 
-    # ---- model, data, optimizer, engine ----
+    # ---- model, data, reward, optimizer, engine ----
+    reward_fn = (load_reward_fn(args.reward_fn) if args.reward_fn else
+                 remote_reward_fn(args.remote_rm_url) if args.remote_rm_url else answer_reward)
     model, tokenizer = load_model_and_tokenizer(args.pretrain)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -193,10 +207,10 @@ def main():
         train_rows, eval_rows = load_prompt_rows(args.prompt_data, args.input_key, args.label_key), []
     encoded = {}
     for split, rows in (("train", train_rows), ("eval", eval_rows)):
-        encoded[split] = [(encode_prompt(tokenizer, r["prompt"], args.apply_chat_template, args.system_prompt), r["label"])
-                          for r in rows]
-        skipped = sum(len(ids) > args.prompt_max_len for ids, _ in encoded[split])
-        encoded[split] = [(ids, label) for ids, label in encoded[split] if len(ids) <= args.prompt_max_len]
+        encoded[split] = [(encode_prompt(tokenizer, r["prompt"], args.apply_chat_template, args.system_prompt), r["label"],
+                           r["prompt"]) for r in rows]
+        skipped = sum(len(ids) > args.prompt_max_len for ids, _, _ in encoded[split])
+        encoded[split] = [row for row in encoded[split] if len(row[0]) <= args.prompt_max_len]
         if skipped:
             accelerator.print(f"[data] skipped {skipped} {split} prompts longer than --prompt_max_len {args.prompt_max_len}")
     if len(encoded["train"]) < args.rollout_batch_size:
@@ -214,9 +228,9 @@ def main():
         """Greedy accuracy on the held-out split, each rank scoring its shard."""
         local = encoded["eval"][rank::world]
         engine.wake_up()
-        gens = engine.generate([ids for ids, _ in local], args.generate_max_len, temperature=0.0) if local else []
-        _, parts = answer_reward(tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True),
-                                 [label for _, label in local])
+        gens = engine.generate([ids for ids, _, _ in local], args.generate_max_len, temperature=0.0) if local else []
+        parts = answer_reward(None, tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True),
+                              [label for _, label, _ in local])
         totals = accelerator.reduce(torch.tensor([sum(parts["correct"]), len(local)], device=device, dtype=torch.float), "sum")
         metrics = {"eval/accuracy": (totals[0] / totals[1]).item(), "eval/num_problems": int(totals[1])}
         log.write(step, metrics)
@@ -227,7 +241,8 @@ def main():
     accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "
                       f"grad_accum {grad_accum} | engine {type(engine).__name__} | bf16 {args.bf16}")
     first_eval = evaluate(0) if encoded["eval"] else None
-    line_keys = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/accuracy"),
+    line_keys = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/reward/correct"),
+                 ("errors", "rollout/reward_errors"),
                  ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"), ("kl", "train/kl"),
                  ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
                  ("gnorm", "train/grad_norm"), ("lp_diff", "rollout/logprob_diff_mean"),
@@ -241,8 +256,9 @@ def main():
         t0 = time.time()
         # ---- rollout ----
         batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay on one rank
-        prompt_ids = [ids for ids, _ in batch for _ in range(args.n_samples_per_prompt)]
-        labels = [label for _, label in batch for _ in range(args.n_samples_per_prompt)]
+        prompt_ids = [ids for ids, _, _ in batch for _ in range(args.n_samples_per_prompt)]
+        labels = [label for _, label, _ in batch for _ in range(args.n_samples_per_prompt)]
+        prompts = [prompt for _, _, prompt in batch for _ in range(args.n_samples_per_prompt)]
         t_wake = time.time()
         engine.wake_up()  # the KV cache, if the engine slept
         t_wake = time.time() - t_wake
@@ -254,7 +270,8 @@ def main():
 
         # ---- rewards and advantages ----
         completions = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
-        rewards, parts = answer_reward(completions, labels)
+        rewards, components, reward_errors = score(reward_fn, prompts, completions, labels,
+                                                   args.reward_fallback, args.strict_rewards)
         exp = build_experience(prompt_ids, generations, tokenizer.pad_token_id, device)
         exp.rewards = torch.tensor(rewards, device=device)  # (B,)
         exp.advantages = compute_advantages(exp.rewards, args.n_samples_per_prompt, args.advantage_estimator)  # (B,)
@@ -325,14 +342,16 @@ def main():
 
         # ---- log ----
         r = exp.rewards
-        local = {"rollout/reward_mean": r.mean(), "rollout/reward_std": r.std() if len(r) > 1 else r.new_zeros(()),
-                 "rollout/accuracy": torch.tensor(sum(parts["correct"]) / len(r)),
-                 "rollout/format": torch.tensor(sum(parts["format"]) / len(r)),
-                 "rollout/response_length": exp.action_mask.sum(-1).float().mean(),
-                 "rollout/truncated": torch.tensor(sum(len(g.token_ids) >= args.generate_max_len for g in generations) / len(r))}
-        local.update({f"train/{k_}": torch.tensor(v / count) for k_, v in sums.items() if not k_.startswith("logprob")})
-        local.update({f"rollout/{k_}": torch.tensor(v / count) for k_, v in sums.items() if k_.startswith("logprob")})
-        metrics = {k_: accelerator.reduce(v.float().to(device), "mean").item() for k_, v in local.items()}
+        local = {"rollout/reward_mean": r.mean().item(), "rollout/reward_std": r.std().item() if len(r) > 1 else 0.0,
+                 "rollout/reward_errors": reward_errors,
+                 "rollout/response_length": exp.action_mask.sum(-1).float().mean().item(),
+                 "rollout/truncated": sum(len(g.token_ids) >= args.generate_max_len for g in generations) / len(r)}
+        local.update({f"rollout/reward/{k_}": float(np.nanmean(v)) for k_, v in components.items()})
+        local.update({f"train/{k_}": v / count for k_, v in sums.items() if not k_.startswith("logprob")})
+        local.update({f"rollout/{k_}": v / count for k_, v in sums.items() if k_.startswith("logprob")})
+        per_rank = gather_object([local])  # dicts, so ranks may differ in reward components
+        metrics = {k_: float(np.nanmean([m[k_] for m in per_rank if k_ in m])) for k_ in per_rank[0]}
+        metrics["rollout/reward_errors"] = sum(m["rollout/reward_errors"] for m in per_rank)
         metrics.update({"train/lr": scheduler.get_last_lr()[0], "perf/generate_s": t_gen, "perf/logprob_s": t_lp,
                         "perf/update_s": t_upd, "perf/weight_sync_s": t_sync, "perf/sleep_s": t_sleep,
                         "perf/wake_s": t_wake, "perf/engine_slept": float(slept), "perf/step_time_s": time.time() - t0})

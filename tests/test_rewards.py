@@ -1,6 +1,12 @@
+import http.server
+import json
+import math
+import socket
+import threading
+
 import pytest
 
-from rft_core.rewards import answer_reward, parse_answer
+from rft_core.rewards import answer_reward, load_reward_fn, parse_answer, remote_reward_fn, score
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [
@@ -21,17 +27,98 @@ def test_parse_answer(completion, answer, well_formed):
 
 def test_answer_reward():
     completions = ["<answer>15</answer>", "<answer>14</answer>", "15", "<answer>15</answer> trailing"]
-    rewards, parts = answer_reward(completions, ["15", "15", "15", 15])
-    assert rewards == pytest.approx([1.1, 0.1, 0.0, 1.0])
+    parts = answer_reward(None, completions, ["15", "15", "15", 15])
     assert parts["correct"] == [1.0, 0.0, 0.0, 1.0]
-    assert parts["format"] == [1.0, 1.0, 0.0, 0.0]
+    assert parts["format"] == pytest.approx([0.1, 0.1, 0.0, 0.0])
+    rewards, components, errors = score(answer_reward, [None] * 4, completions, ["15", "15", "15", 15])
+    assert rewards == pytest.approx([1.1, 0.1, 0.0, 1.0]) and errors == 0 and set(components) == {"correct", "format"}
 
 
 def test_exact_match_is_exact():
-    rewards, _ = answer_reward(["<answer>015</answer>", "<answer>15.0</answer>"], ["15", "15"])
-    assert rewards == pytest.approx([0.1, 0.1])
+    parts = answer_reward(None, ["<answer>015</answer>", "<answer>15.0</answer>"], ["15", "15"])
+    assert parts["correct"] == [0.0, 0.0]
 
 
 def test_length_mismatch_raises():
     with pytest.raises(ValueError, match="2 completions but 1 labels"):
-        answer_reward(["a", "b"], ["1"])
+        answer_reward(None, ["a", "b"], ["1"])
+
+
+def flaky(prompts, completions, labels, **kwargs):
+    """Raises on 'boom', NaN on 'nan', a wrong-length list for 'short' batches, else len(completion)."""
+    if "boom" in completions:
+        raise RuntimeError("boom")
+    if "short" in completions and len(completions) > 1:
+        return [1.0]
+    return [math.nan if c == "nan" else float(len(c)) for c in completions]
+
+
+def test_score_contains_failures():
+    completions = ["ab", "boom", "nan", "abcd"]
+    rewards, components, errors = score(flaky, [None] * 4, completions, ["x"] * 4, fallback=-1.0)
+    assert rewards == [2.0, -1.0, -1.0, 4.0] and errors == 2
+    assert components["reward"][0] == 2.0 and math.isnan(components["reward"][1])
+    rewards, _, errors = score(flaky, [None] * 2, ["short", "abc"], ["x"] * 2)
+    assert rewards == [5.0, 3.0] and errors == 0  # wrong length for the batch: rescored one by one
+
+
+def test_strict_rewards_show_the_sample():
+    with pytest.raises(RuntimeError, match="sample 1: completion='boom'"):
+        score(flaky, [None] * 2, ["ab", "boom"], ["x", "y"], strict=True)
+    with pytest.raises(RuntimeError, match="sample 0: completion='nan'"):
+        score(flaky, [None], ["nan"], ["x"], strict=True)
+
+
+def test_load_reward_fn(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def length(prompts, completions, labels, **kw):\n    return {'len': [len(c) for c in completions]}\n")
+    fn = load_reward_fn(f"{path}:length")
+    assert fn(None, ["abc"], [None]) == {"len": [3]}
+    with pytest.raises(AttributeError, match="no function 'nope'"):
+        load_reward_fn(f"{path}:nope")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_reward_fn(f"{tmp_path / 'missing.py'}:length")
+    with pytest.raises(ValueError, match="expected path/to/file.py:function"):
+        load_reward_fn("just_a_name")
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    calls = 0
+
+    def do_POST(self):
+        type(self).calls += 1
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if type(self).calls == 1:  # the first request fails: the client must retry
+            self.send_response(503)
+            self.end_headers()
+            return
+        out = json.dumps({"rewards": [float(c == l) for c, l in zip(body["completions"], body["labels"])]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_remote_reward_model_on_loopback():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        fn = remote_reward_fn(f"http://127.0.0.1:{server.server_port}/score", timeout=5, retries=3, backoff=0.01)
+        rewards, _, errors = score(fn, ["p", "q"], ["7", "8"], ["7", "9"])
+        assert rewards == [1.0, 0.0] and errors == 0 and _Handler.calls == 2
+    finally:
+        server.shutdown()
+
+
+def test_remote_reward_model_gives_up_clearly():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fn = remote_reward_fn(f"http://127.0.0.1:{port}/score", timeout=1, retries=2, backoff=0.01)
+    with pytest.raises(ConnectionError, match="no valid answer after 2 tries"):
+        fn(["p"], ["c"], ["l"])

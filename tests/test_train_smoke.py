@@ -33,7 +33,7 @@ def check_outputs(out, steps=2):
     assert [r["step"] for r in steps_rows] == list(range(1, steps + 1))
     for r in steps_rows:
         assert math.isfinite(r["train/policy_loss"]) and math.isfinite(r["train/grad_norm"])
-        assert {"rollout/reward_mean", "rollout/accuracy", "perf/generate_s", "perf/update_s", "train/entropy"} <= set(r)
+        assert {"rollout/reward_mean", "rollout/reward/correct", "rollout/reward_errors", "perf/generate_s", "perf/update_s", "train/entropy"} <= set(r)
     assert [r["step"] for r in eval_rows] == [0, steps] and eval_rows[0]["eval/num_problems"] == 96
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["max_steps"] == steps
@@ -104,3 +104,30 @@ def test_grad_accumulation_invariance(tiny_model_dir, tmp_path, mode):
     assert rows[0]["rollout/reward_mean"] == rows[1]["rollout/reward_mean"]
     assert rows[0]["train/grad_norm"] == pytest.approx(rows[1]["train/grad_norm"], rel=1e-4)
     assert rows[0]["train/policy_loss"] == pytest.approx(rows[1]["train/policy_loss"], rel=1e-4, abs=1e-7)
+
+
+REWARD_FILE = '''
+def components(prompts, completions, labels, **kwargs):
+    assert len(prompts) == len(completions) == len(labels)
+    return {"len": [len(c) / 100 for c in completions], "one": [1.0] * len(completions)}
+
+def broken(prompts, completions, labels, **kwargs):
+    raise RuntimeError("reward server down")
+'''
+
+
+def test_custom_reward_fn_and_failures(tiny_model_dir, tmp_path):
+    (tmp_path / "rw.py").write_text(REWARD_FILE)
+    run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:components", "--output_dir", str(tmp_path / "a")])
+    rows, _ = read_metrics(str(tmp_path / "a"))
+    assert all(r["rollout/reward/one"] == 1.0 and r["rollout/reward_errors"] == 0 for r in rows)
+    assert all(r["rollout/reward_mean"] == pytest.approx(1.0 + r["rollout/reward/len"]) for r in rows)
+
+    run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:broken", "--reward_fallback", "-1",
+         "--output_dir", str(tmp_path / "b")])
+    rows, _ = read_metrics(str(tmp_path / "b"))
+    assert all(r["rollout/reward_errors"] == 4 and r["rollout/reward_mean"] == -1.0 for r in rows)
+
+    proc = run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:broken", "--strict_rewards",
+                "--output_dir", str(tmp_path / "c")], check=False)
+    assert proc.returncode != 0 and "reward failed on sample 0" in proc.stderr
