@@ -41,7 +41,7 @@ from rft_core.engine import create_engine
 from rft_core.experience import batched_logprobs, build_experience
 from rft_core.losses import LOSS_AGG_MODES, aggregate_loss, kl_estimate, masked_mean, policy_loss
 from rft_core.models import export_hf, load_model_and_tokenizer, response_logprobs
-from rft_core.rewards import answer_reward, load_reward_fn, remote_reward_fn, score
+from rft_core.rewards import answer_reward, load_reward_fn, pass_at_k, remote_reward_fn, score
 
 
 @dataclass
@@ -68,6 +68,10 @@ class Args:
     """wrap string prompts in the tokenizer's chat template"""
     system_prompt: Optional[str] = None
     """system message prepended to every prompt that has none"""
+    eval_data: Optional[str] = None
+    """held-out prompts (a file or directory like --prompt_data; default: the built-in task's eval split)"""
+    eval_n_samples: int = 1
+    """with N > 1, eval also samples N completions per problem at --temperature and reports pass@1 and pass@N"""
     prompt_max_len: int = 1024
     """prompts longer than this (in tokens) are skipped and counted"""
     generate_max_len: int = 32
@@ -201,10 +205,18 @@ def main():
         ref_model, _ = load_model_and_tokenizer(args.pretrain)
         ref_model.requires_grad_(False).eval().to(accelerator.device)
 
+    def load_rows(path):
+        rows, skipped = load_prompt_rows(path, args.input_key, args.label_key)
+        if skipped:
+            accelerator.print(f"[data] {path}: skipped {skipped} unusable rows (empty or malformed {args.input_key!r})")
+        return rows
+
     if args.prompt_data in BUILTIN_TASKS:
         train_rows, eval_rows = arithmetic_task(seed=args.seed)
     else:
-        train_rows, eval_rows = load_prompt_rows(args.prompt_data, args.input_key, args.label_key), []
+        train_rows, eval_rows = load_rows(args.prompt_data), []
+    if args.eval_data:
+        eval_rows = load_rows(args.eval_data)
     encoded = {}
     for split, rows in (("train", train_rows), ("eval", eval_rows)):
         encoded[split] = [(encode_prompt(tokenizer, r["prompt"], args.apply_chat_template, args.system_prompt), r["label"],
@@ -225,17 +237,33 @@ def main():
     rank, device = accelerator.process_index, accelerator.device
 
     def evaluate(step):
-        """Greedy accuracy on the held-out split, each rank scoring its shard."""
-        local = encoded["eval"][rank::world]
+        """Greedy accuracy (and pass@k) on the held-out prompts, each rank scoring its shard.
+
+        A sample counts as correct by the reward's "correct" component if it has one, else reward > 0."""
+        local, n = encoded["eval"][rank::world], args.eval_n_samples
         engine.wake_up()
-        gens = engine.generate([ids for ids, _, _ in local], args.generate_max_len, temperature=0.0) if local else []
-        parts = answer_reward(None, tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True),
-                              [label for _, label, _ in local])
-        totals = accelerator.reduce(torch.tensor([sum(parts["correct"]), len(local)], device=device, dtype=torch.float), "sum")
-        metrics = {"eval/accuracy": (totals[0] / totals[1]).item(), "eval/num_problems": int(totals[1])}
+
+        def correct(ids, labels, prompts, temperature):
+            gens = engine.generate(ids, args.generate_max_len, temperature=temperature) if ids else []
+            completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
+            rewards, comps, _ = score(reward_fn, prompts, completions, labels, args.reward_fallback)
+            return comps["correct"] if "correct" in comps else [float(r > 0) for r in rewards]
+
+        greedy = correct(*[list(col) for col in zip(*local)], 0.0) if local else []
+        sums = [sum(greedy), len(local), 0.0, 0.0]
+        if n > 1:
+            rep = [row for row in local for _ in range(n)]
+            sampled = correct(*[list(col) for col in zip(*rep)], args.temperature) if rep else []
+            hits = [int(sum(sampled[i * n:(i + 1) * n])) for i in range(len(local))]
+            sums[2:] = [sum(pass_at_k(n, c, 1) for c in hits), sum(pass_at_k(n, c, n) for c in hits)]
+        totals = accelerator.reduce(torch.tensor(sums, device=device, dtype=torch.float64), "sum").tolist()
+        metrics = {"eval/accuracy": totals[0] / totals[1], "eval/num_problems": int(totals[1])}
+        if n > 1:
+            metrics.update({"eval/pass@1": totals[2] / totals[1], f"eval/pass@{n}": totals[3] / totals[1]})
         log.write(step, metrics)
-        accelerator.print(f"[eval] step {step} | greedy accuracy {metrics['eval/accuracy']:.3f} "
-                          f"on {metrics['eval/num_problems']} held-out problems")
+        accelerator.print(f"[eval] step {step} | greedy accuracy {metrics['eval/accuracy']:.3f} on "
+                          f"{metrics['eval/num_problems']} held-out problems" +
+                          (f" | pass@1 {metrics['eval/pass@1']:.3f} | pass@{n} {metrics[f'eval/pass@{n}']:.3f}" if n > 1 else ""))
         return metrics
 
     accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "

@@ -54,7 +54,8 @@ def arithmetic_task(num_train=4096, num_eval=96, seed=0):
 
 
 def load_prompt_rows(path, input_key="prompt", label_key="label"):
-    """Rows from a local JSONL / JSON / parquet file, a directory of them, or a `save_to_disk` dir."""
+    """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a
+    directory of them, or a `save_to_disk` directory."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--prompt_data {path!r}: no such file or directory (built-in tasks: {BUILTIN_TASKS})")
     import datasets  # heavy; only needed for files
@@ -72,7 +73,19 @@ def load_prompt_rows(path, input_key="prompt", label_key="label"):
     for key in (input_key, label_key):
         if key not in ds.column_names:
             raise KeyError(f"--prompt_data {path!r} has no column {key!r} (columns: {ds.column_names}); set --input_key / --label_key")
-    return [{"prompt": row[input_key], "label": "" if row[label_key] is None else str(row[label_key])} for row in ds]
+    rows = [{"prompt": row[input_key], "label": "" if row[label_key] is None else str(row[label_key])} for row in ds
+            if _usable(row[input_key])]
+    if not rows:
+        raise ValueError(f"--prompt_data {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
+                         "(a non-empty string or a list of chat messages with role and content)")
+    return rows, len(ds) - len(rows)
+
+
+def _usable(prompt):
+    if isinstance(prompt, str):
+        return bool(prompt.strip())
+    return (isinstance(prompt, list) and len(prompt) > 0
+            and all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in prompt))
 
 
 def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):

@@ -122,3 +122,10 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
     rewards = [fallback if r is None else sum(r.values()) for r in rows]
     components = {k: [math.nan if r is None else r[k] for r in rows] for k in names}
     return rewards, components, sum(r is None for r in rows)
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -28,18 +28,18 @@ def test_load_jsonl_parquet_and_directory(tmp_path):
     rows = [{"question": "What is 1 + 1?", "answer": 2}, {"question": "What is 2 + 2?", "answer": 4}]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    loaded = load_prompt_rows(str(path), "question", "answer")
-    assert loaded == [{"prompt": "What is 1 + 1?", "label": "2"}, {"prompt": "What is 2 + 2?", "label": "4"}]
+    loaded, skipped = load_prompt_rows(str(path), "question", "answer")
+    assert skipped == 0 and loaded == [{"prompt": "What is 1 + 1?", "label": "2"}, {"prompt": "What is 2 + 2?", "label": "4"}]
 
     import datasets
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "part.parquet"))
-    assert load_prompt_rows(str(tmp_path / "part.parquet"), "question", "answer") == loaded
+    assert load_prompt_rows(str(tmp_path / "part.parquet"), "question", "answer")[0] == loaded
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    assert load_prompt_rows(str(tmp_path / "saved"), "question", "answer") == loaded
+    assert load_prompt_rows(str(tmp_path / "saved"), "question", "answer")[0] == loaded
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "a.jsonl").write_text(json.dumps(rows[0]))
     (tmp_path / "dir" / "b.jsonl").write_text(json.dumps(rows[1]))
-    assert load_prompt_rows(str(tmp_path / "dir"), "question", "answer") == loaded
+    assert load_prompt_rows(str(tmp_path / "dir"), "question", "answer")[0] == loaded
 
 
 def test_bad_paths_and_columns(tmp_path):
@@ -64,3 +64,15 @@ def test_encode_prompt(tiny_model_dir):
     assert chat.startswith("<|im_start|>system\nBe brief.<|im_end|>") and chat.endswith("<|im_start|>assistant\n")
     messages = [{"role": "user", "content": "hello"}]
     assert encode_prompt(tok, messages) == encode_prompt(tok, "hello")
+
+
+def test_unusable_rows_counted_and_all_bad_is_an_error(tmp_path):
+    rows = [{"prompt": "fine", "label": 1}, {"prompt": "", "label": 2}, {"prompt": None, "label": 3},
+            {"prompt": [{"role": "user", "content": "hi"}], "label": 4}, {"prompt": [{"content": 5}], "label": 5}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    loaded, skipped = load_prompt_rows(str(path))
+    assert skipped == 3 and [r["label"] for r in loaded] == ["1", "4"]
+    path.write_text(json.dumps({"prompt": "  ", "label": 1}))
+    with pytest.raises(ValueError, match="none of its 1 rows has a usable 'prompt'"):
+        load_prompt_rows(str(path))

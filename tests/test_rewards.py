@@ -6,7 +6,9 @@ import threading
 
 import pytest
 
-from rft_core.rewards import answer_reward, load_reward_fn, parse_answer, remote_reward_fn, score
+import itertools
+
+from rft_core.rewards import answer_reward, load_reward_fn, parse_answer, pass_at_k, remote_reward_fn, score
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [
@@ -122,3 +124,12 @@ def test_remote_reward_model_gives_up_clearly():
     fn = remote_reward_fn(f"http://127.0.0.1:{port}/score", timeout=1, retries=2, backoff=0.01)
     with pytest.raises(ConnectionError, match="no valid answer after 2 tries"):
         fn(["p"], ["c"], ["l"])
+
+
+@pytest.mark.parametrize("n, c, k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (5, 5, 2), (6, 1, 6), (4, 3, 2)])
+def test_pass_at_k_matches_enumeration(n, c, k):
+    """Probability that a random k-subset of the n samples holds a correct one, by enumeration."""
+    samples = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    expected = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+    assert pass_at_k(n, c, k) == pytest.approx(expected)

@@ -73,6 +73,11 @@ def test_prompt_file(tiny_model_dir, tmp_path):
          "--output_dir", str(tmp_path / "out")])
     steps_rows, eval_rows = read_metrics(str(tmp_path / "out"))
     assert len(steps_rows) == 2 and eval_rows == []
+    run(["--pretrain", tiny_model_dir, *TINY, "--prompt_data", str(data), "--input_key", "q", "--label_key", "a",
+         "--eval_data", str(data), "--eval_n_samples", "3", "--output_dir", str(tmp_path / "out2")])
+    _, eval_rows = read_metrics(str(tmp_path / "out2"))
+    assert [r["eval/num_problems"] for r in eval_rows] == [4, 4]
+    assert all(0 <= r["eval/pass@1"] <= r["eval/pass@3"] <= 1 for r in eval_rows)
 
 
 @pytest.mark.parametrize("extra, message", [
