@@ -56,8 +56,9 @@ class Args:
     label_key: str = "label"
     """column holding the reference answer"""
     reward_fn: Optional[str] = None
-    """path/to/file.py:function, called as fn(prompts, completions, labels) -> list of floats or dict of
-    named lists (summed; each logged as rollout/reward/<name>); default: exact match in <answer> tags"""
+    """answer (exact match in <answer> tags, the default) | math (math-verify equivalence; GSM8K/MATH labels) |
+    path/to/file.py:function, called as fn(prompts, completions, labels) -> list of floats or dict of named
+    lists (summed; each logged as rollout/reward/<name>)"""
     remote_rm_url: Optional[str] = None
     """HTTP endpoint of a reward model: POST {prompts, completions, labels} -> {"rewards": [...]}"""
     reward_fallback: float = 0.0

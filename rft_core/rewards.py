@@ -47,11 +47,46 @@ def answer_reward(prompts, completions, labels, format_weight=0.1, **kwargs):
     return {"correct": correct, "format": formatted}
 
 
+def math_label(label):
+    """The reference answer of a GSM8K ('... #### 72') or MATH ('... \\boxed{3/4}') label, else the label."""
+    label = str(label)
+    if "####" in label:
+        return label.rsplit("####", 1)[1].strip().replace(",", "")
+    start = label.rfind("\\boxed{")
+    if start < 0:
+        return label.strip()
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(label)):  # the matching brace: boxed answers nest braces, as in \frac{3}{4}
+        depth += {"{": 1, "}": -1}.get(label[j], 0)
+        if depth == 0:
+            return label[i:j].strip()
+    return label[i:].strip()
+
+
+def math_reward(prompts, completions, labels, format_weight=0.1, **kwargs):
+    """Mathematical equivalence (math-verify: 0.75 == 3/4 == \\frac{3}{4}) of the <answer> tag's content,
+    or of the last answer in the completion when it has no tag, plus a format term."""
+    from math_verify import parse, verify  # optional: pip install math-verify
+
+    correct, formatted = [], []
+    for completion, label in zip(completions, labels):
+        answer, well_formed = parse_answer(completion)
+        predicted = parse(f"${answer}$") if answer is not None else parse(completion)
+        correct.append(float(bool(predicted) and verify(parse(f"${math_label(label)}$"), predicted)))
+        formatted.append(format_weight * float(well_formed))
+    return {"correct": correct, "format": formatted}
+
+
+BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward}
+
+
 def load_reward_fn(spec):
-    """The function named by 'path/to/file.py:function'."""
+    """A built-in reward by name (answer, math) or the function named by 'path/to/file.py:function'."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"--reward_fn {spec!r}: expected path/to/file.py:function")
+        raise ValueError(f"--reward_fn {spec!r}: expected path/to/file.py:function or one of {sorted(BUILTIN_REWARDS)}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--reward_fn {spec!r}: no such file {path!r}")
     module_spec = importlib.util.spec_from_file_location(f"reward_module_{abs(hash(path))}", path)

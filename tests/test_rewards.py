@@ -8,7 +8,8 @@ import pytest
 
 import itertools
 
-from rft_core.rewards import answer_reward, load_reward_fn, parse_answer, pass_at_k, remote_reward_fn, score
+from rft_core.rewards import (answer_reward, load_reward_fn, math_label, math_reward, parse_answer, pass_at_k,
+                              remote_reward_fn, score)
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [
@@ -133,3 +134,24 @@ def test_pass_at_k_matches_enumeration(n, c, k):
     subsets = list(itertools.combinations(range(n), k))
     expected = sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
     assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("label, gold", [
+    ("Natalia sold 48 clips... 48 + 24 = 72 clips.\n#### 72", "72"),
+    ("so it is 1,000\n#### 1,000", "1000"),
+    ("Thus the answer is $\\boxed{\\frac{3}{4}}$.", "\\frac{3}{4}"),
+    ("\\boxed{x^2+1} and more", "x^2+1"),
+    ("42", "42"),
+])
+def test_math_label(label, gold):
+    assert math_label(label) == gold
+
+
+def test_math_reward_is_equivalence_not_string_match():
+    completions = ["<answer>0.75</answer>", "<answer>3/4</answer>", "<answer>0.7</answer>",
+                   "The total is \\boxed{72}.", "<answer>1+x^2</answer>", "no answer here"]
+    labels = ["\\boxed{\\frac{3}{4}}", "#### 0.75", "#### 0.75", "#### 72", "\\boxed{x^2+1}", "#### 5"]
+    parts = math_reward(None, completions, labels)
+    assert parts["correct"] == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert parts["format"] == pytest.approx([0.1, 0.1, 0.1, 0.0, 0.1, 0.0])
+    assert load_reward_fn("math") is math_reward and load_reward_fn("answer") is answer_reward
