@@ -41,6 +41,7 @@ from rft_core.engine import create_engine
 from rft_core.experience import batched_logprobs, build_experience
 from rft_core.losses import LOSS_AGG_MODES, aggregate_loss, kl_estimate, masked_mean, policy_loss
 from rft_core.models import export_hf, load_model_and_tokenizer, response_logprobs
+from rft_core.plots import write_plots
 from rft_core.rewards import answer_reward, load_reward_fn, pass_at_k, remote_reward_fn, score
 
 
@@ -147,6 +148,16 @@ class Args:
     """greedy held-out eval every this many steps (always at step 0 and at the end; 0: only those)"""
     save_steps: int = 0
     """accelerator.save_state every this many steps (0: never)"""
+    use_wandb: bool = False
+    """log to Weights & Biases through accelerate (WANDB_MODE=offline works without a network)"""
+    wandb_project: str = "rft"
+    """wandb project name"""
+    use_tensorboard: Optional[str] = None
+    """TensorBoard log directory (through accelerate)"""
+    log_samples_steps: int = 0
+    """every this many steps, print a few prompt / completion / reward rows and append them to samples.jsonl"""
+    plot_every: int = 0
+    """every this many steps and at the end, write curves.png and gen_len.png to output_dir (0: never)"""
 
 
 def batches(rows, rollout_batch_size, num_episodes, seed):
@@ -158,10 +169,21 @@ def batches(rows, rollout_batch_size, num_episodes, seed):
             yield [rows[j] for j in order[i:i + rollout_batch_size]]
 
 
+def phase_peak_gb():
+    """Peak GPU memory allocated since the previous call, in GiB; resets the peak (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
 def main():
     args = parse_args(Args)
     args.bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
-    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no")
+    trackers = (["wandb"] if args.use_wandb else []) + (["tensorboard"] if args.use_tensorboard else [])
+    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", log_with=trackers or None,
+                              project_dir=args.use_tensorboard)
     world = accelerator.num_processes
 
     # ---- derived values and checks ----
@@ -193,7 +215,10 @@ def main():
     if accelerator.is_main_process:
         with open(os.path.join(args.output_dir, "config.json"), "w") as f:
             json.dump({**asdict(args), "world_size": world, "grad_accum": grad_accum}, f, indent=2)
-    log = MetricsLog(args.output_dir, enabled=accelerator.is_main_process)
+    if trackers:  # scalars and strings only: TensorBoard's hparams refuse None
+        accelerator.init_trackers(args.wandb_project, config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                                              for k, v in asdict(args).items()})
+    log = MetricsLog(args.output_dir, enabled=accelerator.is_main_process, accelerator=accelerator)
 
     # ---- model, data, reward, optimizer, engine ----
     reward_fn = (load_reward_fn(args.reward_fn) if args.reward_fn else
@@ -283,6 +308,7 @@ def main():
     train_bytes = None  # extra GPU memory one update takes, measured each step
     for step in tqdm(range(1, num_steps + 1), desc="steps", disable=not accelerator.is_main_process):
         t0 = time.time()
+        phase_peak_gb()
         # ---- rollout ----
         batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay on one rank
         prompt_ids = [ids for ids, _, _ in batch for _ in range(args.n_samples_per_prompt)]
@@ -293,6 +319,7 @@ def main():
         t_wake = time.time() - t_wake
         generations = engine.generate(prompt_ids, args.generate_max_len, args.temperature, args.top_p)
         t_gen = time.time() - t0 - t_wake
+        mem = {"perf/mem_generate_gb": phase_peak_gb()}
         t_sleep = time.time()
         slept = engine.sleep(needed_bytes=train_bytes)  # auto mode: only if training needs the memory
         t_sleep = time.time() - t_sleep
@@ -314,6 +341,7 @@ def main():
             with accelerator.autocast():
                 exp.ref_logprobs = batched_logprobs(ref_model, exp, args.micro_rollout_batch_size, args.temperature)
         t_lp = time.time() - t1
+        mem["perf/mem_logprob_gb"] = phase_peak_gb()
 
         # ---- update ----
         t2 = time.time()
@@ -363,6 +391,7 @@ def main():
         t_upd = time.time() - t2
         if torch.cuda.is_available():
             train_bytes = torch.cuda.max_memory_allocated() - mem_before  # what the next update will need
+            mem["perf/mem_update_gb"] = phase_peak_gb()
 
         # ---- weight sync ----
         t_sync = time.time()
@@ -385,10 +414,23 @@ def main():
                         "perf/update_s": t_upd, "perf/weight_sync_s": t_sync, "perf/sleep_s": t_sleep,
                         "perf/wake_s": t_wake, "perf/engine_slept": float(slept), "perf/step_time_s": time.time() - t0})
         if torch.cuda.is_available():
-            metrics["perf/mem_train_gb"] = train_bytes / 2**30
+            metrics.update({**mem, "perf/mem_update_extra_gb": train_bytes / 2**30})
         log.write(step, metrics)
         if step % args.logging_steps == 0:
             tqdm.write(MetricsLog.line(step, metrics, line_keys)) if accelerator.is_main_process else None
+
+        if args.log_samples_steps and step % args.log_samples_steps == 0 and accelerator.is_main_process:
+            samples = [{"step": step, "prompt": tokenizer.decode(p), "completion": c, "label": lab, "reward": rw}
+                       for p, c, lab, rw in list(zip(prompt_ids, completions, labels, rewards))[:4]]
+            with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(x) + "\n" for x in samples)
+            for x in samples[:2]:
+                tqdm.write(f"[sample] reward {x['reward']:.3g} | label {x['label']!r} | {x['completion'][:200]!r}")
+            if args.use_wandb:
+                accelerator.get_tracker("wandb").log_table("samples", columns=list(samples[0]),
+                                                           data=[list(x.values()) for x in samples], step=step)
+        if args.plot_every and (step % args.plot_every == 0 or step == num_steps) and accelerator.is_main_process:
+            write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
 
         # ---- eval and checkpoint ----
         if args.eval_steps and step % args.eval_steps == 0 and step != num_steps and encoded["eval"]:
@@ -397,6 +439,9 @@ def main():
             accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
 
     last_eval = evaluate(num_steps) if encoded["eval"] else None
+    if args.plot_every and accelerator.is_main_process:  # the curves again, with the final eval point
+        write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
+    accelerator.end_training()
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:

@@ -47,10 +47,12 @@ def parse_args(cls, argv=None):
 
 
 class MetricsLog:
-    """Appends one JSON object per row to OUTPUT_DIR/metrics.jsonl and formats the console line."""
+    """Appends one JSON object per row to OUTPUT_DIR/metrics.jsonl (and to the accelerate trackers)
+    and formats the console line."""
 
-    def __init__(self, output_dir, enabled=True):
+    def __init__(self, output_dir, enabled=True, accelerator=None):
         self.enabled = enabled
+        self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
         if enabled:
             open(self.path, "w").close()
@@ -59,6 +61,8 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.accelerator is not None and self.accelerator.trackers:
+            self.accelerator.log(metrics, step=step)
 
     @staticmethod
     def line(step, metrics, keys):

@@ -136,3 +136,25 @@ def test_custom_reward_fn_and_failures(tiny_model_dir, tmp_path):
     proc = run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:broken", "--strict_rewards",
                 "--output_dir", str(tmp_path / "c")], check=False)
     assert proc.returncode != 0 and "reward failed on sample 0" in proc.stderr
+
+
+def test_observability(tiny_model_dir, tmp_path):
+    """TensorBoard events, an offline wandb run, PNG plots and sample rows, all real files."""
+    out = tmp_path / "out"
+    os.environ.update({"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
+    try:
+        run(["--pretrain", tiny_model_dir, *TINY, "--use_tensorboard", str(tmp_path / "tb"), "--use_wandb",
+             "--plot_every", "1", "--log_samples_steps", "1", "--output_dir", str(out)])
+    finally:
+        for key in ("WANDB_MODE", "WANDB_DIR", "WANDB_SILENT"):
+            os.environ.pop(key)
+    events = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "tb") for f in files if "tfevents" in f]
+    assert events and all(os.path.getsize(e) > 0 for e in events)
+    runs = [d for d, _, files in os.walk(tmp_path / "wandb") if any(f.endswith(".wandb") for f in files)]
+    assert runs, "no offline wandb run written"
+    for png in ("curves.png", "gen_len.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 4 + [2] * 4
+    assert {"prompt", "completion", "label", "reward"} <= set(samples[0])

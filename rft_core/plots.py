@@ -1,0 +1,41 @@
+"""PNG plots of a run: reward / accuracy curves from metrics.jsonl, and the distribution of
+generation lengths of the latest rollout (what the seed's GenLenAnalyser shows)."""
+
+import json
+import os
+
+
+def write_plots(output_dir, lengths, max_len):
+    """Write curves.png and gen_len.png into output_dir; lengths: the latest rollout's response lengths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "rollout/reward_mean" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in steps], [r["rollout/reward_mean"] for r in steps], label="rollout/reward_mean")
+    if steps and "rollout/reward/correct" in steps[0]:
+        ax.plot([r["step"] for r in steps], [r.get("rollout/reward/correct") for r in steps], label="rollout accuracy")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o--", label="eval/accuracy (greedy)")
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(output_dir, "curves.png"), dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.hist(lengths, bins=min(50, max_len), range=(0, max_len))
+    truncated = sum(n >= max_len for n in lengths)
+    step = steps[-1]["step"] if steps else 0
+    ax.set_title(f"generation lengths, step {step}: mean {sum(lengths) / max(len(lengths), 1):.1f}, "
+                 f"{truncated}/{len(lengths)} hit the limit")
+    ax.set_xlabel("response tokens")
+    ax.set_ylabel("samples")
+    fig.tight_layout()
+    fig.savefig(os.path.join(output_dir, "gen_len.png"), dpi=100)
+    plt.close(fig)
