@@ -36,6 +36,10 @@ def test_load_jsonl_parquet_and_directory(tmp_path):
     assert load_prompt_rows(str(tmp_path / "part.parquet"), "question", "answer")[0] == loaded
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     assert load_prompt_rows(str(tmp_path / "saved"), "question", "answer")[0] == loaded
+    arrow = next((tmp_path / "saved").glob("*.arrow"))  # a bare .arrow file, outside its save_to_disk dir
+    (tmp_path / "bare").mkdir()
+    arrow.rename(tmp_path / "bare" / "train.arrow")
+    assert load_prompt_rows(str(tmp_path / "bare" / "train.arrow"), "question", "answer")[0] == loaded
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "a.jsonl").write_text(json.dumps(rows[0]))
     (tmp_path / "dir" / "b.jsonl").write_text(json.dumps(rows[1]))
