@@ -25,7 +25,7 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -85,6 +85,16 @@ class Args:
     """responses sampled per prompt (the group size)"""
     eps_clip: float = 0.2
     """PPO ratio clip range"""
+    eps_clip_low_high: Optional[Tuple[float, float]] = None
+    """clip-higher (DAPO): separate LOW HIGH clip ranges, e.g. 0.2 0.28 (overrides --eps_clip)"""
+    dual_clip: Optional[float] = None
+    """dual-clip constant c > 1: for negative advantages the loss is capped at -c A"""
+    use_gspo: bool = False
+    """GSPO: sequence-level importance ratio (pair with --loss_agg_mode seq-mean-token-mean, small clips)"""
+    entropy_coef: float = 0.0
+    """entropy bonus: subtract entropy_coef * entropy (aggregated like the loss) from the loss"""
+    tis_cap: Optional[float] = None
+    """truncated importance sampling against the rollout engine: weight tokens by min(pi_old / pi_rollout, cap)"""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     use_kl_loss: bool = False
@@ -204,6 +214,9 @@ def main():
         raise ValueError("--enable_engine_sleep and --disable_engine_sleep contradict each other: pass one")
     if world % args.engine_tp_size:
         raise ValueError(f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
+    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
     if args.reward_fn and args.remote_rm_url:
         raise ValueError("--reward_fn and --remote_rm_url both given: pass one")
     if args.advantage_estimator not in ADVANTAGE_ESTIMATORS or args.loss_agg_mode not in LOSS_AGG_MODES:
@@ -358,12 +371,19 @@ def main():
                 for mb in chunk.split(args.micro_train_batch_size):
                     with accelerator.accumulate(model), accelerator.autocast():
                         logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask,
-                                                              mb.action_mask.shape[1], args.temperature, with_entropy=True)
+                                                              mb.action_mask.shape[1], args.temperature,
+                                                              with_entropy="grad" if args.entropy_coef else True)
                         old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
                         agg = dict(num_tokens=num_tokens, num_seqs=args.train_batch_size, max_len=args.generate_max_len)
-                        pg_loss, m = policy_loss(logprobs, old, mb.advantages, mb.action_mask, args.eps_clip,
-                                                 args.loss_agg_mode, **agg)
+                        is_weights = None
+                        if args.tis_cap is not None:  # TIS: correct for the engine sampling from other numerics
+                            is_weights = torch.exp(old - mb.rollout_logprobs).clamp(max=args.tis_cap)  # (B, T)
+                        pg_loss, m = policy_loss(logprobs, old, mb.advantages, mb.action_mask, eps_low,
+                                                 args.loss_agg_mode, **agg, eps_clip_high=eps_high,
+                                                 dual_clip=args.dual_clip, use_gspo=args.use_gspo, is_weights=is_weights)
                         loss = pg_loss
+                        if args.entropy_coef:
+                            loss = loss - args.entropy_coef * aggregate_loss(entropy, mb.action_mask, args.loss_agg_mode, **agg)
                         if ref_model is not None:
                             kl = kl_estimate(logprobs, mb.ref_logprobs, args.kl_estimator)  # (B, T)
                             kl_loss = aggregate_loss(kl, mb.action_mask, args.loss_agg_mode, **agg)
@@ -380,7 +400,7 @@ def main():
                         scheduler.step()
                         optimizer.zero_grad()
                     m["policy_loss"] = pg_loss.item() * grad_accum  # mean over micro-batches -> step loss
-                    m["entropy"] = masked_mean(entropy, mb.action_mask).item()
+                    m["entropy"] = masked_mean(entropy.detach(), mb.action_mask).item()
                     if epoch == 0:
                         diff = (mb.rollout_logprobs - old).abs() * mb.action_mask  # (B, T)
                         m["logprob_diff_mean"] = (diff.sum() / mb.action_mask.sum()).item()

@@ -29,7 +29,8 @@ def _bool(text):
 
 
 def parse_args(cls, argv=None):
-    """Parse argv into an instance of the dataclass `cls`: `--name value`, bools as `--name [true|false]`."""
+    """Parse argv into an instance of the dataclass `cls`: `--name value`, bools as `--name [true|false]`,
+    Tuple[float, float] as `--name A B`."""
     parser = argparse.ArgumentParser(description=inspect.getdoc(inspect.getmodule(cls)),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     docs, hints = _field_docs(cls), typing.get_type_hints(cls)
@@ -41,6 +42,9 @@ def parse_args(cls, argv=None):
         help_text = f"{docs.get(f.name, '')} (default: {f.default})"
         if kind is bool:
             parser.add_argument(f"--{f.name}", type=_bool, nargs="?", const=True, default=f.default, help=help_text)
+        elif typing.get_origin(kind) is tuple:  # Tuple[float, float]: --name A B
+            parser.add_argument(f"--{f.name}", type=typing.get_args(kind)[0], nargs=len(typing.get_args(kind)),
+                                default=f.default, help=help_text)
         else:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=help_text)
     return cls(**vars(parser.parse_args(argv)))

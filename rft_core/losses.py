@@ -66,24 +66,39 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator="k3"):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, loss_agg_mode="token-mean",
-                num_tokens=None, num_seqs=None, max_len=None):
-    """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1-eps, 1+eps) A).
+                num_tokens=None, num_seqs=None, max_len=None, eps_clip_high=None, dual_clip=None, use_gspo=False,
+                is_weights=None):
+    """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1-eps, 1+eps_high) A), with variants:
+
+    eps_clip_high  clip-higher (DAPO): a wider upper bound than eps_clip, the lower one
+    dual_clip      dual-clip (Ye et al. 2020): for A < 0 the loss is capped at -dual_clip * A (dual_clip > 1)
+    use_gspo       GSPO (Zheng et al. 2025): the sequence-level ratio exp(mean_t log r_t) replaces r_t, with
+                   the gradient of GSPO-token, sg(s_i) * grad log pi(y_t), so each token gets s_i's weight
+    is_weights     per-token importance weights (detached), e.g. truncated IS against the rollout engine (TIS)
 
     logprobs, old_logprobs, action_mask: (B, T); advantages: (B, T) or (B,) broadcast over tokens.
-    Returns (loss, metrics) with metrics detached: clip fraction and the k1/k3 policy-vs-old KL.
+    Returns (loss, metrics) with metrics detached: clip fraction and the k1 policy-vs-old KL.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)  # (B, T)
     log_ratio = logprobs - old_logprobs  # (B, T)
+    if use_gspo:
+        seq_log_ratio = masked_mean(log_ratio, action_mask, -1)  # (B,): log s_i
+        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()  # value log s_i, grad of log pi
     ratio = torch.exp(log_ratio)
+    high = eps_clip if eps_clip_high is None else eps_clip_high
     surr1 = ratio * advantages
-    surr2 = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * advantages
+    surr2 = ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
     loss_mat = -torch.minimum(surr1, surr2)  # (B, T)
+    if dual_clip is not None:
+        loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, -dual_clip * advantages), loss_mat)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
     loss = aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len)
     with torch.no_grad():
         metrics = {
             "clip_frac": masked_mean((surr2 < surr1).float(), action_mask).item(),
-            "ppo_kl": masked_mean(-log_ratio, action_mask).item(),
+            "ppo_kl": masked_mean(-(logprobs - old_logprobs), action_mask).item(),
         }
     return loss, metrics
 

@@ -65,7 +65,8 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
 
     input_ids, attention_mask: (B, P + R), prompts left-padded, responses right-padded, R =
     num_actions. Logits are divided by the sampling temperature so these are the logprobs of the
-    distribution the rollout sampled from. Returns logprobs (B, R) and, if asked, entropy (B, R).
+    distribution the rollout sampled from. Returns logprobs (B, R) and, with_entropy "grad" (for an
+    entropy bonus) or True (detached, for logging), the entropy (B, R); else None.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+R): left padding aware
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -75,7 +76,7 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
     logprobs = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, R)
     if not with_entropy:
         return logprobs, None
-    with torch.no_grad():
+    with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
         entropy = entropy_from_logits(logits)  # (B, R)
     return logprobs, entropy
 

@@ -1,5 +1,5 @@
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import pytest
 
@@ -14,12 +14,15 @@ class Toy:
     """a name"""
     flag: bool = False
     """a switch"""
+    pair: Optional[Tuple[float, float]] = None
+    """two numbers"""
 
 
 def test_parse_args():
     assert parse_args(Toy, []) == Toy()
     assert parse_args(Toy, ["--lr", "3e-4", "--name", "x", "--flag"]) == Toy(3e-4, "x", True)
     assert parse_args(Toy, ["--flag", "false"]).flag is False
+    assert parse_args(Toy, ["--pair", "0.2", "0.28"]).pair == [0.2, 0.28]
     with pytest.raises(SystemExit):
         parse_args(Toy, ["--flag", "maybe"])
     with pytest.raises(SystemExit):

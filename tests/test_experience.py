@@ -72,3 +72,14 @@ def test_hf_engine_greedy_is_deterministic(tiny_model_dir):
 def test_build_experience_mismatch():
     with pytest.raises(ValueError, match="3 prompts but 2 generations"):
         build_experience(PROMPTS, GENS[:2], 0)
+
+
+def test_entropy_bonus_gradient(tiny_model_dir):
+    """with_entropy="grad" lets the entropy carry a gradient; True gives it detached, for logging."""
+    model, _ = load_model_and_tokenizer(tiny_model_dir)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    _, logged = response_logprobs(model, ids, torch.ones_like(ids), 3, with_entropy=True)
+    assert not logged.requires_grad
+    _, entropy = response_logprobs(model, ids, torch.ones_like(ids), 3, with_entropy="grad")
+    entropy.sum().backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0

@@ -136,3 +136,59 @@ def test_masked_mean_and_entropy():
     logits = torch.tensor([[0.0, 0.0], [0.0, math.log(3.0)]])
     expected = [math.log(2), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
     assert entropy_from_logits(logits).tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def naive_token_losses(logprobs, old, adv, mask, lo, hi, dual=None):
+    out = []
+    for i in range(len(logprobs)):
+        for t in range(len(logprobs[i])):
+            if not mask[i][t]:
+                continue
+            r, a = math.exp(logprobs[i][t] - old[i][t]), adv[i]
+            loss = max(-r * a, -min(max(r, 1 - lo), 1 + hi) * a)
+            if dual is not None and a < 0:
+                loss = min(loss, -dual * a)
+            out.append(loss)
+    return out
+
+
+@pytest.mark.parametrize("lo, hi, dual", [(0.2, 0.28, None), (0.1, 0.1, 3.0), (0.2, 0.28, 1.5)])
+def test_clip_higher_and_dual_clip_match_naive(lo, hi, dual):
+    torch.manual_seed(3)
+    logprobs, old = torch.randn(4, 5), torch.randn(4, 5)  # ratios far from 1: every branch is hit
+    adv = torch.tensor([1.5, -2.0, 0.3, -0.7])
+    mask = torch.ones(4, 5)
+    expected = naive_token_losses(logprobs.tolist(), old.tolist(), adv.tolist(), mask.tolist(), lo, hi, dual)
+    loss, _ = policy_loss(logprobs, old, adv, mask, lo, "token-mean", eps_clip_high=hi, dual_clip=dual)
+    assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_gspo_value_and_gradient():
+    """GSPO: loss -min(s_i A_i, clip(s_i) A_i) per sequence with s_i = exp(mean_t log r_t); gradient of
+    each token = -A_i s_i * grad log pi_t / |o_i| (unclipped), 0 (clipped), under seq-mean-token-mean."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, 0.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -2.05, -0.6], [-0.3, -0.9, 0.0]])
+    adv = torch.tensor([1.0, 2.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    eps = 0.2
+    loss, _ = policy_loss(logprobs, old, adv, mask, eps, "seq-mean-token-mean", use_gspo=True)
+    loss.backward()
+    expected_loss, expected_grad = 0.0, torch.zeros(2, 3)
+    for i in range(2):
+        n = int(mask[i].sum())
+        s = math.exp(sum(logprobs[i, t].item() - old[i, t].item() for t in range(n)) / n)
+        a = adv[i].item()
+        clipped = min(max(s, 1 - eps), 1 + eps)
+        expected_loss += max(-s * a, -clipped * a) / 2
+        if -s * a >= -clipped * a:  # the unclipped branch is active, so the gradient flows
+            expected_grad[i, :n] = -a * s / n / 2  # s_i-weighted, over |o_i| tokens and 2 sequences
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-5)
+    assert torch.allclose(logprobs.grad, expected_grad, atol=1e-6)
+
+
+def test_importance_weights_scale_token_losses():
+    logprobs, old = torch.zeros(1, 3), torch.zeros(1, 3)
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 3)
+    weights = torch.tensor([[0.5, 1.0, 2.0]])
+    loss, _ = policy_loss(logprobs, old, adv, mask, 0.2, "seq-mean-token-sum", is_weights=weights)
+    assert loss.item() == pytest.approx(-(0.5 + 1.0 + 2.0))

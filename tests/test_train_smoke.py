@@ -60,6 +60,18 @@ def test_tiny_estimators_kl_and_epochs(tiny_model_dir, tmp_path, estimator, mode
     assert os.path.isdir(tmp_path / "checkpoint-2")
 
 
+def test_policy_loss_variants(tiny_model_dir, tmp_path):
+    """clip-higher, dual-clip, GSPO, TIS and an entropy bonus together, with two optimizer steps per rollout so ratios move."""
+    run(["--pretrain", tiny_model_dir, *TINY, "--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3",
+         "--use_gspo", "--loss_agg_mode", "seq-mean-token-mean", "--tis_cap", "2", "--train_batch_size", "2",
+         "--entropy_coef", "0.01",
+         "--output_dir", str(tmp_path)])
+    rows, _ = read_metrics(str(tmp_path))
+    assert len(rows) == 2 and all(math.isfinite(r["train/policy_loss"]) for r in rows)
+    proc = run(["--pretrain", tiny_model_dir, *TINY, "--dual_clip", "0.5", "--output_dir", str(tmp_path / "x")], check=False)
+    assert proc.returncode != 0 and "--dual_clip must be > 1" in proc.stderr
+
+
 def test_accelerate_launch(tiny_model_dir, tmp_path):
     run(["--pretrain", tiny_model_dir, *TINY, "--output_dir", str(tmp_path)],
         launcher=(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"))
