@@ -362,7 +362,7 @@ def main():
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
             mem_before = torch.cuda.memory_allocated()
-        sums, count = {}, 0
+        sums, count, grad_norms = {}, 0, []
         for epoch in range(args.max_epochs):
             order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(args.seed * 100003 + step * 101 + epoch))
             for start in range(0, len(exp), rows_per_update):
@@ -395,7 +395,7 @@ def main():
                         # gradient accumulation and DDP each apply.
                         accelerator.backward(loss * grad_accum * world)
                         if accelerator.sync_gradients:
-                            m["grad_norm"] = accelerator.clip_grad_norm_(model.parameters(), args.max_norm).item()
+                            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_norm).item())
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad()
@@ -426,6 +426,7 @@ def main():
                  "rollout/truncated": sum(len(g.token_ids) >= args.generate_max_len for g in generations) / len(r)}
         local.update({f"rollout/reward/{k_}": float(np.nanmean(v)) for k_, v in components.items()})
         local.update({f"train/{k_}": v / count for k_, v in sums.items() if not k_.startswith("logprob")})
+        local["train/grad_norm"] = sum(grad_norms) / len(grad_norms)  # per optimizer step, not per micro-batch
         local.update({f"rollout/{k_}": v / count for k_, v in sums.items() if k_.startswith("logprob")})
         per_rank = gather_object([local])  # dicts, so ranks may differ in reward components
         metrics = {k_: float(np.nanmean([m[k_] for m in per_rank if k_ in m])) for k_ in per_rank[0]}

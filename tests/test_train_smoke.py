@@ -23,6 +23,14 @@ def run(args, launcher=(sys.executable,), check=True):
     return proc
 
 
+@pytest.fixture
+def chars_reward(tmp_path):
+    """A reward that varies between samples even for a random tiny model, so gradients are not zero."""
+    path = tmp_path / "chars.py"
+    path.write_text("def chars(p, completions, l, **kw):\n    return [len(c) / 10 for c in completions]\n")
+    return f"{path}:chars"
+
+
 def read_metrics(out):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [r for r in rows if "train/policy_loss" in r], [r for r in rows if "eval/accuracy" in r]
@@ -49,25 +57,28 @@ def test_tiny_grpo(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("estimator, mode", [("dr_grpo", "seq-mean-token-sum-norm"), ("rloo", "seq-mean-token-mean"),
                                              ("reinforce_baseline", "seq-mean-token-sum")])
-def test_tiny_estimators_kl_and_epochs(tiny_model_dir, tmp_path, estimator, mode):
+def test_tiny_estimators_kl_and_epochs(tiny_model_dir, tmp_path, estimator, mode, chars_reward):
     """KL loss against a reference, two epochs with two optimizer steps each (old logprobs recomputed)."""
     run(["--pretrain", tiny_model_dir, *TINY, "--advantage_estimator", estimator, "--loss_agg_mode", mode,
+         "--reward_fn", chars_reward, "--actor_learning_rate", "1e-3",
          "--use_kl_loss", "--kl_estimator", "k2", "--max_epochs", "2", "--train_batch_size", "2",
          "--eval_steps", "1", "--save_steps", "2", "--output_dir", str(tmp_path)])
     steps_rows, eval_rows = read_metrics(str(tmp_path))
     assert len(steps_rows) == 2 and [r["step"] for r in eval_rows] == [0, 1, 2]
-    assert all(r["train/kl"] >= 0 for r in steps_rows)
+    assert steps_rows[0]["train/grad_norm"] > 0
+    assert steps_rows[1]["train/kl"] > 0  # the policy has moved away from the reference
+    assert any(r["train/ppo_kl"] != 0 for r in steps_rows)  # later updates see ratios != 1
     assert os.path.isdir(tmp_path / "checkpoint-2")
 
 
-def test_policy_loss_variants(tiny_model_dir, tmp_path):
+def test_policy_loss_variants(tiny_model_dir, tmp_path, chars_reward):
     """clip-higher, dual-clip, GSPO, TIS and an entropy bonus together, with two optimizer steps per rollout so ratios move."""
     run(["--pretrain", tiny_model_dir, *TINY, "--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3",
          "--use_gspo", "--loss_agg_mode", "seq-mean-token-mean", "--tis_cap", "2", "--train_batch_size", "2",
-         "--entropy_coef", "0.01",
+         "--entropy_coef", "0.01", "--reward_fn", chars_reward, "--actor_learning_rate", "1e-3",
          "--output_dir", str(tmp_path)])
     rows, _ = read_metrics(str(tmp_path))
-    assert len(rows) == 2 and all(math.isfinite(r["train/policy_loss"]) for r in rows)
+    assert len(rows) == 2 and all(math.isfinite(r["train/policy_loss"]) and r["train/grad_norm"] > 0 for r in rows)
     proc = run(["--pretrain", tiny_model_dir, *TINY, "--dual_clip", "0.5", "--output_dir", str(tmp_path / "x")], check=False)
     assert proc.returncode != 0 and "--dual_clip must be > 1" in proc.stderr
 
@@ -110,14 +121,15 @@ def test_default_model_two_steps(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_grad_accumulation_invariance(tiny_model_dir, tmp_path, mode):
+def test_grad_accumulation_invariance(tiny_model_dir, tmp_path, mode, chars_reward):
     """Same rollouts, 1 vs 4 micro-batches per optimizer step: same loss and pre-clip gradient norm."""
     rows = []
     for micro in ("4", "1"):
         out = tmp_path / micro
         run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--micro_train_batch_size", micro,
-             "--loss_agg_mode", mode, "--output_dir", str(out)])
+             "--loss_agg_mode", mode, "--reward_fn", chars_reward, "--output_dir", str(out)])
         rows.append(read_metrics(str(out))[0][0])
+    assert rows[0]["rollout/reward_std"] > 0 and rows[0]["train/grad_norm"] > 0  # a real gradient to compare
     assert rows[0]["rollout/reward_mean"] == rows[1]["rollout/reward_mean"]
     assert rows[0]["train/grad_norm"] == pytest.approx(rows[1]["train/grad_norm"], rel=1e-4)
     assert rows[0]["train/policy_loss"] == pytest.approx(rows[1]["train/policy_loss"], rel=1e-4, abs=1e-7)
