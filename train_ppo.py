@@ -359,8 +359,7 @@ def main():
         # ---- update ----
         t2 = time.time()
         model.train()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        if torch.cuda.is_available():  # the peak was just reset by phase_peak_gb()
             mem_before = torch.cuda.memory_allocated()
         sums, count, grad_norms = {}, 0, []
         for epoch in range(args.max_epochs):

@@ -24,7 +24,7 @@ import torch
 
 from rft_core.engine import Generation
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # torch.compile, FSDP, ckpt
 
 
 def tp_groups(world_size, tp_size):
@@ -51,14 +51,10 @@ def vllm_param_name(name):
     vLLM maps HF names itself (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and skips lm_head
     when embeddings are tied, so nothing else changes here.
     """
-    changed = True
-    while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-        name = name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
-    return name
+    parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
+    while parts and parts[0] == "module":  # DDP / DeepSpeed wrap the whole model once (or twice)
+        parts.pop(0)
+    return ".".join(parts)
 
 
 def iter_weights(model, dtype):
