@@ -69,8 +69,9 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
     entropy bonus) or True (detached, for logging), the entropy (B, R); else None.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+R): left padding aware
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits[:, -num_actions - 1:-1]  # (B, R, V): position t predicts t+1
+    # logits_to_keep: the LM head runs on the last R + 1 positions only, not on the prompt's
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=num_actions + 1).logits[:, :-1]  # (B, R, V): position t predicts t+1
     logits = logits.float() / temperature
     targets = input_ids[:, -num_actions:].unsqueeze(-1)  # (B, R, 1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, R)
