@@ -461,7 +461,6 @@ def main():
     last_eval = evaluate(num_steps) if encoded["eval"] else None
     if args.plot_every and accelerator.is_main_process:  # the curves again, with the final eval point
         write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
-    accelerator.end_training()
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
@@ -469,6 +468,7 @@ def main():
         if first_eval:
             print(f"[done] greedy accuracy {first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f} "
                   f"on {last_eval['eval/num_problems']} held-out problems; model in {args.output_dir}/model")
+    accelerator.end_training()  # last: it also tears down the process group
 
 
 if __name__ == "__main__":

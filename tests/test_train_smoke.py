@@ -89,6 +89,21 @@ def test_accelerate_launch(tiny_model_dir, tmp_path):
     check_outputs(str(tmp_path))
 
 
+def test_two_processes_cpu(tiny_model_dir, tmp_path, chars_reward):
+    """Two data-parallel ranks over gloo (torchrun + ACCELERATE_USE_CPU): gathers, reductions and the final export."""
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    try:
+        run(["--pretrain", tiny_model_dir, *TINY, "--micro_train_batch_size", "1", "--reward_fn", chars_reward,
+             "--output_dir", str(tmp_path)], launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+    finally:
+        del os.environ["ACCELERATE_USE_CPU"]
+    steps_rows, eval_rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in steps_rows] == [1, 2] and [r["step"] for r in eval_rows] == [0, 2]
+    assert all(r["train/grad_norm"] > 0 and math.isfinite(r["train/policy_loss"]) for r in steps_rows)
+    assert json.load(open(tmp_path / "config.json"))["world_size"] == 2
+    assert os.path.isfile(tmp_path / "model" / "config.json")
+
+
 def test_prompt_file(tiny_model_dir, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)}) for i in range(4)))
