@@ -10,15 +10,19 @@ built-in, seeded arithmetic task; held-out greedy accuracy is printed before and
 
 The loop per step: rollout -> rewards/advantages -> logprobs -> update -> weight sync -> log ->
 eval/checkpoint. Where it departs from the papers:
-- No KL term by default (as DAPO and Dr.GRPO): `--use_kl_loss` adds GRPO's k3 loss against a
-  frozen reference.
+- KL: none by default for the per-sequence estimators (as DAPO and Dr.GRPO); the token-level ones
+  (gae, reinforce, reinforce_baseline) put a k1 penalty into the per-token reward (InstructGPT,
+  REINFORCE++); `--use_kl_loss` instead adds GRPO's k3 loss against the frozen reference.
 - When a rollout batch feeds exactly one optimizer step (train_batch_size == rollout_batch_size *
   n_samples_per_prompt, max_epochs 1), the "old" logprobs are the update pass's own, detached:
   the weights have not moved, so the ratio is exactly 1 and a forward pass is saved.
 - Logprobs are those of softmax(logits / temperature), without top-p truncation, in the rollout
   and the trainer alike.
+- --high_entropy_token_ratio picks the top tokens within each micro-batch (the paper: each batch;
+  the same when --micro_train_batch_size covers the optimizer step).
 """
 
+import itertools
 import json
 import math
 import os
@@ -30,19 +34,22 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from rft_core.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
-from rft_core.cli import MetricsLog, parse_args
-from rft_core.data import BUILTIN_TASKS, arithmetic_task, encode_prompt, load_prompt_rows
+from rft_core.advantages import (ADVANTAGE_ESTIMATORS, TOKEN_LEVEL, adaptive_kl_coef, compute_advantages,
+                                  token_level_advantages)
+from rft_core.cli import MetricsLog, gather_metrics, parse_args
+from rft_core.data import BUILTIN_TASKS, arithmetic_task, encode_rows, load_prompt_rows, text_batches
 from rft_core.engine import create_engine
-from rft_core.experience import batched_logprobs, build_experience
-from rft_core.losses import LOSS_AGG_MODES, aggregate_loss, kl_estimate, masked_mean, policy_loss
-from rft_core.models import export_hf, load_model_and_tokenizer, response_logprobs
+from rft_core.experience import batched_logprobs, batched_values, build_experience
+from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, high_entropy_mask, kl_estimate, masked_mean, policy_loss,
+                             value_loss)
+from rft_core.models import (export_hf, lm_loss, load_model_and_tokenizer, load_value_model, response_logprobs,
+                             response_values)
 from rft_core.plots import write_plots
-from rft_core.rewards import answer_reward, load_reward_fn, pass_at_k, remote_reward_fn, score
+from rft_core.rewards import RunningMoments, overlong_penalty, pass_at_k, reward_sources, weighted_rewards
 
 
 @dataclass
@@ -62,6 +69,19 @@ class Args:
     lists (summed; each logged as rollout/reward/<name>)"""
     remote_rm_url: Optional[str] = None
     """HTTP endpoint of a reward model: POST {prompts, completions, labels} -> {"rewards": [...]}"""
+    reward_pretrain: Optional[str] = None
+    """reward model(s): comma-separated sequence-classification checkpoints scoring prompt + response (each logged
+    as rollout/reward/rm<i>); with --reward_fn / --remote_rm_url as well, all are summed with --reward_weights"""
+    reward_weights: Optional[Tuple[float, ...]] = None
+    """one weight per reward source, in the order: --reward_fn or --remote_rm_url (if given), then each reward model"""
+    reward_clip: Optional[float] = None
+    """clip the (normalised) reward to [-C, C]"""
+    normalize_reward: bool = False
+    """divide rewards by the running std of all rewards seen, after subtracting the running mean"""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: responses longer than generate_max_len - this get a linear penalty (0: off)"""
+    overlong_penalty_factor: float = 1.0
+    """the penalty at generate_max_len tokens"""
     reward_fallback: float = 0.0
     """reward given to a sample whose reward raises, is not finite or is missing (counted in rollout/reward_errors)"""
     strict_rewards: bool = False
@@ -80,7 +100,7 @@ class Args:
     """maximum new tokens per response (also Dr.GRPO's normalising constant)"""
     # ---- algorithm ----
     advantage_estimator: str = "group_norm"
-    """group_norm (GRPO) | dr_grpo | rloo | reinforce_baseline"""
+    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO with a critic)"""
     n_samples_per_prompt: int = 4
     """responses sampled per prompt (the group size)"""
     eps_clip: float = 0.2
@@ -100,9 +120,43 @@ class Args:
     use_kl_loss: bool = False
     """add init_kl_coef * KL(policy || reference) to the loss (GRPO); loads a frozen reference model"""
     init_kl_coef: float = 0.001
-    """weight of the KL loss"""
+    """weight of the KL loss, or of the per-token KL penalty in the reward (gae, reinforce*; 0: no reference model)"""
     kl_estimator: str = "k3"
-    """k1 | k2 | k3 (Schulman's estimators)"""
+    """k1 | k2 | k3 (Schulman's estimators) for the KL loss"""
+    kl_target: Optional[float] = None
+    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for (None: fixed)"""
+    kl_horizon: int = 10000
+    """the adaptive controller's horizon, in samples"""
+    gamma: float = 1.0
+    """discount of the token-level estimators (gae, reinforce, reinforce_baseline)"""
+    lambd: float = 0.95
+    """GAE lambda"""
+    critic_pretrain: Optional[str] = None
+    """gae: the critic, a sequence/token-classification checkpoint (default: the actor's weights, zero value head)"""
+    critic_learning_rate: float = 5e-5
+    """AdamW learning rate of the critic"""
+    value_clip: Optional[float] = 0.2
+    """clip the critic's new values to within this of the old ones in its loss (None: unclipped)"""
+    freezing_actor_steps: int = 0
+    """gae: train only the critic for this many first steps"""
+    use_cpg_loss: bool = False
+    """CPGD's clipped policy-gradient loss (on by default with --advantage_estimator cpgd)"""
+    policy_drift_coef: Optional[float] = None
+    """CPGD's policy drift: weight of KL(pi_old || pi) in the loss (default: 0.01 with cpgd, else 0)"""
+    high_entropy_token_ratio: float = 0.0
+    """train on only this fraction of response tokens, those of highest entropy (0: all; 0.2 in the paper)"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and refill from fresh prompts"""
+    max_num_gen_batches: int = 3
+    """with --dynamic_sampling, at most this many generation rounds per step; the rest is filled with dropped groups"""
+    ema_beta: Optional[float] = None
+    """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
+    pretrain_data: Optional[str] = None
+    """text data (a file or directory like --prompt_data) for a pretraining loss mixed into the update (ptx)"""
+    pretrain_key: str = "text"
+    """column of --pretrain_data holding the text"""
+    ptx_coef: float = 0.05
+    """weight of the pretraining loss"""
     temperature: float = 1.0
     """sampling temperature of the rollouts"""
     top_p: float = 1.0
@@ -170,13 +224,19 @@ class Args:
     """every this many steps and at the end, write curves.png and gen_len.png to output_dir (0: never)"""
 
 
-def batches(rows, rollout_batch_size, num_episodes, seed):
-    """Global prompt batches, reshuffled every episode (identically on every rank)."""
-    for episode in range(num_episodes):
+def batches(rows, rollout_batch_size, seed):
+    """Global prompt batches, reshuffled every episode (identically on every rank), without end."""
+    for episode in itertools.count():
         order = list(range(len(rows)))
         random.Random(seed + episode).shuffle(order)
         for i in range(0, len(order) - rollout_batch_size + 1, rollout_batch_size):
             yield [rows[j] for j in order[i:i + rollout_batch_size]]
+
+
+def timed(fn, *args, **kwargs):
+    """(fn's result, seconds it took)."""
+    t = time.time()
+    return fn(*args, **kwargs), time.time() - t
 
 
 def phase_peak_gb():
@@ -197,30 +257,40 @@ def main():
     world = accelerator.num_processes
 
     # ---- derived values and checks ----
+    def check(ok, message):
+        if not ok:
+            raise ValueError(message)
+
     samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     args.train_batch_size = args.train_batch_size or samples_per_step
-    if args.rollout_batch_size % world:
-        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
-    if samples_per_step % args.train_batch_size:
-        raise ValueError(f"rollout_batch_size * n_samples_per_prompt = {samples_per_step} must be a multiple of "
-                         f"--train_batch_size {args.train_batch_size}")
-    if args.train_batch_size % (args.micro_train_batch_size * world):
-        raise ValueError(f"--train_batch_size {args.train_batch_size} must be a multiple of --micro_train_batch_size "
-                         f"{args.micro_train_batch_size} x {world} processes")
+    check(args.rollout_batch_size % world == 0, f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
+    check(samples_per_step % args.train_batch_size == 0, f"rollout_batch_size * n_samples_per_prompt = {samples_per_step} "
+          f"must be a multiple of --train_batch_size {args.train_batch_size}")
+    check(args.train_batch_size % (args.micro_train_batch_size * world) == 0, f"--train_batch_size {args.train_batch_size} "
+          f"must be a multiple of --micro_train_batch_size {args.micro_train_batch_size} x {world} processes")
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
-    reuse_old_logprobs = args.max_epochs == 1 and args.train_batch_size == samples_per_step
-    if args.enable_engine_sleep and args.disable_engine_sleep:
-        raise ValueError("--enable_engine_sleep and --disable_engine_sleep contradict each other: pass one")
-    if world % args.engine_tp_size:
-        raise ValueError(f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
+    check(not (args.enable_engine_sleep and args.disable_engine_sleep),
+          "--enable_engine_sleep and --disable_engine_sleep contradict each other: pass one")
+    check(world % args.engine_tp_size == 0, f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
-    if args.reward_fn and args.remote_rm_url:
-        raise ValueError("--reward_fn and --remote_rm_url both given: pass one")
-    if args.advantage_estimator not in ADVANTAGE_ESTIMATORS or args.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, --loss_agg_mode one of {LOSS_AGG_MODES}")
+    check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
+    check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
+    check(args.advantage_estimator in ADVANTAGE_ESTIMATORS and args.loss_agg_mode in LOSS_AGG_MODES,
+          f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, --loss_agg_mode one of {LOSS_AGG_MODES}")
+    token_level = args.advantage_estimator in TOKEN_LEVEL
+    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the token rewards
+    use_cpg_loss = args.use_cpg_loss or args.advantage_estimator == "cpgd"
+    drift_coef = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 * (args.advantage_estimator == "cpgd")
+    # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
+    reuse_old_logprobs = args.max_epochs == 1 and args.train_batch_size == samples_per_step and not kl_in_reward
+    check(not args.freezing_actor_steps or args.advantage_estimator == "gae",
+          "--freezing_actor_steps trains the critic alone: it needs --advantage_estimator gae")
+    check(args.kl_target is None or kl_in_reward, "--kl_target adapts the KL penalty in the reward: use gae / reinforce / "
+          "reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss")
+    check(0.0 <= args.high_entropy_token_ratio <= 1.0, f"--high_entropy_token_ratio must be in [0, 1], got {args.high_entropy_token_ratio}")
+    check(0 <= args.overlong_buffer_len < args.generate_max_len,
+          f"--overlong_buffer_len must be in [0, --generate_max_len {args.generate_max_len})")
 
     accelerator.gradient_accumulation_steps = grad_accum  # before prepare(): DeepSpeed reads it there
     set_seed(args.seed, device_specific=True)
@@ -234,15 +304,20 @@ def main():
     log = MetricsLog(args.output_dir, enabled=accelerator.is_main_process, accelerator=accelerator)
 
     # ---- model, data, reward, optimizer, engine ----
-    reward_fn = (load_reward_fn(args.reward_fn) if args.reward_fn else
-                 remote_reward_fn(args.remote_rm_url) if args.remote_rm_url else answer_reward)
+    sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, accelerator.device,
+                             torch.bfloat16 if args.bf16 else None)
+    score_all = weighted_rewards(sources, args.reward_weights, args.reward_fallback)  # (prompts, completions, labels)
+    moments = RunningMoments() if args.normalize_reward else None
+
     model, tokenizer = load_model_and_tokenizer(args.pretrain)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     ref_model = None
-    if args.use_kl_loss:
+    if args.use_kl_loss or kl_in_reward:
         ref_model, _ = load_model_and_tokenizer(args.pretrain)
         ref_model.requires_grad_(False).eval().to(accelerator.device)
+    critic = load_value_model(args.critic_pretrain, actor=model) if args.advantage_estimator == "gae" else None
+    for net in [m for m in (model, critic) if m is not None] if args.gradient_checkpointing else []:
+        net.gradient_checkpointing_enable()
+    ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
 
     def load_rows(path):
         rows, skipped = load_prompt_rows(path, args.input_key, args.label_key)
@@ -256,22 +331,31 @@ def main():
         train_rows, eval_rows = load_rows(args.prompt_data), []
     if args.eval_data:
         eval_rows = load_rows(args.eval_data)
-    encoded = {}
+    ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size,
+                               accelerator.process_index, world) if args.pretrain_data else None
+    encoded = {}  # split -> [(prompt ids, label, prompt)]
     for split, rows in (("train", train_rows), ("eval", eval_rows)):
-        encoded[split] = [(encode_prompt(tokenizer, r["prompt"], args.apply_chat_template, args.system_prompt), r["label"],
-                           r["prompt"]) for r in rows]
-        skipped = sum(len(ids) > args.prompt_max_len for ids, _, _ in encoded[split])
-        encoded[split] = [row for row in encoded[split] if len(row[0]) <= args.prompt_max_len]
+        encoded[split], skipped = encode_rows(tokenizer, rows, args.prompt_max_len, args.apply_chat_template, args.system_prompt)
         if skipped:
             accelerator.print(f"[data] skipped {skipped} {split} prompts longer than --prompt_max_len {args.prompt_max_len}")
-    if len(encoded["train"]) < args.rollout_batch_size:
-        raise ValueError(f"{len(encoded['train'])} usable training prompts, fewer than --rollout_batch_size {args.rollout_batch_size}")
+    check(len(encoded["train"]) >= args.rollout_batch_size,
+          f"{len(encoded['train'])} usable training prompts, fewer than --rollout_batch_size {args.rollout_batch_size}")
     num_steps = min(args.max_steps, args.num_episodes * (len(encoded["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.actor_learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-    scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=math.ceil(args.lr_warmup_ratio * num_updates))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    def optimizer_and_scheduler(net, lr):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        return optimizer, get_scheduler("constant_with_warmup", optimizer,
+                                        num_warmup_steps=math.ceil(args.lr_warmup_ratio * num_updates))
+
+    model, optimizer, scheduler = accelerator.prepare(model, *optimizer_and_scheduler(model, args.actor_learning_rate))
+    if critic is not None:
+        critic, critic_optimizer, critic_scheduler = accelerator.prepare(
+            critic, *optimizer_and_scheduler(critic, args.critic_learning_rate))
+    trained = [(model, optimizer, scheduler, "grad_norm")]  # what each update steps: (model, optimizer, scheduler, log key)
+    if critic is not None:
+        trained.append((critic, critic_optimizer, critic_scheduler, "critic_grad_norm"))
+    kl_coef = args.init_kl_coef
     engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, args)
     rank, device = accelerator.process_index, accelerator.device
 
@@ -285,7 +369,7 @@ def main():
         def correct(ids, labels, prompts, temperature):
             gens = engine.generate(ids, args.generate_max_len, temperature=temperature) if ids else []
             completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
-            rewards, comps, _ = score(reward_fn, prompts, completions, labels, args.reward_fallback)
+            rewards, comps, _ = score_all(prompts, completions, labels)
             return comps["correct"] if "correct" in comps else [float(r > 0) for r in rewards]
 
         greedy = correct(*[list(col) for col in zip(*local)], 0.0) if local else []
@@ -309,95 +393,140 @@ def main():
                       f"grad_accum {grad_accum} | engine {type(engine).__name__} | bf16 {args.bf16}")
     first_eval = evaluate(0) if encoded["eval"] else None
     line_keys = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/reward/correct"),
-                 ("errors", "rollout/reward_errors"),
-                 ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"), ("kl", "train/kl"),
-                 ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
-                 ("gnorm", "train/grad_norm"), ("lp_diff", "rollout/logprob_diff_mean"),
+                 ("errors", "rollout/reward_errors"), ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"),
+                 ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
+                 ("gnorm", "train/grad_norm"), ("vloss", "train/value_loss"), ("lp_diff", "rollout/logprob_diff_mean"),
                  ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
                  ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]
 
-    data = batches(encoded["train"], args.rollout_batch_size, args.num_episodes, args.seed)
-    k = args.rollout_batch_size // world
+    data = batches(encoded["train"], args.rollout_batch_size, args.seed)
+    k, n = args.rollout_batch_size // world, args.n_samples_per_prompt
+    reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
     train_bytes = None  # extra GPU memory one update takes, measured each step
     for step in tqdm(range(1, num_steps + 1), desc="steps", disable=not accelerator.is_main_process):
         t0 = time.time()
         phase_peak_gb()
         # ---- rollout ----
-        batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay on one rank
-        prompt_ids = [ids for ids, _, _ in batch for _ in range(args.n_samples_per_prompt)]
-        labels = [label for _, label, _ in batch for _ in range(args.n_samples_per_prompt)]
-        prompts = [prompt for _, _, prompt in batch for _ in range(args.n_samples_per_prompt)]
-        t_wake = time.time()
-        engine.wake_up()  # the KV cache, if the engine slept
-        t_wake = time.time() - t_wake
-        generations = engine.generate(prompt_ids, args.generate_max_len, args.temperature, args.top_p)
-        t_gen = time.time() - t0 - t_wake
+        _, t_wake = timed(engine.wake_up)  # the KV cache, if the engine slept
+        kept, dropped, reward_errors = [], [], 0
+        for gen_round in range(1, args.max_num_gen_batches + 1):
+            batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay on one rank
+            ids, labels, prompts = ([row[j] for row in batch for _ in range(n)] for j in range(3))
+            generations = engine.generate(ids, args.generate_max_len, args.temperature, args.top_p)
+            completions = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
+            rewards, components, errors = score_all(prompts, completions, labels, args.strict_rewards)
+            if args.overlong_buffer_len:  # DAPO's soft overlong punishment
+                components["overlong"] = overlong_penalty([len(g.token_ids) for g in generations], args.generate_max_len,
+                                                          args.overlong_buffer_len, args.overlong_penalty_factor)
+                rewards = [r + p for r, p in zip(rewards, components["overlong"])]
+            reward_errors += errors
+            comps = [dict(zip(components, values)) for values in zip(*components.values())] or [{}] * len(rewards)
+            samples = list(zip(ids, labels, prompts, generations, completions, rewards, comps))
+            for i in range(0, len(samples), n):  # DAPO dynamic sampling keeps the groups whose rewards differ
+                informative = not args.dynamic_sampling or len({x[5] for x in samples[i:i + n]}) > 1
+                (kept if informative else dropped).append(samples[i:i + n])
+            if not args.dynamic_sampling or not reduce_sum(torch.tensor(float(len(kept) < k), device=device)):
+                break  # every rank has its k groups
+        num_filled = max(0, k - len(kept))  # generation rounds ran out: zero-variance groups fill the batch
+        samples = [x for group in kept[:k] + dropped[:num_filled] for x in group]
+        prompt_ids, labels, prompts, generations, completions, rewards, comps = map(list, zip(*samples))
+        components, t_gen = {name: [c.get(name, math.nan) for c in comps] for name in comps[0]}, time.time() - t0 - t_wake
         mem = {"perf/mem_generate_gb": phase_peak_gb()}
-        t_sleep = time.time()
-        slept = engine.sleep(needed_bytes=train_bytes)  # auto mode: only if training needs the memory
-        t_sleep = time.time() - t_sleep
+        slept, t_sleep = timed(engine.sleep, needed_bytes=train_bytes)  # auto mode: only if training needs the memory
 
-        # ---- rewards and advantages ----
-        completions = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
-        rewards, components, reward_errors = score(reward_fn, prompts, completions, labels,
-                                                   args.reward_fallback, args.strict_rewards)
+        # ---- rewards ----
         exp = build_experience(prompt_ids, generations, tokenizer.pad_token_id, device)
-        exp.rewards = torch.tensor(rewards, device=device)  # (B,)
-        exp.advantages = compute_advantages(exp.rewards, args.n_samples_per_prompt, args.advantage_estimator)  # (B,)
+        exp.rewards = torch.tensor(rewards, device=device, dtype=torch.float32)  # (B,)
+        if moments is not None:  # running normalisation over every rank's rewards
+            moments.update(accelerator.gather(exp.rewards).tolist())
+            exp.rewards = (exp.rewards - moments.mean) / (moments.std + 1e-8)
+        if args.reward_clip is not None:
+            exp.rewards = exp.rewards.clamp(-args.reward_clip, args.reward_clip)
+        scores = compute_advantages(exp.rewards, n, args.advantage_estimator)  # (B,) per sequence
 
-        # ---- logprobs: old (before the update) and reference ----
+        # ---- logprobs (old, reference), values, advantages ----
         t1 = time.time()
-        if not reuse_old_logprobs:
-            with accelerator.autocast():
+        with accelerator.autocast():
+            if not reuse_old_logprobs:
                 exp.old_logprobs = batched_logprobs(model, exp, args.micro_rollout_batch_size, args.temperature)
-        if ref_model is not None:
-            with accelerator.autocast():
+            if ref_model is not None:
                 exp.ref_logprobs = batched_logprobs(ref_model, exp, args.micro_rollout_batch_size, args.temperature)
+            if critic is not None:
+                exp.values = batched_values(critic, exp, args.micro_rollout_batch_size)  # (B, R)
         t_lp = time.time() - t1
         mem["perf/mem_logprob_gb"] = phase_peak_gb()
+        reward_kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_in_reward else None  # (B, R)
+        exp.advantages = scores  # (B,), or per token (B, R): score on the last token, KL penalty on all, returns or GAE
+        if token_level:
+            exp.advantages, exp.returns = token_level_advantages(scores, exp.action_mask, reward_kl, kl_coef, exp.values,
+                                                                 args.gamma, args.lambd, reduce_sum)
 
         # ---- update ----
         t2 = time.time()
         model.train()
-        if torch.cuda.is_available():  # the peak was just reset by phase_peak_gb()
-            mem_before = torch.cuda.memory_allocated()
-        sums, count, grad_norms = {}, 0, []
+        mem_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0  # the peak was just reset
+        frozen = step <= args.freezing_actor_steps  # PPO warm-up: only the critic learns
+        ratio = args.high_entropy_token_ratio
+        sums, count, grad_norms = {}, 0, {"grad_norm": [], "critic_grad_norm": []}
         for epoch in range(args.max_epochs):
             order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(args.seed * 100003 + step * 101 + epoch))
             for start in range(0, len(exp), rows_per_update):
                 chunk = exp.select(order[start:start + rows_per_update])  # one optimizer step's rows
-                num_tokens = accelerator.reduce(chunk.action_mask.sum().float(), "sum")  # the whole step's tokens
-                for mb in chunk.split(args.micro_train_batch_size):
-                    with accelerator.accumulate(model), accelerator.autocast():
-                        logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask,
-                                                              mb.action_mask.shape[1], args.temperature,
-                                                              with_entropy="grad" if args.entropy_coef else True)
+                micro_batches = chunk.split(args.micro_train_batch_size)
+                num_tokens = reduce_sum(chunk.action_mask.sum().float())  # the whole step's tokens
+                pg_tokens = num_tokens if not ratio else reduce_sum(torch.tensor(  # the tokens high_entropy_mask keeps
+                    float(sum(max(1, round(ratio * int(mb.action_mask.sum()))) for mb in micro_batches)), device=device))
+                for mb in micro_batches:
+                    with accelerator.accumulate(*[m for m in (model, critic) if m is not None]), accelerator.autocast():
+                        with torch.set_grad_enabled(not frozen):
+                            logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask,
+                                                                  mb.action_mask.shape[1], args.temperature,
+                                                                  with_entropy="grad" if args.entropy_coef else True)
                         old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
                         agg = dict(num_tokens=num_tokens, num_seqs=args.train_batch_size, max_len=args.generate_max_len)
-                        is_weights = None
-                        if args.tis_cap is not None:  # TIS: correct for the engine sampling from other numerics
-                            is_weights = torch.exp(old - mb.rollout_logprobs).clamp(max=args.tis_cap)  # (B, T)
-                        pg_loss, m = policy_loss(logprobs, old, mb.advantages, mb.action_mask, eps_low,
-                                                 args.loss_agg_mode, **agg, eps_clip_high=eps_high,
-                                                 dual_clip=args.dual_clip, use_gspo=args.use_gspo, is_weights=is_weights)
+                        # TIS: correct for the engine sampling from other numerics
+                        is_weights = (old - mb.rollout_logprobs).exp().clamp(max=args.tis_cap) if args.tis_cap else None
+                        pg_mask = high_entropy_mask(entropy, mb.action_mask, ratio) if ratio else mb.action_mask  # (B, T)
+                        pg_loss, m = policy_loss(logprobs, old, mb.advantages, pg_mask, eps_low, args.loss_agg_mode,
+                                                 **{**agg, "num_tokens": pg_tokens}, eps_clip_high=eps_high,
+                                                 dual_clip=args.dual_clip, use_gspo=args.use_gspo, is_weights=is_weights,
+                                                 use_cpg_loss=use_cpg_loss)
                         loss = pg_loss
                         if args.entropy_coef:
                             loss = loss - args.entropy_coef * aggregate_loss(entropy, mb.action_mask, args.loss_agg_mode, **agg)
-                        if ref_model is not None:
+                        if drift_coef:  # CPGD policy drift: KL(pi_old || pi) = E_old[r - 1 - log r], r = pi / pi_old
+                            drift = kl_estimate(old, logprobs, "k3")  # (B, T)
+                            loss = loss + drift_coef * aggregate_loss(drift, mb.action_mask, args.loss_agg_mode, **agg)
+                        if args.use_kl_loss:
                             kl = kl_estimate(logprobs, mb.ref_logprobs, args.kl_estimator)  # (B, T)
-                            kl_loss = aggregate_loss(kl, mb.action_mask, args.loss_agg_mode, **agg)
-                            loss = loss + args.init_kl_coef * kl_loss
+                            loss = loss + kl_coef * aggregate_loss(kl, mb.action_mask, args.loss_agg_mode, **agg)
                             m["kl"] = masked_mean(kl, mb.action_mask).item()
+                        if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
+                            enc = tokenizer(next(ptx_batches), return_tensors="pt", padding=True, truncation=True,
+                                            max_length=args.prompt_max_len).to(device)
+                            ptx_loss = lm_loss(model, enc["input_ids"], enc["attention_mask"])
+                            loss = loss + args.ptx_coef * ptx_loss / (grad_accum * world)
+                            m["ptx_loss"] = ptx_loss.item()
+                        if critic is not None:
+                            values = response_values(critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1])
+                            v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
+                                                args.loss_agg_mode, **agg)
+                            m["value_loss"] = v_loss.item() * grad_accum
+                            m["values"] = masked_mean(values.detach(), mb.action_mask).item()
+                            loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward serves both
                         if not torch.isfinite(loss):
                             raise FloatingPointError(f"non-finite loss at step {step}: lower --actor_learning_rate or use --bf16 false")
                         # Losses are normalised by the whole step's totals, so undo the mean that
                         # gradient accumulation and DDP each apply.
                         accelerator.backward(loss * grad_accum * world)
-                        if accelerator.sync_gradients:
-                            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_norm).item())
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad()
+                        for net, opt, sched, key in trained[frozen:]:  # the actor unless frozen, the critic
+                            if accelerator.sync_gradients:
+                                grad_norms[key].append(accelerator.clip_grad_norm_(net.parameters(), args.max_norm).item())
+                            opt.step()
+                            sched.step()
+                            opt.zero_grad()
+                        if ema is not None and accelerator.sync_gradients and not frozen:
+                            torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1.0 - args.ema_beta)
                     m["policy_loss"] = pg_loss.item() * grad_accum  # mean over micro-batches -> step loss
                     m["entropy"] = masked_mean(entropy.detach(), mb.action_mask).item()
                     if epoch == 0:
@@ -413,23 +542,23 @@ def main():
             mem["perf/mem_update_gb"] = phase_peak_gb()
 
         # ---- weight sync ----
-        t_sync = time.time()
-        engine.update_weights(accelerator.unwrap_model(model))
-        t_sync = time.time() - t_sync
+        _, t_sync = timed(engine.update_weights, accelerator.unwrap_model(model))
 
         # ---- log ----
-        r = exp.rewards
+        r = torch.tensor(rewards)  # as scored, before normalisation and clipping
         local = {"rollout/reward_mean": r.mean().item(), "rollout/reward_std": r.std().item() if len(r) > 1 else 0.0,
-                 "rollout/reward_errors": reward_errors,
+                 "rollout/reward_errors": reward_errors, "rollout/filled_groups": num_filled,
                  "rollout/response_length": exp.action_mask.sum(-1).float().mean().item(),
                  "rollout/truncated": sum(len(g.token_ids) >= args.generate_max_len for g in generations) / len(r)}
         local.update({f"rollout/reward/{k_}": float(np.nanmean(v)) for k_, v in components.items()})
-        local.update({f"train/{k_}": v / count for k_, v in sums.items() if not k_.startswith("logprob")})
-        local["train/grad_norm"] = sum(grad_norms) / len(grad_norms)  # per optimizer step, not per micro-batch
-        local.update({f"rollout/{k_}": v / count for k_, v in sums.items() if k_.startswith("logprob")})
-        per_rank = gather_object([local])  # dicts, so ranks may differ in reward components
-        metrics = {k_: float(np.nanmean([m[k_] for m in per_rank if k_ in m])) for k_ in per_rank[0]}
-        metrics["rollout/reward_errors"] = sum(m["rollout/reward_errors"] for m in per_rank)
+        local.update({("rollout/" if k_.startswith("logprob") else "train/") + k_: v / count for k_, v in sums.items()})
+        local.update({f"train/{k_}": sum(v) / len(v) for k_, v in grad_norms.items() if v})  # per optimizer step
+        if reward_kl is not None:
+            local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
+        metrics = gather_metrics(local, sum_keys=("rollout/reward_errors", "rollout/filled_groups"))
+        metrics.update({"rollout/generation_rounds": gen_round, "train/kl_coef": kl_coef})
+        if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["rollout/kl"], args.kl_target, args.kl_horizon, samples_per_step)
         metrics.update({"train/lr": scheduler.get_last_lr()[0], "perf/generate_s": t_gen, "perf/logprob_s": t_lp,
                         "perf/update_s": t_upd, "perf/weight_sync_s": t_sync, "perf/sleep_s": t_sleep,
                         "perf/wake_s": t_wake, "perf/engine_slept": float(slept), "perf/step_time_s": time.time() - t0})
@@ -439,16 +568,9 @@ def main():
         if step % args.logging_steps == 0:
             tqdm.write(MetricsLog.line(step, metrics, line_keys)) if accelerator.is_main_process else None
 
-        if args.log_samples_steps and step % args.log_samples_steps == 0 and accelerator.is_main_process:
-            samples = [{"step": step, "prompt": tokenizer.decode(p), "completion": c, "label": lab, "reward": rw}
-                       for p, c, lab, rw in list(zip(prompt_ids, completions, labels, rewards))[:4]]
-            with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(x) + "\n" for x in samples)
-            for x in samples[:2]:
-                tqdm.write(f"[sample] reward {x['reward']:.3g} | label {x['label']!r} | {x['completion'][:200]!r}")
-            if args.use_wandb:
-                accelerator.get_tracker("wandb").log_table("samples", columns=list(samples[0]),
-                                                           data=[list(x.values()) for x in samples], step=step)
+        if args.log_samples_steps and step % args.log_samples_steps == 0:
+            log.samples(step, [{"prompt": tokenizer.decode(p), "completion": c, "label": lab, "reward": rw}
+                               for p, c, lab, rw in list(zip(prompt_ids, completions, labels, rewards))[:4]])
         if args.plot_every and (step % args.plot_every == 0 or step == num_steps) and accelerator.is_main_process:
             write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
 
@@ -465,6 +587,9 @@ def main():
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         export_hf(accelerator.unwrap_model(model), tokenizer, os.path.join(args.output_dir, "model"), state_dict)
+        if ema is not None:  # the same architecture with the averaged weights
+            ema_state = {name: e.cpu() for (name, _), e in zip(accelerator.unwrap_model(model).named_parameters(), ema)}
+            export_hf(accelerator.unwrap_model(model), tokenizer, os.path.join(args.output_dir, "ema_model"), ema_state)
         if first_eval:
             print(f"[done] greedy accuracy {first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f} "
                   f"on {last_eval['eval/num_problems']} held-out problems; model in {args.output_dir}/model")

@@ -1,23 +1,30 @@
-"""Outcome-reward advantage estimators over groups of samples of the same prompt.
+"""Advantage estimators: per-sequence (group baselines) and per-token (returns, GAE), and whitening.
 
-rewards: (B,) with B = num_prompts * n and the n samples of a prompt contiguous. Each returns
-per-sequence advantages (B,), broadcast over the response tokens by the loss.
+rewards: (B,) with B = num_prompts * n and the n samples of a prompt contiguous.
+`compute_advantages` turns outcome rewards into per-sequence scores (B,):
 
     group_norm          (r - mean_g) / (std_g + eps)          GRPO (Shao et al. 2024)
     dr_grpo             r - mean_g                            Dr.GRPO (Liu et al. 2025): no std division
     rloo                r - mean of the other n-1 samples     RLOO (Ahmadian et al. 2024)
-    reinforce_baseline  (r - mean_g) / (std_batch + eps)      REINFORCE++-baseline (Hu et al. 2025)
+    cpgd                (r - mean_g) / (pstd_g + eps)         CPGD (Liu et al. 2025), population std
+    reinforce           r                                     REINFORCE++ (Hu et al. 2025)
+    reinforce_baseline  r - mean_g                            REINFORCE++-baseline
+    gae                 r                                     PPO (Schulman et al. 2017), with a critic
 
 std_g is the unbiased standard deviation of the group (torch.std, as GRPO implementations use).
+The last three are TOKEN_LEVEL: the score becomes the reward of the last response token, a
+per-token KL penalty can join it (`token_rewards`), and the advantages are discounted returns
+(REINFORCE++) or GAE, whitened over the whole global batch at token level (`whiten`).
 """
 
 import torch
 
-ADVANTAGE_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
+ADVANTAGE_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "cpgd", "reinforce", "reinforce_baseline", "gae")
+TOKEN_LEVEL = ("reinforce", "reinforce_baseline", "gae")
 
 
 def compute_advantages(rewards, n_samples_per_prompt, estimator="group_norm", eps=1e-6):
-    """Advantages (B,) from rewards (B,), groups of n_samples_per_prompt contiguous samples."""
+    """Per-sequence scores (B,) from rewards (B,), groups of n_samples_per_prompt contiguous samples."""
     n = n_samples_per_prompt
     if rewards.numel() % n:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {n}")
@@ -26,15 +33,88 @@ def compute_advantages(rewards, n_samples_per_prompt, estimator="group_norm", ep
     if estimator == "group_norm":
         std = grouped.std(-1, keepdim=True) if n > 1 else torch.zeros_like(mean)
         adv = (grouped - mean) / (std + eps)
-    elif estimator == "dr_grpo":
+    elif estimator == "cpgd":
+        adv = (grouped - mean) / (grouped.std(-1, keepdim=True, unbiased=False) + eps)
+    elif estimator in ("dr_grpo", "reinforce_baseline"):
         adv = grouped - mean
     elif estimator == "rloo":
         if n < 2:
             raise ValueError("rloo needs --n_samples_per_prompt >= 2")
         adv = grouped - (grouped.sum(-1, keepdim=True) - grouped) / (n - 1)
-    elif estimator == "reinforce_baseline":
-        centred = grouped - mean
-        adv = centred / (centred.std() + eps) if centred.numel() > 1 else centred
+    elif estimator in ("reinforce", "gae"):
+        adv = grouped
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
     return adv.view(-1)
+
+
+def token_rewards(scores, action_mask, kl=None, kl_coef=0.0):
+    """Per-token rewards (B, T): -kl_coef * kl_t on every response token, plus the sequence score on
+    its last token (the InstructGPT / PPO-RLHF reward shaping)."""
+    mask = action_mask.to(torch.float32)
+    rewards = torch.zeros_like(mask)  # (B, T)
+    last = (mask.sum(-1).long() - 1).clamp(min=0)  # (B,): index of the last response token
+    rewards.scatter_(1, last.unsqueeze(-1), scores.float().unsqueeze(-1))
+    if kl is not None:
+        rewards = rewards - kl_coef * kl.float() * mask
+    return rewards
+
+
+def discounted_returns(rewards, action_mask, gamma=1.0):
+    """G_t = r_t + gamma * G_{t+1} over the response tokens (B, T); 0 on padding."""
+    mask = action_mask.to(torch.float32)
+    returns, running = torch.zeros_like(mask), torch.zeros_like(mask[:, 0])
+    for t in reversed(range(mask.shape[1])):
+        running = rewards[:, t] * mask[:, t] + gamma * running * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def gae(rewards, values, action_mask, gamma=1.0, lambd=0.95):
+    """Generalised advantage estimation (Schulman et al. 2016): (advantages, returns), each (B, T).
+
+    delta_t = r_t + gamma V_{t+1} - V_t with V = 0 past the last response token;
+    A_t = delta_t + gamma lambd A_{t+1};  returns_t = A_t + V_t (the critic's regression target).
+    """
+    mask = action_mask.to(torch.float32)
+    values = values.float() * mask  # (B, T)
+    advantages, running = torch.zeros_like(mask), torch.zeros_like(mask[:, 0])
+    for t in reversed(range(mask.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < mask.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lambd * running) * mask[:, t]
+        advantages[:, t] = running
+    return advantages, advantages + values
+
+
+def whiten(x, action_mask, reduce=None, eps=1e-8):
+    """(x - mean) / std over every response token of the global batch; 0 on padding.
+
+    reduce: sums a tensor over data-parallel ranks (accelerator.reduce(t, "sum")); None for one
+    process. Population statistics, so splitting a batch over ranks changes nothing.
+    """
+    reduce = reduce or (lambda t: t)
+    mask = action_mask.to(torch.float32)
+    total = reduce(torch.stack([(x * mask).sum(), mask.sum()]))  # (2,)
+    mean = total[0] / total[1].clamp(min=1)
+    var = reduce(((x - mean).square() * mask).sum()) / total[1].clamp(min=1)
+    return (x - mean) / (var.sqrt() + eps) * mask
+
+
+def token_level_advantages(scores, action_mask, kl=None, kl_coef=0.0, values=None, gamma=1.0, lambd=0.95, reduce=None):
+    """(advantages, returns) (B, T) of the token-level estimators: per-token rewards, then GAE with the
+    critic's values (returns: its targets) or discounted returns (REINFORCE++; returns None), the
+    advantages whitened over the global batch."""
+    rewards = token_rewards(scores, action_mask, kl, kl_coef)  # (B, T)
+    if values is not None:
+        advantages, returns = gae(rewards, values, action_mask, gamma, lambd)
+    else:
+        advantages, returns = discounted_returns(rewards, action_mask, gamma), None
+    return whiten(advantages, action_mask, reduce), returns
+
+
+def adaptive_kl_coef(kl_coef, current_kl, kl_target, kl_horizon, n_steps):
+    """The adaptive KL controller of Ziegler et al. 2019: move kl_coef by at most +-20% x n_steps /
+    kl_horizon towards the value that makes the measured KL equal kl_target."""
+    error = min(max(current_kl / kl_target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_steps / kl_horizon)

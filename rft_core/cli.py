@@ -9,6 +9,9 @@ import os
 import textwrap
 import typing
 
+import numpy as np
+from tqdm import tqdm
+
 
 def _field_docs(cls):
     """The string literal under each field of a dataclass body: its documentation."""
@@ -42,12 +45,23 @@ def parse_args(cls, argv=None):
         help_text = f"{docs.get(f.name, '')} (default: {f.default})"
         if kind is bool:
             parser.add_argument(f"--{f.name}", type=_bool, nargs="?", const=True, default=f.default, help=help_text)
-        elif typing.get_origin(kind) is tuple:  # Tuple[float, float]: --name A B
-            parser.add_argument(f"--{f.name}", type=typing.get_args(kind)[0], nargs=len(typing.get_args(kind)),
+        elif typing.get_origin(kind) is tuple:  # Tuple[float, float]: --name A B; Tuple[float, ...]: one or more
+            items = typing.get_args(kind)
+            parser.add_argument(f"--{f.name}", type=items[0], nargs="+" if items[-1] is Ellipsis else len(items),
                                 default=f.default, help=help_text)
         else:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=help_text)
     return cls(**vars(parser.parse_args(argv)))
+
+
+def gather_metrics(local, sum_keys=()):
+    """Every rank's metrics dict merged: the mean over the ranks that have a key (NaN-aware), or the sum for sum_keys."""
+    from accelerate.utils import gather_object
+
+    per_rank = gather_object([local])  # dicts, so ranks may differ in keys (reward components)
+    keys = dict.fromkeys(k for m in per_rank for k in m)
+    return {k: sum(m[k] for m in per_rank if k in m) if k in sum_keys else float(np.nanmean([m[k] for m in per_rank if k in m]))
+            for k in keys}
 
 
 class MetricsLog:
@@ -67,6 +81,18 @@ class MetricsLog:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.accelerator is not None and self.accelerator.trackers:
             self.accelerator.log(metrics, step=step)
+
+    def samples(self, step, rows):
+        """Append sample rows (dicts) to samples.jsonl, print two, and log them as a wandb table if wandb is on."""
+        if not self.enabled or not rows:
+            return
+        with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "a") as f:
+            f.writelines(json.dumps({"step": step, **x}) + "\n" for x in rows)
+        for x in rows[:2]:
+            tqdm.write(f"[sample] reward {x['reward']:.3g} | label {x['label']!r} | {x['completion'][:200]!r}")
+        if self.accelerator is not None and any(t.name == "wandb" for t in self.accelerator.trackers):
+            self.accelerator.get_tracker("wandb").log_table("samples", columns=["step", *rows[0]],
+                                                            data=[[step, *x.values()] for x in rows], step=step)
 
     @staticmethod
     def line(step, metrics, keys):

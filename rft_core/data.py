@@ -71,14 +71,25 @@ def load_prompt_rows(path, input_key="prompt", label_key="label"):
             raise ValueError(f"--prompt_data {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, found {found or 'none'}")
         ds = datasets.load_dataset(found.pop(), data_files=[f for f in files if kinds.get(os.path.splitext(f)[1])], split="train")
     for key in (input_key, label_key):
-        if key not in ds.column_names:
+        if key is not None and key not in ds.column_names:
             raise KeyError(f"--prompt_data {path!r} has no column {key!r} (columns: {ds.column_names}); set --input_key / --label_key")
-    rows = [{"prompt": row[input_key], "label": "" if row[label_key] is None else str(row[label_key])} for row in ds
-            if _usable(row[input_key])]
+    rows = [{"prompt": row[input_key], "label": "" if label_key is None or row[label_key] is None else str(row[label_key])}
+            for row in ds if _usable(row[input_key])]
     if not rows:
         raise ValueError(f"--prompt_data {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
                          "(a non-empty string or a list of chat messages with role and content)")
     return rows, len(ds) - len(rows)
+
+
+def text_batches(path, key, batch_size, rank=0, world=1):
+    """Endless batches of this rank's texts from the column `key` of a data file (the ptx loss's data)."""
+    texts = [r["prompt"] for r in load_prompt_rows(path, key, None)[0] if isinstance(r["prompt"], str)]
+    if not texts:
+        raise ValueError(f"{path!r}: no text rows in column {key!r}")
+    texts = texts[rank::world] if len(texts) >= world else texts
+    while True:
+        for i in range(0, len(texts), batch_size):
+            yield texts[i:i + batch_size]
 
 
 def _usable(prompt):
@@ -86,6 +97,13 @@ def _usable(prompt):
         return bool(prompt.strip())
     return (isinstance(prompt, list) and len(prompt) > 0
             and all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in prompt))
+
+
+def encode_rows(tokenizer, rows, max_len, apply_chat_template=True, system_prompt=None):
+    """([(prompt ids, label, prompt)], number skipped for being longer than max_len tokens)."""
+    encoded = [(encode_prompt(tokenizer, r["prompt"], apply_chat_template, system_prompt), r["label"], r["prompt"]) for r in rows]
+    kept = [row for row in encoded if len(row[0]) <= max_len]
+    return kept, len(encoded) - len(kept)
 
 
 def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from rft_core.models import response_logprobs
+from rft_core.models import response_logprobs, response_values
 
 
 @dataclass
@@ -19,8 +19,10 @@ class Experience:
     rollout_logprobs: torch.Tensor  # (B, R): the engine's sampling logprobs
     old_logprobs: torch.Tensor = None  # (B, R): trainer logprobs before the update
     ref_logprobs: torch.Tensor = None  # (B, R): frozen reference model
+    values: torch.Tensor = None  # (B, R): the critic's V(s_t) before the update (gae)
+    returns: torch.Tensor = None  # (B, R): the critic's regression targets (gae)
     rewards: torch.Tensor = None  # (B,)
-    advantages: torch.Tensor = None  # (B,) per sequence, broadcast over tokens by the loss
+    advantages: torch.Tensor = None  # (B,) per sequence, broadcast over tokens by the loss, or (B, R) per token
 
     def __len__(self):
         return self.input_ids.shape[0]
@@ -42,8 +44,8 @@ class Experience:
         start = int(used[0]) if len(used) else 0  # first prompt column any row uses
         end = self.input_ids.shape[1] - num_actions + keep_r
         trimmed = {"input_ids": self.input_ids[:, start:end], "attention_mask": self.attention_mask[:, start:end]}
-        for key in ("action_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs"):
-            if getattr(self, key) is not None:
+        for key in ("action_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "returns", "advantages"):
+            if getattr(self, key) is not None and getattr(self, key).dim() == 2:
                 trimmed[key] = getattr(self, key)[:, :keep_r]
         return replace(self, **trimmed)
 
@@ -70,11 +72,23 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu"):
 
 
 @torch.no_grad()
-def batched_logprobs(model, experience, micro_batch_size, temperature=1.0):
-    """Response logprobs (B, R) of `model` over the whole experience, in micro-batches."""
+def batched_forward(experience, micro_batch_size, fn):
+    """fn(micro_batch) -> (b, r) per response token, over the whole experience in micro-batches: (B, R)."""
     out = torch.zeros_like(experience.rollout_logprobs)  # (B, R)
     for i, mb in enumerate(experience.split(micro_batch_size)):
-        logprobs, _ = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature)
+        values = fn(mb)  # (b, r), r <= R after trimming
         lo = i * micro_batch_size
-        out[lo:lo + len(mb), :logprobs.shape[1]] = logprobs * mb.action_mask
+        out[lo:lo + len(mb), :values.shape[1]] = values * mb.action_mask
     return out
+
+
+def batched_logprobs(model, experience, micro_batch_size, temperature=1.0):
+    """Response logprobs (B, R) of `model` over the whole experience, in micro-batches."""
+    return batched_forward(experience, micro_batch_size, lambda mb: response_logprobs(
+        model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature)[0])
+
+
+def batched_values(critic, experience, micro_batch_size):
+    """The critic's values (B, R) over the whole experience, in micro-batches."""
+    return batched_forward(experience, micro_batch_size, lambda mb: response_values(
+        critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1]))

@@ -13,6 +13,8 @@ totals over every micro-batch and data-parallel rank, so the per-micro-batch val
 *sum* to the full-batch loss, whatever the split (tests/test_losses.py checks this).
 """
 
+import math
+
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -67,7 +69,7 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator="k3"):
 
 def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, loss_agg_mode="token-mean",
                 num_tokens=None, num_seqs=None, max_len=None, eps_clip_high=None, dual_clip=None, use_gspo=False,
-                is_weights=None):
+                is_weights=None, use_cpg_loss=False):
     """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1-eps, 1+eps_high) A), with variants:
 
     eps_clip_high  clip-higher (DAPO): a wider upper bound than eps_clip, the lower one
@@ -75,6 +77,9 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, l
     use_gspo       GSPO (Zheng et al. 2025): the sequence-level ratio exp(mean_t log r_t) replaces r_t, with
                    the gradient of GSPO-token, sg(s_i) * grad log pi(y_t), so each token gets s_i's weight
     is_weights     per-token importance weights (detached), e.g. truncated IS against the rollout engine (TIS)
+    use_cpg_loss   CPGD's clipped policy gradient (Liu et al. 2025): -A * log pi with log pi clipped to
+                   log pi_old + [log(1-eps), log(1+eps_high)] on the side A pushes it; no ratio multiplies
+                   the gradient, which stays -A grad log pi inside the range and 0 outside
 
     logprobs, old_logprobs, action_mask: (B, T); advantages: (B, T) or (B,) broadcast over tokens.
     Returns (loss, metrics) with metrics detached: clip fraction and the k1 policy-vs-old KL.
@@ -90,6 +95,11 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, l
     surr1 = ratio * advantages
     surr2 = ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
     loss_mat = -torch.minimum(surr1, surr2)  # (B, T)
+    if use_cpg_loss:
+        upper = old_logprobs + math.log1p(high)  # (B, T)
+        lower = old_logprobs + math.log1p(-eps_clip)
+        clipped = torch.where(advantages > 0, torch.minimum(logprobs, upper), torch.maximum(logprobs, lower))
+        loss_mat = -advantages * clipped  # (B, T)
     if dual_clip is not None:
         loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, -dual_clip * advantages), loss_mat)
     if is_weights is not None:
@@ -101,6 +111,28 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, l
             "ppo_kl": masked_mean(-(logprobs - old_logprobs), action_mask).item(),
         }
     return loss, metrics
+
+
+def value_loss(values, old_values, returns, action_mask, value_clip=None, loss_agg_mode="token-mean",
+               num_tokens=None, num_seqs=None, max_len=None):
+    """PPO critic loss 0.5 (V - R)^2 (B, T) -> scalar; with value_clip c, the pessimistic
+    max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), as in OpenAI's PPO2 baselines."""
+    loss_mat = (values - returns).square()  # (B, T)
+    if value_clip is not None:
+        clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        loss_mat = torch.maximum(loss_mat, (clipped - returns).square())
+    return 0.5 * aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len)
+
+
+def high_entropy_mask(entropy, action_mask, ratio):
+    """Keep only the round(ratio * n) highest-entropy response tokens of the batch (at least one),
+    as in 'Beyond the 80/20 rule' (Wang et al. 2025): the forking tokens carry the learning signal.
+    entropy, action_mask: (B, T) -> mask (B, T)."""
+    flat = entropy.detach().float().masked_fill(action_mask == 0, float("-inf")).flatten()  # (B*T,)
+    k = max(1, round(ratio * int(action_mask.sum())))
+    keep = torch.zeros_like(flat)
+    keep[flat.topk(k).indices] = 1.0
+    return keep.view_as(entropy) * action_mask
 
 
 def entropy_from_logits(logits):

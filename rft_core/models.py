@@ -1,5 +1,6 @@
 """Model loading (HF directories and GGUF files, the embedded default) and token log-probabilities."""
 
+import copy
 import importlib.util
 import os
 
@@ -68,7 +69,7 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
     distribution the rollout sampled from. Returns logprobs (B, R) and, with_entropy "grad" (for an
     entropy bonus) or True (detached, for logging), the entropy (B, R); else None.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P+R): left padding aware
+    position_ids = _position_ids(attention_mask)
     # logits_to_keep: the LM head runs on the last R + 1 positions only, not on the prompt's
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=num_actions + 1).logits[:, :-1]  # (B, R, V): position t predicts t+1
@@ -80,6 +81,59 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
     with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
         entropy = entropy_from_logits(logits)  # (B, R)
     return logprobs, entropy
+
+
+def _position_ids(attention_mask):
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding aware
+
+
+def load_value_model(path=None, actor=None, dtype=torch.float32):
+    """A transformer with a scalar head `score` on every position (AutoModelForTokenClassification,
+    one label): the PPO critic, or a reward model.
+
+    From `path`, a sequence- or token-classification checkpoint (both name their head `score`, so
+    either loads; a missing bias starts at 0), or else from `actor`'s own weights with a zero head, so values start at 0.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    if path:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path!r}: not a model directory (a critic / reward model is an HF checkpoint)")
+        config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
+    else:
+        config = copy.deepcopy(actor.config)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
+        model.base_model.load_state_dict(actor.base_model.state_dict())
+        torch.nn.init.zeros_(model.score.weight)
+        if model.score.bias is not None:
+            torch.nn.init.zeros_(model.score.bias)
+    return model
+
+
+def response_values(model, input_ids, attention_mask, num_actions):
+    """Critic values V(s_t) of the state before each response token: (B, R), like response_logprobs."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_position_ids(attention_mask))
+    return out.logits[:, -num_actions - 1:-1, 0].float()  # (B, R)
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """Reward-model scores (B,): the head's output at each row's last attended token."""
+    values = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=_position_ids(attention_mask)).logits[..., 0]  # (B, L)
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(-1)  # (B,)
+    return values.gather(1, last.unsqueeze(-1)).squeeze(-1).float()
+
+
+def lm_loss(model, input_ids, attention_mask):
+    """Mean next-token cross-entropy over the attended tokens (the pretraining / ptx loss)."""
+    # a token is a target only if it and its predecessor are attended: with left padding, the first
+    # real token is not predicted from a pad
+    previous = torch.nn.functional.pad(attention_mask, (1, 0))[:, :-1]  # (B, L)
+    labels = input_ids.masked_fill((attention_mask == 0) | (previous == 0), -100)  # (B, L)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_position_ids(attention_mask),
+                 labels=labels, use_cache=False).loss
 
 
 def export_hf(model, tokenizer, path, state_dict=None):

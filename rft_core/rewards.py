@@ -4,8 +4,10 @@
 
 and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>).
 Built in: `answer_reward` (exact match in <answer></answer> plus a format term); yours come from
-`--reward_fn path/to/file.py:function` or a remote model at `--remote_rm_url`. `score` contains
-failures: a sample whose reward raises, is not finite or is missing gets the fallback and is counted.
+`--reward_fn path/to/file.py:function`, a remote model at `--remote_rm_url`, or local reward models
+(`reward_model_fn`). `score` contains failures: a sample whose reward raises, is not finite or is
+missing gets the fallback and is counted. Shaping: DAPO's `overlong_penalty`, and `RunningMoments`
+for running reward normalisation.
 """
 
 import importlib.util
@@ -119,6 +121,70 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     return fn
 
 
+def reward_model_fn(path, device="cpu", dtype=None, batch_size=32):
+    """A reward function scoring prompt + completion with the reward model at `path` (a sequence- or
+    token-classification checkpoint), in the reward model's own tokenizer and chat template."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rft_core.models import load_value_model, sequence_scores
+
+    model = load_value_model(path, dtype=dtype or torch.float32).to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+
+    def text(prompt, completion):
+        if isinstance(prompt, str):
+            return prompt + completion
+        if tokenizer.chat_template is None:
+            return "\n".join(m["content"] for m in prompt) + "\n" + completion
+        return tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+
+    @torch.no_grad()
+    def fn(prompts, completions, labels, **kwargs):
+        texts, scores = [text(p, c) for p, c in zip(prompts, completions)], []
+        for i in range(0, len(texts), batch_size):
+            enc = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            scores += sequence_scores(model, enc["input_ids"], enc["attention_mask"]).tolist()
+        return scores
+
+    return fn
+
+
+def overlong_penalty(lengths, max_len, buffer_len, factor=1.0):
+    """DAPO's soft overlong punishment (Yu et al. 2025): 0 up to max_len - buffer_len tokens, then
+    falling linearly to -factor at max_len."""
+    start = max_len - buffer_len
+    return [-factor * min(max(n - start, 0) / buffer_len, 1.0) for n in lengths]
+
+
+class RunningMoments:
+    """Mean and standard deviation of every reward seen so far, merged batch by batch (Chan et al.'s
+    parallel update), for running reward normalisation."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, values):
+        n = len(values)
+        mean = sum(values) / n
+        m2 = sum((v - mean) ** 2 for v in values)
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self):
+        return math.sqrt(self.m2 / self.count) if self.count else 1.0
+
+    def state_dict(self):
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state):
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
+
+
 def _rows(reward_fn, prompts, completions, labels):
     """One {component: value} dict per sample; raises if the output is malformed."""
     out = reward_fn(prompts, completions, labels)
@@ -157,6 +223,36 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
     rewards = [fallback if r is None else sum(r.values()) for r in rows]
     components = {k: [math.nan if r is None else r[k] for r in rows] for k in names}
     return rewards, components, sum(r is None for r in rows)
+
+
+def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None):
+    """A run's (name, fn) reward sources: "rule" (--reward_fn or --remote_rm_url; the built-in answer
+    reward when no source is given at all), then "rm0", "rm1"... for the comma-separated --reward_pretrain."""
+    rule = load_reward_fn(reward_fn) if reward_fn else remote_reward_fn(remote_rm_url) if remote_rm_url else None
+    models = reward_pretrain.split(",") if reward_pretrain else []
+    sources = [("rule", rule or answer_reward)] if rule or not models else []
+    return sources + [(f"rm{i}", reward_model_fn(path, device, dtype)) for i, path in enumerate(models)]
+
+
+def weighted_rewards(sources, weights=None, fallback=0.0):
+    """One scorer from several (name, reward_fn) sources: fn(prompts, completions, labels, strict) ->
+    (weighted sum, components, failures). The "rule" source's components keep their own names;
+    every other source is one component under its name."""
+    weights = weights or [1.0] * len(sources)
+    if len(weights) != len(sources):
+        raise ValueError(f"--reward_weights has {len(weights)} values for {len(sources)} reward sources "
+                         f"({', '.join(name for name, _ in sources)})")
+
+    def fn(prompts, completions, labels, strict=False):
+        total, components, errors = [0.0] * len(completions), {}, 0
+        for (name, reward_fn), weight in zip(sources, weights):
+            rewards, comps, errs = score(reward_fn, prompts, completions, labels, fallback, strict)
+            total = [t + weight * r for t, r in zip(total, rewards)]
+            components.update(comps if name == "rule" else {name: rewards})
+            errors += errs
+        return total, components, errors
+
+    return fn
 
 
 def pass_at_k(n, c, k):

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from rft_core.losses import LOSS_AGG_MODES, aggregate_loss, entropy_from_logits, kl_estimate, masked_mean, policy_loss
+from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, entropy_from_logits, high_entropy_mask, kl_estimate, masked_mean,
+                             policy_loss, value_loss)
 
 # 3 sequences of lengths 4, 2, 3 (padded to 4)
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 9.0, 9.0], [-1.0, 0.5, 2.5, 7.0]])
@@ -192,3 +193,75 @@ def test_importance_weights_scale_token_losses():
     weights = torch.tensor([[0.5, 1.0, 2.0]])
     loss, _ = policy_loss(logprobs, old, adv, mask, 0.2, "seq-mean-token-sum", is_weights=weights)
     assert loss.item() == pytest.approx(-(0.5 + 1.0 + 2.0))
+
+
+def test_cpg_loss_value_and_gradient():
+    """CPGD: per token -A * log pi, log pi clipped to log pi_old + [log(1-eps), log(1+eps_high)] on the side
+    A pushes it (up for A > 0, down for A < 0); gradient -A / n inside the range, 0 where clipped."""
+    lo, hi = 0.2, 0.28
+    logprobs = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.0, -2.0], [-0.9, -2.0, -0.1]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    loss, _ = policy_loss(logprobs, old, adv, mask, lo, "token-mean", eps_clip_high=hi, use_cpg_loss=True)
+    loss.backward()
+    n, expected, grad = int(mask.sum()), 0.0, torch.zeros(2, 3)
+    for i in range(2):
+        for t in range(3):
+            if not mask[i, t]:
+                continue
+            lp, o, a = logprobs[i, t].item(), old[i, t].item(), adv[i, t].item()
+            if a > 0:
+                clipped, active = min(lp, o + math.log(1 + hi)), lp < o + math.log(1 + hi)
+            else:
+                clipped, active = max(lp, o + math.log(1 - lo)), lp > o + math.log(1 - lo)
+            expected += -a * clipped / n
+            grad[i, t] = -a / n if active else 0.0
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert torch.allclose(logprobs.grad, grad)
+    assert (grad == 0).sum() >= 2  # the example does clip on both sides
+
+
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_value_loss_matches_naive(clip):
+    torch.manual_seed(5)
+    values, old, returns = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    total, n = 0.0, int(MASK.sum())
+    for i in range(3):
+        for t in range(4):
+            if MASK[i, t]:
+                v, vo, r = values[i, t].item(), old[i, t].item(), returns[i, t].item()
+                err = (v - r) ** 2
+                if clip is not None:
+                    err = max(err, (vo + min(max(v - vo, -clip), clip) - r) ** 2)
+                total += 0.5 * err / n
+    assert value_loss(values, old, returns, MASK, clip).item() == pytest.approx(total, rel=1e-5)
+
+
+def test_value_loss_split_invariance():
+    """Micro-batch value losses with the step's token total sum to the whole batch's loss."""
+    torch.manual_seed(6)
+    values, old, returns = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    whole = value_loss(values, old, returns, MASK, 0.2)
+    parts = sum(value_loss(values[i:i + 1], old[i:i + 1], returns[i:i + 1], MASK[i:i + 1], 0.2, num_tokens=MASK.sum())
+                for i in range(3))
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_high_entropy_mask():
+    entropy = torch.tensor([[0.1, 5.0, 0.3, 9.0], [2.0, 0.2, 7.0, 8.0], [1.0, 4.0, 3.0, 6.0]])
+    keep = high_entropy_mask(entropy, MASK, 0.4)  # 9 response tokens -> round(3.6) = 4 kept
+    flat = sorted(((entropy[i, t].item(), (i, t)) for i in range(3) for t in range(4) if MASK[i, t]), reverse=True)
+    want = torch.zeros(3, 4)
+    for _, (i, t) in flat[:4]:
+        want[i, t] = 1
+    assert torch.equal(keep, want.to(keep.dtype))  # padding (8.0 at [1, 3]) is never picked
+    assert high_entropy_mask(entropy, MASK, 0.0).sum() == 1  # at least one token
+    assert torch.equal(high_entropy_mask(entropy, MASK, 1.0), MASK.to(keep.dtype))
+
+
+def test_policy_drift_is_reverse_k3():
+    """CPGD's drift KL(pi_old || pi) from samples of pi_old: r - 1 - log r with r = pi / pi_old."""
+    lp, old = torch.tensor([[-1.0, -0.2]]), torch.tensor([[-1.5, -0.2]])
+    r = torch.exp(lp - old)
+    assert torch.allclose(kl_estimate(old, lp, "k3"), r - 1 - torch.log(r))

@@ -1,15 +1,15 @@
 import http.server
+import itertools
 import json
 import math
 import socket
 import threading
 
 import pytest
+import torch
 
-import itertools
-
-from rft_core.rewards import (answer_reward, load_reward_fn, math_label, math_reward, parse_answer, pass_at_k,
-                              remote_reward_fn, score)
+from rft_core.rewards import (RunningMoments, answer_reward, load_reward_fn, math_label, math_reward, overlong_penalty,
+                              parse_answer, pass_at_k, remote_reward_fn, reward_model_fn, score)
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [
@@ -155,3 +155,41 @@ def test_math_reward_is_equivalence_not_string_match():
     assert parts["correct"] == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     assert parts["format"] == pytest.approx([0.1, 0.1, 0.1, 0.0, 0.1, 0.0])
     assert load_reward_fn("math") is math_reward and load_reward_fn("answer") is answer_reward
+
+
+def test_overlong_penalty():
+    # max 10 tokens, buffer 4: free up to 6, then -1/4 per token down to -factor at 10
+    assert overlong_penalty([3, 6, 7, 8, 10], 10, 4, factor=2.0) == pytest.approx([0, 0, -0.5, -1.0, -2.0])
+
+
+def test_running_moments_match_concatenation():
+    batches = [[1.0, 2.0, 4.0], [0.5], [3.0, -1.0, 2.5, 7.0]]
+    m = RunningMoments()
+    for b in batches:
+        m.update(b)
+    allv = [v for b in batches for v in b]
+    mean = sum(allv) / len(allv)
+    assert m.mean == pytest.approx(mean)
+    assert m.std == pytest.approx(math.sqrt(sum((v - mean) ** 2 for v in allv) / len(allv)))
+    again = RunningMoments()
+    again.load_state_dict(m.state_dict())
+    assert (again.mean, again.std, again.count) == (m.mean, m.std, m.count)
+
+
+def test_reward_model_fn_scores_like_the_classifier(tiny_rm_dir):
+    """Scores equal the sequence classifier's own logits on the same text, in the RM's tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    fn = reward_model_fn(tiny_rm_dir, batch_size=2)
+    prompts = ["What is 2 + 2?", [{"role": "user", "content": "Name a colour."}], "Hi"]
+    completions = [" 4", "Blue, I think.", " there, how are you today?"]
+    got = fn(prompts, completions, ["", "", ""])
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_rm_dir)
+    texts = [prompts[0] + completions[0],
+             tok.apply_chat_template(prompts[1] + [{"role": "assistant", "content": completions[1]}], tokenize=False),
+             prompts[2] + completions[2]]
+    with torch.no_grad():
+        want = [rm(**tok(t, return_tensors="pt", add_special_tokens=False)).logits.item() for t in texts]
+    assert got == pytest.approx(want, abs=1e-5)
+    assert len(set(got)) == 3

@@ -4,10 +4,12 @@ embedded SmolLM2-135M for the README's acceptance command."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
@@ -71,6 +73,58 @@ def test_tiny_estimators_kl_and_epochs(tiny_model_dir, tmp_path, estimator, mode
     assert os.path.isdir(tmp_path / "checkpoint-2")
 
 
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "cpgd", "reinforce", "reinforce_baseline", "gae"])
+def test_every_estimator_three_steps(tiny_model_dir, tmp_path, chars_reward, estimator):
+    run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--advantage_estimator", estimator,
+         "--reward_fn", chars_reward, "--actor_learning_rate", "1e-3", "--output_dir", str(tmp_path)])
+    rows, _ = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["train/policy_loss"]) and r["train/grad_norm"] > 0 for r in rows)
+    if estimator in ("reinforce", "reinforce_baseline", "gae"):  # KL penalty in the reward: 0 before any update
+        assert rows[0]["rollout/kl"] == 0 and rows[2]["rollout/kl"] != 0
+    if estimator == "gae":
+        assert all(r["train/critic_grad_norm"] > 0 and math.isfinite(r["train/value_loss"]) for r in rows)
+
+
+def test_ppo_critic_warmup_and_adaptive_kl(tiny_model_dir, tmp_path, chars_reward):
+    run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--advantage_estimator", "gae", "--freezing_actor_steps", "1",
+         "--kl_target", "0.01", "--init_kl_coef", "0.1", "--kl_horizon", "100", "--reward_fn", chars_reward,
+         "--actor_learning_rate", "1e-3", "--output_dir", str(tmp_path)])
+    rows, _ = read_metrics(str(tmp_path))
+    assert "train/grad_norm" not in rows[0] and rows[0]["train/critic_grad_norm"] > 0  # the actor is frozen at step 1
+    assert rows[1]["train/grad_norm"] > 0
+    assert [r["train/kl_coef"] for r in rows][:2] == [0.1, pytest.approx(0.1 * (1 - 0.2 * 4 / 100))]  # KL 0 < target
+
+
+def test_dapo_reward_models_ema_ptx(tiny_model_dir, tiny_rm_dir, tmp_path, chars_reward):
+    """CPGD with dynamic sampling, high-entropy tokens, overlong shaping, a reward model weighted with a rule reward,
+    normalised and clipped rewards, an EMA actor and a pretraining loss, in one run."""
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text("\n".join(json.dumps({"text": f"The number {i} is {'even' if i % 2 == 0 else 'odd'}."}) for i in range(6)))
+    run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--advantage_estimator", "cpgd",
+         "--reward_fn", chars_reward, "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "0.5",
+         "--reward_clip", "3", "--normalize_reward", "--dynamic_sampling", "--high_entropy_token_ratio", "0.2",
+         "--overlong_buffer_len", "4", "--ema_beta", "0.9", "--pretrain_data", str(ptx), "--train_batch_size", "2",
+         "--actor_learning_rate", "1e-3", "--output_dir", str(tmp_path / "out")])
+    rows, _ = read_metrics(str(tmp_path / "out"))
+    assert len(rows) == 3
+    for r in rows:
+        assert {"rollout/reward/rm0", "rollout/reward/overlong", "train/ptx_loss"} <= set(r)
+        assert r["rollout/generation_rounds"] >= 1 and r["train/grad_norm"] > 0
+    from transformers import AutoModelForCausalLM
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model").state_dict()
+    ema = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "ema_model").state_dict()
+    init = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(ema[name], final[name]) and not torch.equal(ema[name], init[name])
+    # a constant reward: every group is dropped, every round runs, and dropped groups fill the batch
+    (tmp_path / "const.py").write_text("def const(p, c, l, **kw):\n    return [1.0] * len(c)\n")
+    run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--dynamic_sampling", "--max_num_gen_batches", "3",
+         "--reward_fn", f"{tmp_path / 'const.py'}:const", "--output_dir", str(tmp_path / "const")])
+    rows, _ = read_metrics(str(tmp_path / "const"))
+    assert rows[0]["rollout/generation_rounds"] == 3 and rows[0]["rollout/filled_groups"] == 2
+
+
 def test_policy_loss_variants(tiny_model_dir, tmp_path, chars_reward):
     """clip-higher, dual-clip, GSPO, TIS and an entropy bonus together, with two optimizer steps per rollout so ratios move."""
     run(["--pretrain", tiny_model_dir, *TINY, "--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3",
@@ -123,10 +177,18 @@ def test_prompt_file(tiny_model_dir, tmp_path):
     (["--micro_train_batch_size", "3"], "must be a multiple of --micro_train_batch_size 3"),
     (["--prompt_data", "/no/such/file.jsonl"], "no such file or directory"),
     (["--advantage_estimator", "ppo"], "--advantage_estimator must be one of"),
+    (["--freezing_actor_steps", "2"], "it needs --advantage_estimator gae"),
+    (["--kl_target", "0.1"], "--kl_target adapts the KL penalty in the reward"),
+    (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 reward sources"),
+    (["--high_entropy_token_ratio", "1.5"], "--high_entropy_token_ratio must be in [0, 1]"),
 ])
-def test_bad_config_errors(tiny_model_dir, tmp_path, extra, message):
-    proc = run(["--pretrain", tiny_model_dir, *TINY, *extra, "--output_dir", str(tmp_path)], check=False)
-    assert proc.returncode != 0 and message in proc.stderr
+def test_bad_config_errors(tiny_model_dir, tmp_path, extra, message, monkeypatch):
+    """In-process (the checks run before any training), so each case costs no interpreter start."""
+    import train_ppo
+
+    monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--pretrain", tiny_model_dir, *TINY, *extra, "--output_dir", str(tmp_path)])
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
+        train_ppo.main()
 
 
 def test_default_model_two_steps(tmp_path):

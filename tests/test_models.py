@@ -1,0 +1,43 @@
+"""The critic / reward-model head, and the ptx loss, against transformers' own outputs."""
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from rft_core.models import lm_loss, load_value_model, response_values, sequence_scores
+
+
+def test_critic_from_actor(tiny_model_dir):
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    critic = load_value_model(actor=actor)
+    assert all(torch.equal(a, c) for a, c in zip(actor.base_model.state_dict().values(),
+                                                 critic.base_model.state_dict().values()))
+    ids = torch.randint(5, 100, (2, 7))
+    mask = torch.ones_like(ids)
+    assert response_values(critic, ids, mask, 3).abs().max() == 0  # zero head: values start at 0
+    torch.nn.init.normal_(critic.score.weight)
+    values = response_values(critic, ids, mask, 3)  # (2, 3): the states before the last 3 tokens
+    hidden = actor.base_model(input_ids=ids).last_hidden_state
+    want = critic.score(hidden)[:, -4:-1, 0]
+    assert values.shape == (2, 3) and torch.allclose(values, want, atol=1e-5)
+
+
+def test_sequence_scores_padding_invariant(tiny_rm_dir):
+    """A left-padded row scores like the same row unpadded, and like the classifier itself."""
+    rm = load_value_model(tiny_rm_dir).eval()
+    reference = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir).eval()
+    ids = torch.randint(5, 100, (1, 6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
+    with torch.no_grad():
+        alone = sequence_scores(rm, ids, torch.ones_like(ids))
+        assert torch.allclose(alone, sequence_scores(rm, padded, mask), atol=1e-5)
+        assert torch.allclose(alone, reference(ids).logits[:, 0], atol=1e-5)
+
+
+def test_lm_loss_ignores_padding(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(5, 100, (1, 6))
+    want = model(input_ids=ids, labels=ids).loss
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
+    assert torch.allclose(lm_loss(model, padded, mask), want, atol=1e-5)
