@@ -22,6 +22,7 @@ eval/checkpoint. Where it departs from the papers:
   the same when --micro_train_batch_size covers the optimizer step).
 """
 
+import contextlib
 import itertools
 import json
 import math
@@ -42,14 +43,16 @@ from rft_core.advantages import (ADVANTAGE_ESTIMATORS, TOKEN_LEVEL, adaptive_kl_
                                   token_level_advantages)
 from rft_core.cli import MetricsLog, gather_metrics, parse_args
 from rft_core.data import BUILTIN_TASKS, arithmetic_task, encode_rows, load_prompt_rows, text_batches
+from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rft_core.engine import create_engine
+from rft_core.evaluation import evaluate
 from rft_core.experience import batched_logprobs, batched_values, build_experience
 from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, high_entropy_mask, kl_estimate, masked_mean, policy_loss,
                              value_loss)
 from rft_core.models import (export_hf, lm_loss, load_model_and_tokenizer, load_value_model, response_logprobs,
                              response_values)
 from rft_core.plots import write_plots
-from rft_core.rewards import RunningMoments, overlong_penalty, pass_at_k, reward_sources, weighted_rewards
+from rft_core.rewards import RunningMoments, overlong_penalty, reward_sources, weighted_rewards
 
 
 @dataclass
@@ -201,6 +204,12 @@ class Args:
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank instead of every weight (0: full fine-tuning); vLLM gets the merged weights"""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (the update is alpha / rank * B A)"""
+    target_modules: str = "all-linear"
+    """modules that get adapters: all-linear, or comma-separated names such as q_proj,v_proj"""
     # ---- outputs ----
     seed: int = 0
     """seed for data order, sampling and the built-in task"""
@@ -211,7 +220,13 @@ class Args:
     eval_steps: int = 0
     """greedy held-out eval every this many steps (always at step 0 and at the end; 0: only those)"""
     save_steps: int = 0
-    """accelerator.save_state every this many steps (0: never)"""
+    """checkpoint every this many steps (0: never): models, optimizers, schedulers, RNG states, data position"""
+    max_ckpt_num: int = 3
+    """keep only the newest this many checkpoints"""
+    no_resume: bool = False
+    """start afresh even when output_dir holds a checkpoint (default: resume from the latest one)"""
+    save_hf_steps: int = 0
+    """also export the model with save_pretrained to output_dir/hf-step-N every this many steps (0: only at the end)"""
     use_wandb: bool = False
     """log to Weights & Biases through accelerate (WANDB_MODE=offline works without a network)"""
     wandb_project: str = "rft"
@@ -301,7 +316,9 @@ def main():
     if trackers:  # scalars and strings only: TensorBoard's hparams refuse None
         accelerator.init_trackers(args.wandb_project, config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
                                                               for k, v in asdict(args).items()})
-    log = MetricsLog(args.output_dir, enabled=accelerator.is_main_process, accelerator=accelerator)
+    resume_from = None if args.no_resume else latest_checkpoint(args.output_dir)
+    log = MetricsLog(args.output_dir, enabled=accelerator.is_main_process, accelerator=accelerator,
+                     keep_until=int(resume_from.rsplit("-", 1)[1]) if resume_from else None)
 
     # ---- model, data, reward, optimizer, engine ----
     sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, accelerator.device,
@@ -310,8 +327,12 @@ def main():
     moments = RunningMoments() if args.normalize_reward else None
 
     model, tokenizer = load_model_and_tokenizer(args.pretrain)
+    if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
+        from peft import LoraConfig, get_peft_model
+        targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets))
     ref_model = None
-    if args.use_kl_loss or kl_in_reward:
+    if (args.use_kl_loss or kl_in_reward) and not args.lora_rank:
         ref_model, _ = load_model_and_tokenizer(args.pretrain)
         ref_model.requires_grad_(False).eval().to(accelerator.device)
     critic = load_value_model(args.critic_pretrain, actor=model) if args.advantage_estimator == "gae" else None
@@ -359,39 +380,38 @@ def main():
     engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, args)
     rank, device = accelerator.process_index, accelerator.device
 
-    def evaluate(step):
-        """Greedy accuracy (and pass@k) on the held-out prompts, each rank scoring its shard.
-
-        A sample counts as correct by the reward's "correct" component if it has one, else reward > 0."""
-        local, n = encoded["eval"][rank::world], args.eval_n_samples
-        engine.wake_up()
-
-        def correct(ids, labels, prompts, temperature):
-            gens = engine.generate(ids, args.generate_max_len, temperature=temperature) if ids else []
-            completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
-            rewards, comps, _ = score_all(prompts, completions, labels)
-            return comps["correct"] if "correct" in comps else [float(r > 0) for r in rewards]
-
-        greedy = correct(*[list(col) for col in zip(*local)], 0.0) if local else []
-        sums = [sum(greedy), len(local), 0.0, 0.0]
-        if n > 1:
-            rep = [row for row in local for _ in range(n)]
-            sampled = correct(*[list(col) for col in zip(*rep)], args.temperature) if rep else []
-            hits = [int(sum(sampled[i * n:(i + 1) * n])) for i in range(len(local))]
-            sums[2:] = [sum(pass_at_k(n, c, 1) for c in hits), sum(pass_at_k(n, c, n) for c in hits)]
-        totals = accelerator.reduce(torch.tensor(sums, device=device, dtype=torch.float64), "sum").tolist()
-        metrics = {"eval/accuracy": totals[0] / totals[1], "eval/num_problems": int(totals[1])}
-        if n > 1:
-            metrics.update({"eval/pass@1": totals[2] / totals[1], f"eval/pass@{n}": totals[3] / totals[1]})
+    def run_eval(step):
+        metrics = evaluate(engine, tokenizer, encoded["eval"], score_all, accelerator, args.generate_max_len,
+                           args.eval_n_samples, args.temperature)
         log.write(step, metrics)
+        n = args.eval_n_samples
         accelerator.print(f"[eval] step {step} | greedy accuracy {metrics['eval/accuracy']:.3f} on "
                           f"{metrics['eval/num_problems']} held-out problems" +
                           (f" | pass@1 {metrics['eval/pass@1']:.3f} | pass@{n} {metrics[f'eval/pass@{n}']:.3f}" if n > 1 else ""))
         return metrics
 
+    def export(path):
+        state_dict = accelerator.get_state_dict(model)  # collective: gathers sharded weights
+        if accelerator.is_main_process:
+            export_hf(accelerator.unwrap_model(model), tokenizer, path, state_dict)
+
+    # ---- resume ----
+    data, drawn, start, first_eval = batches(encoded["train"], args.rollout_batch_size, args.seed), 0, 0, None
+    if resume_from:
+        state, tensors = load_checkpoint(accelerator, resume_from)  # models, optimizers, schedulers, RNG
+        start, drawn, kl_coef, first_eval = state["step"], state["batches_drawn"], state["kl_coef"], state["first_eval"]
+        for _ in range(drawn):  # the data stream where it stopped
+            next(data)
+        if moments is not None:
+            moments.load_state_dict(state["moments"])
+        if ema is not None:
+            ema = tensors["ema"]
+        engine.update_weights(accelerator.unwrap_model(model))
+        accelerator.print(f"[resume] from {resume_from}: step {start}")
     accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "
                       f"grad_accum {grad_accum} | engine {type(engine).__name__} | bf16 {args.bf16}")
-    first_eval = evaluate(0) if encoded["eval"] else None
+    if encoded["eval"] and not resume_from:
+        first_eval = run_eval(0)
     line_keys = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/reward/correct"),
                  ("errors", "rollout/reward_errors"), ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"),
                  ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
@@ -399,18 +419,18 @@ def main():
                  ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
                  ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]
 
-    data = batches(encoded["train"], args.rollout_batch_size, args.seed)
     k, n = args.rollout_batch_size // world, args.n_samples_per_prompt
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
     train_bytes = None  # extra GPU memory one update takes, measured each step
-    for step in tqdm(range(1, num_steps + 1), desc="steps", disable=not accelerator.is_main_process):
+    for step in tqdm(range(start + 1, num_steps + 1), desc="steps", initial=start, total=num_steps,
+                     disable=not accelerator.is_main_process):
         t0 = time.time()
         phase_peak_gb()
         # ---- rollout ----
         _, t_wake = timed(engine.wake_up)  # the KV cache, if the engine slept
         kept, dropped, reward_errors = [], [], 0
         for gen_round in range(1, args.max_num_gen_batches + 1):
-            batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay on one rank
+            batch, drawn = next(data)[rank * k:(rank + 1) * k], drawn + 1  # this rank's prompts: whole groups stay together
             ids, labels, prompts = ([row[j] for row in batch for _ in range(n)] for j in range(3))
             generations = engine.generate(ids, args.generate_max_len, args.temperature, args.top_p)
             completions = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
@@ -449,8 +469,9 @@ def main():
         with accelerator.autocast():
             if not reuse_old_logprobs:
                 exp.old_logprobs = batched_logprobs(model, exp, args.micro_rollout_batch_size, args.temperature)
-            if ref_model is not None:
-                exp.ref_logprobs = batched_logprobs(ref_model, exp, args.micro_rollout_batch_size, args.temperature)
+            if args.use_kl_loss or kl_in_reward:  # with LoRA the reference is the base: the adapters switched off
+                with accelerator.unwrap_model(model).disable_adapter() if args.lora_rank else contextlib.nullcontext():
+                    exp.ref_logprobs = batched_logprobs(ref_model or model, exp, args.micro_rollout_batch_size, args.temperature)
             if critic is not None:
                 exp.values = batched_values(critic, exp, args.micro_rollout_batch_size)  # (B, R)
         t_lp = time.time() - t1
@@ -576,17 +597,21 @@ def main():
 
         # ---- eval and checkpoint ----
         if args.eval_steps and step % args.eval_steps == 0 and step != num_steps and encoded["eval"]:
-            evaluate(step)
-        if args.save_steps and step % args.save_steps == 0:
-            accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{step}"))
+            run_eval(step)
+        if args.save_steps and step % args.save_steps == 0:  # atomic: `latest` names only complete checkpoints
+            state = {"batches_drawn": drawn, "kl_coef": kl_coef, "first_eval": first_eval,
+                     "moments": moments.state_dict() if moments is not None else None}
+            save_checkpoint(accelerator, args.output_dir, step, state, {"ema": ema} if ema is not None else None,
+                            args.max_ckpt_num)
+        if args.save_hf_steps and step % args.save_hf_steps == 0:
+            export(os.path.join(args.output_dir, f"hf-step-{step}"))
 
-    last_eval = evaluate(num_steps) if encoded["eval"] else None
+    last_eval = run_eval(num_steps) if encoded["eval"] else None
     if args.plot_every and accelerator.is_main_process:  # the curves again, with the final eval point
         write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
+    export(os.path.join(args.output_dir, "model"))
     if accelerator.is_main_process:
-        export_hf(accelerator.unwrap_model(model), tokenizer, os.path.join(args.output_dir, "model"), state_dict)
         if ema is not None:  # the same architecture with the averaged weights
             ema_state = {name: e.cpu() for (name, _), e in zip(accelerator.unwrap_model(model).named_parameters(), ema)}
             export_hf(accelerator.unwrap_model(model), tokenizer, os.path.join(args.output_dir, "ema_model"), ema_state)

@@ -68,12 +68,18 @@ class MetricsLog:
     """Appends one JSON object per row to OUTPUT_DIR/metrics.jsonl (and to the accelerate trackers)
     and formats the console line."""
 
-    def __init__(self, output_dir, enabled=True, accelerator=None):
+    def __init__(self, output_dir, enabled=True, accelerator=None, keep_until=None):
+        """keep_until: a resumed run's checkpoint step; rows up to it are kept, later ones (logged
+        after that checkpoint by the run that died) dropped. None: start a new file."""
         self.enabled = enabled
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
         if enabled:
-            open(self.path, "w").close()
+            kept = []
+            if keep_until is not None and os.path.exists(self.path):
+                kept = [line for line in open(self.path) if line.strip() and json.loads(line)["step"] <= keep_until]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
 
     def write(self, step, metrics):
         if self.enabled:

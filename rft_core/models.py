@@ -136,11 +136,31 @@ def lm_loss(model, input_ids, attention_mask):
                  labels=labels, use_cache=False).loss
 
 
+@torch.no_grad()
+def merged_state_dict(model, state_dict=None):
+    """The weights to serve: a LoRA (peft) model's adapters merged into its base weights, under the
+    base model's parameter names, without touching the live model; a plain model's state dict as is."""
+    state = dict(state_dict if state_dict is not None else model.state_dict())
+    if not hasattr(model, "peft_config"):
+        return state
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        key = f"{name}.base_layer.weight"
+        if isinstance(module, LoraLayer) and key in state:
+            state[key] = state[key] + module.get_delta_weight(module.active_adapters[0]).to(state[key].dtype)
+    return {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k}
+
+
 def export_hf(model, tokenizer, path, state_dict=None):
-    """save_pretrained for model and tokenizer: loadable by transformers and vLLM.
+    """save_pretrained for model and tokenizer: loadable by transformers and vLLM. A LoRA model is
+    saved merged, with its adapter alone in path/adapter.
 
     state_dict: the full weights when the live model is sharded (accelerator.get_state_dict).
     """
     os.makedirs(path, exist_ok=True)
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(os.path.join(path, "adapter"))
+        model, state_dict = model.get_base_model(), merged_state_dict(model, state_dict)
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)

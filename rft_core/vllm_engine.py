@@ -23,6 +23,7 @@ import socket
 import torch
 
 from rft_core.engine import Generation
+from rft_core.models import merged_state_dict
 
 WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # torch.compile, FSDP, ckpt
 
@@ -63,7 +64,7 @@ def iter_weights(model, dtype):
     ZeRO-3 / FSDP2: this is the one place that must gather instead (one layer at a time, with
     deepspeed.zero.GatheredParameters or DTensor.full_tensor), never the whole model at once.
     """
-    for name, tensor in model.state_dict().items():
+    for name, tensor in merged_state_dict(model).items():  # LoRA: the adapters merged in
         yield vllm_param_name(name), tensor.detach().to(dtype)
 
 

@@ -41,3 +41,26 @@ def test_lm_loss_ignores_padding(tiny_model_dir):
     padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
     assert torch.allclose(lm_loss(model, padded, mask), want, atol=1e-5)
+
+
+def test_merged_state_dict_matches_peft_merge(tiny_model_dir):
+    """LoRA weights for vLLM / export: the adapters merged under the base names, the live model untouched."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from rft_core.models import merged_state_dict
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # B starts at 0: make the delta non-zero
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = merged_state_dict(model)
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == want.keys()
+    assert all(torch.allclose(merged[k], want[k], atol=1e-6) for k in want)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

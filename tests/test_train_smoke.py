@@ -5,8 +5,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -70,7 +72,7 @@ def test_tiny_estimators_kl_and_epochs(tiny_model_dir, tmp_path, estimator, mode
     assert steps_rows[0]["train/grad_norm"] > 0
     assert steps_rows[1]["train/kl"] > 0  # the policy has moved away from the reference
     assert any(r["train/ppo_kl"] != 0 for r in steps_rows)  # later updates see ratios != 1
-    assert os.path.isdir(tmp_path / "checkpoint-2")
+    assert os.path.isfile(tmp_path / "checkpoint-2" / "trainer_state.json") and (tmp_path / "latest").read_text() == "checkpoint-2"
 
 
 @pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "cpgd", "reinforce", "reinforce_baseline", "gae"])
@@ -123,6 +125,25 @@ def test_dapo_reward_models_ema_ptx(tiny_model_dir, tiny_rm_dir, tmp_path, chars
          "--reward_fn", f"{tmp_path / 'const.py'}:const", "--output_dir", str(tmp_path / "const")])
     rows, _ = read_metrics(str(tmp_path / "const"))
     assert rows[0]["rollout/generation_rounds"] == 3 and rows[0]["rollout/filled_groups"] == 2
+
+
+def test_lora(tiny_model_dir, tmp_path, chars_reward):
+    """LoRA: only adapters train; the reference is the base (adapters off), so the KL penalty starts at 0
+    and grows; the export is the merged model plus the adapter, and the two agree."""
+    run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--lora_rank", "4", "--advantage_estimator", "reinforce",
+         "--reward_fn", chars_reward, "--actor_learning_rate", "1e-2", "--output_dir", str(tmp_path)])
+    rows, _ = read_metrics(str(tmp_path))
+    assert rows[0]["rollout/kl"] == 0 and rows[2]["rollout/kl"] != 0
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    via_adapter = PeftModel.from_pretrained(base, tmp_path / "model" / "adapter").merge_and_unload().state_dict()
+    assert all(torch.allclose(merged[k], via_adapter[k], atol=1e-6) for k in merged)
+    untouched = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(merged[name], untouched[name])
+    assert torch.equal(merged["model.norm.weight"], untouched["model.norm.weight"])  # not a LoRA target: frozen
 
 
 def test_policy_loss_variants(tiny_model_dir, tmp_path, chars_reward):
@@ -260,3 +281,45 @@ def test_observability(tiny_model_dir, tmp_path):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1] * 4 + [2] * 4
     assert {"prompt", "completion", "label", "reward"} <= set(samples[0])
+
+
+BLOCKING_REWARD = """import os, time
+def chars(p, completions, l, **kw):
+    if os.environ.get("BLOCK_AFTER") and os.path.isdir(os.environ["BLOCK_AFTER"]):
+        time.sleep(600)  # the test kills the run here, in step 3, after checkpoint-2 is complete
+    return [len(c) / 10 for c in completions]
+"""
+
+
+def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    """Killed with SIGKILL during step 3 and resumed from checkpoint-2, a run logs the same steps 3 and 4
+    as an uninterrupted run with the same seed (everything but timings); each step once in metrics.jsonl."""
+    (tmp_path / "rw.py").write_text(BLOCKING_REWARD)
+    args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "4", "--save_steps", "2", "--max_ckpt_num", "1",
+            "--reward_fn", f"{tmp_path}/rw.py:chars", "--actor_learning_rate", "1e-3", "--ema_beta", "0.5"]
+    run([*args, "--output_dir", str(tmp_path / "straight")])
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", "BLOCK_AFTER": str(killed / "checkpoint-2")}
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ppo.py"), *args, "--output_dir", str(killed)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "latest").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(2)  # now inside step 3's reward
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and (killed / "latest").read_text() == "checkpoint-2"
+    assert not (killed / "model").exists()
+    run([*args, "--output_dir", str(killed)])  # resumes from checkpoint-2
+    straight, _ = read_metrics(str(tmp_path / "straight"))
+    resumed, evals = read_metrics(str(killed))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and [r["step"] for r in evals] == [0, 4]
+    for a, b in zip(straight[2:], resumed[2:]):
+        assert {k: v for k, v in a.items() if not k.startswith("perf/")} == {k: v for k, v in b.items() if not k.startswith("perf/")}
+    assert [os.path.basename(c) for c in sorted(killed.glob("checkpoint-*"))] == ["checkpoint-4"]  # --max_ckpt_num 1
+    import torch
+    from transformers import AutoModelForCausalLM
+    for name in ("model", "ema_model"):
+        a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / name).state_dict()
+        b = AutoModelForCausalLM.from_pretrained(killed / name).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
