@@ -23,11 +23,9 @@ eval/checkpoint. Where it departs from the papers:
 """
 
 import contextlib
-import itertools
 import json
 import math
 import os
-import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Tuple
@@ -41,8 +39,8 @@ from transformers import get_scheduler
 
 from rft_core.advantages import (ADVANTAGE_ESTIMATORS, TOKEN_LEVEL, adaptive_kl_coef, compute_advantages,
                                   token_level_advantages)
-from rft_core.cli import MetricsLog, gather_metrics, parse_args
-from rft_core.data import BUILTIN_TASKS, arithmetic_task, encode_rows, load_prompt_rows, text_batches
+from rft_core.cli import MetricsLog, gather_metrics, parse_args, phase_peak_gb, timed
+from rft_core.data import BUILTIN_TASKS, arithmetic_task, batches, encode_rows, load_prompt_rows, text_batches
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rft_core.engine import create_engine
 from rft_core.evaluation import evaluate
@@ -237,30 +235,6 @@ class Args:
     """every this many steps, print a few prompt / completion / reward rows and append them to samples.jsonl"""
     plot_every: int = 0
     """every this many steps and at the end, write curves.png and gen_len.png to output_dir (0: never)"""
-
-
-def batches(rows, rollout_batch_size, seed):
-    """Global prompt batches, reshuffled every episode (identically on every rank), without end."""
-    for episode in itertools.count():
-        order = list(range(len(rows)))
-        random.Random(seed + episode).shuffle(order)
-        for i in range(0, len(order) - rollout_batch_size + 1, rollout_batch_size):
-            yield [rows[j] for j in order[i:i + rollout_batch_size]]
-
-
-def timed(fn, *args, **kwargs):
-    """(fn's result, seconds it took)."""
-    t = time.time()
-    return fn(*args, **kwargs), time.time() - t
-
-
-def phase_peak_gb():
-    """Peak GPU memory allocated since the previous call, in GiB; resets the peak (0 without CUDA)."""
-    if not torch.cuda.is_available():
-        return 0.0
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.reset_peak_memory_stats()
-    return peak
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Flags from a dataclass (each field's docstring is its --help) and the metrics log."""
+"""Flags from a dataclass (each field's docstring is its --help), the metrics log, and timing / memory probes."""
 
 import argparse
 import ast
@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import textwrap
+import time
 import typing
 
 import numpy as np
@@ -52,6 +53,23 @@ def parse_args(cls, argv=None):
         else:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=help_text)
     return cls(**vars(parser.parse_args(argv)))
+
+
+def timed(fn, *args, **kwargs):
+    """(fn's result, seconds it took)."""
+    t = time.time()
+    return fn(*args, **kwargs), time.time() - t
+
+
+def phase_peak_gb():
+    """Peak GPU memory allocated since the previous call, in GiB; resets the peak (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def gather_metrics(local, sum_keys=()):

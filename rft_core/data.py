@@ -3,6 +3,7 @@
 A prompt row is {"prompt": str | list of chat messages, "label": str}.
 """
 
+import itertools
 import os
 import random
 
@@ -79,6 +80,15 @@ def load_prompt_rows(path, input_key="prompt", label_key="label"):
         raise ValueError(f"--prompt_data {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
                          "(a non-empty string or a list of chat messages with role and content)")
     return rows, len(ds) - len(rows)
+
+
+def batches(rows, rollout_batch_size, seed):
+    """Global prompt batches, reshuffled every episode (identically on every rank), without end."""
+    for episode in itertools.count():
+        order = list(range(len(rows)))
+        random.Random(seed + episode).shuffle(order)
+        for i in range(0, len(order) - rollout_batch_size + 1, rollout_batch_size):
+            yield [rows[j] for j in order[i:i + rollout_batch_size]]
 
 
 def text_batches(path, key, batch_size, rank=0, world=1):
