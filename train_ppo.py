@@ -8,6 +8,7 @@ built-in, seeded arithmetic task; held-out greedy accuracy is printed before and
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_ppo.py \
         --pretrain /models/Qwen2.5-0.5B-Instruct --prompt_data data/train.jsonl --label_key answer
 
+With --save_steps N, running the same command again resumes from the last complete checkpoint.
 The loop per step: rollout -> rewards/advantages -> logprobs -> update -> weight sync -> log ->
 eval/checkpoint. Where it departs from the papers:
 - KL: none by default for the per-sequence estimators (as DAPO and Dr.GRPO); the token-level ones
