@@ -1,0 +1,110 @@
+"""Vision-language pieces (groundwork for train_ppo_vl.py): the built-in shapes task, an offline
+word-level tokenizer and tiny Qwen2-VL, and image-token accounting.
+
+Qwen2-VL turns an image into a t x h x w grid of 14-pixel patches and merges 2 x 2 of them into one
+language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tokens per image;
+`expand_image_tokens` writes them and `check_image_tokens` refuses any mismatch, naming the sample.
+"""
+
+import random
+
+import torch
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
+NUMBERS = ("one", "two", "three")
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>", *VISION_TOKENS)
+WORDS = ("user", "assistant", "system", "what", "colour", "is", "the", "shape", "how", "many", "shapes", "are",
+         "there", "answer", "with", "a", "word", "?", ".", *COLOURS, *NUMBERS)
+IMAGE_SIZE = 84  # 6 x 6 patches of 14 px -> 9 language-model tokens per image
+
+
+def draw_shapes(colour, count, rng, size=IMAGE_SIZE):
+    """A white image with `count` non-overlapping filled shapes (circle, square or triangle) of one colour."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), "white")
+    draw, cell = ImageDraw.Draw(image), size // 2
+    for i in rng.sample(range(4), count):  # one shape per quadrant
+        x0, y0 = (i % 2) * cell + rng.randint(2, 8), (i // 2) * cell + rng.randint(2, 8)
+        side = rng.randint(cell // 2, cell - 12)
+        box, kind = (x0, y0, x0 + side, y0 + side), rng.choice(("circle", "square", "triangle"))
+        if kind == "circle":
+            draw.ellipse(box, fill=COLOURS[colour])
+        elif kind == "square":
+            draw.rectangle(box, fill=COLOURS[colour])
+        else:
+            draw.polygon([(x0, y0 + side), (x0 + side, y0 + side), (x0 + side // 2, y0)], fill=COLOURS[colour])
+    return image
+
+
+def shapes_task(num_train=2048, num_eval=64, seed=0):
+    """(train rows, eval rows) of {"images": [PIL image], "prompt": str, "label": str}: "what colour is the
+    shape?" (one shape, 4 colours) and "how many shapes are there?" (1-3 shapes). The eval split comes from
+    its own fixed seed, whatever `seed` is."""
+    def rows(n, rng):
+        out = []
+        for i in range(n):
+            colour = rng.choice(list(COLOURS))
+            if i % 2 == 0:
+                out.append({"images": [draw_shapes(colour, 1, rng)], "prompt": "what colour is the shape ?", "label": colour})
+            else:
+                count = rng.randint(1, 3)
+                out.append({"images": [draw_shapes(colour, count, rng)], "prompt": "how many shapes are there ?",
+                            "label": NUMBERS[count - 1]})
+        return out
+    return rows(num_train, random.Random(seed)), rows(num_eval, random.Random(10**6 + 7))
+
+
+def word_tokenizer():
+    """A word-level fast tokenizer over the task's vocabulary (built offline; a random model over ~40
+    tokens says a valid answer by chance often enough for GRPO to get a signal)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*SPECIAL, *WORDS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                        eos_token="<|im_end|>", additional_special_tokens=list(SPECIAL[2:]))
+    tokenizer.padding_side = "left"
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {% for c in m['content'] %}"
+                               "{% if c['type'] == 'image' %}<|vision_start|> <|image_pad|> <|vision_end|> "
+                               "{% else %}{{ c['text'] }} {% endif %}{% endfor %}<|im_end|> {% endfor %}"
+                               "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    return tokenizer
+
+
+def tiny_qwen2_vl(tokenizer, seed=0):
+    """A random-initialised Qwen2-VL (about 1 M parameters) whose vocabulary is the tokenizer's."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, in_chans=3),
+        image_token_id=ids[2], video_token_id=ids[3], vision_start_token_id=ids[0], vision_end_token_id=ids[1])
+    torch.manual_seed(seed)
+    return Qwen2VLForConditionalGeneration(config)
+
+
+def expand_image_tokens(text, image_grid_thw, merge_size=2, image_token="<|image_pad|>"):
+    """Replace each image placeholder in `text`, in order, by the t*h*w / merge^2 tokens its image takes."""
+    parts = text.split(image_token)
+    if len(parts) - 1 != len(image_grid_thw):
+        raise ValueError(f"{len(parts) - 1} image placeholders in the prompt but {len(image_grid_thw)} images")
+    counts = [int(torch.as_tensor(thw).prod()) // merge_size**2 for thw in image_grid_thw]
+    return parts[0] + "".join(f" {image_token}" * n + " " + part for n, part in zip(counts, parts[1:]))
+
+
+def check_image_tokens(input_ids, image_grid_thw, image_token_id, merge_size=2, sample=None):
+    """Raise, naming the sample, unless input_ids hold exactly the image tokens the images need."""
+    want = sum(int(torch.as_tensor(thw).prod()) // merge_size**2 for thw in image_grid_thw)
+    have = int((torch.as_tensor(input_ids) == image_token_id).sum())
+    if have != want:
+        raise ValueError(f"sample {sample!r}: {have} image tokens in the prompt but its {len(image_grid_thw)} "
+                         f"image(s) need {want} (grids {[list(map(int, g)) for g in image_grid_thw]})")

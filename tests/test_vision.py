@@ -1,0 +1,77 @@
+"""The vision-language groundwork: the shapes task, the word tokenizer, the tiny Qwen2-VL, image-token accounting."""
+
+import pytest
+import torch
+
+from rft_core.vision import (COLOURS, IMAGE_SIZE, NUMBERS, check_image_tokens, draw_shapes, expand_image_tokens,
+                             shapes_task, tiny_qwen2_vl, word_tokenizer)
+
+
+def quadrants_with(image, colour):
+    cell = image.size[0] // 2
+    pixels = image.load()
+    return sum(any(pixels[x, y] == COLOURS[colour] for x in range(qx * cell, (qx + 1) * cell)
+                   for y in range(qy * cell, (qy + 1) * cell)) for qx in range(2) for qy in range(2))
+
+
+def test_shapes_task_labels_match_pictures():
+    train, evals = shapes_task(num_train=40, num_eval=10, seed=3)
+    for row in train + evals:
+        image = row["images"][0]
+        assert image.size == (IMAGE_SIZE, IMAGE_SIZE)
+        if row["prompt"].startswith("what colour"):
+            assert quadrants_with(image, row["label"]) == 1
+        else:
+            colour = next(c for c in COLOURS if quadrants_with(image, c))
+            assert quadrants_with(image, colour) == NUMBERS.index(row["label"]) + 1
+    assert [r["label"] for r in shapes_task(40, 10, seed=3)[0]] == [r["label"] for r in train]  # seeded
+    assert [r["label"] for r in shapes_task(40, 10, seed=4)[1]] == [r["label"] for r in evals]  # eval fixed
+
+
+def test_word_tokenizer():
+    tok = word_tokenizer()
+    ids = tok("what colour is the shape ? red", add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids and tok.decode(ids) == "what colour is the shape ? red"
+    assert all(len(tok(w, add_special_tokens=False)["input_ids"]) == 1 for w in (*COLOURS, *NUMBERS))
+    assert tok.convert_ids_to_tokens(tok.eos_token_id) == "<|im_end|>"
+
+
+def test_image_token_accounting():
+    import random
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2, max_pixels=112**2)
+    images = [draw_shapes("red", 1, random.Random(0)), draw_shapes("blue", 2, random.Random(1), size=112)]
+    pixels = processor(images=images, return_tensors="pt")
+    assert pixels["image_grid_thw"].tolist() == [[1, 6, 6], [1, 8, 8]]
+    text = expand_image_tokens("<|vision_start|> <|image_pad|> <|vision_end|> and <|vision_start|> <|image_pad|> <|vision_end|>",
+                               pixels["image_grid_thw"])
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    assert ids.count(image_id) == 9 + 16
+    check_image_tokens(ids, pixels["image_grid_thw"], image_id)
+    with pytest.raises(ValueError, match="sample 7: 24 image tokens in the prompt but its 2 image"):
+        check_image_tokens(ids[:ids.index(image_id)] + ids[ids.index(image_id) + 1:], pixels["image_grid_thw"], image_id, sample=7)
+    with pytest.raises(ValueError, match="1 image placeholders in the prompt but 2 images"):
+        expand_image_tokens("<|image_pad|>", pixels["image_grid_thw"])
+
+
+def test_tiny_qwen2_vl_sees_the_image():
+    import random
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2)
+    model = tiny_qwen2_vl(tok).eval()
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the shape ?"}]}],
+                                   add_generation_prompt=True, tokenize=False)
+    logits = []
+    for colour in ("red", "blue"):
+        pixels = processor(images=[draw_shapes(colour, 1, random.Random(0))], return_tensors="pt")
+        ids = torch.tensor([tok(expand_image_tokens(text, pixels["image_grid_thw"]), add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
+                        image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).long())
+        logits.append(out.logits[0, -1])
+    assert logits[0].shape == (len(tok),) and not torch.allclose(logits[0], logits[1])  # the answer depends on the pixels
