@@ -260,8 +260,8 @@ def main():
           f"must be a multiple of --micro_train_batch_size {args.micro_train_batch_size} x {world} processes")
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
-    check(not (args.enable_engine_sleep and args.disable_engine_sleep),
-          "--enable_engine_sleep and --disable_engine_sleep contradict each other: pass one")
+    check(not (args.enable_engine_sleep and args.disable_engine_sleep), "--enable_engine_sleep or --disable_engine_sleep: pick one")
+    check(not (args.ema_beta and args.lora_rank), "--ema_beta with --lora_rank is not supported yet (its export would merge the live adapter)")
     check(world % args.engine_tp_size == 0, f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
     check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")

@@ -1,9 +1,10 @@
 """Rollout engines. Every engine offers the same four calls, so the scripts never branch on it:
 
-    generate(prompt_token_ids, max_new_tokens, temperature, top_p) -> list[Generation]
+    generate(prompt_token_ids, max_new_tokens, temperature, top_p, mm=None) -> list[Generation]
         one Generation per prompt, in order: the response token ids (ending with EOS unless the
         length limit cut it) and the logprob of each under the sampling distribution
-        (temperature applied; temperature 0 means greedy, logprobs then at temperature 1)
+        (temperature applied; temperature 0 means greedy, logprobs then at temperature 1);
+        mm: per-prompt image inputs of a vision-language model (Experience.mm's form) or None
     sleep(needed_bytes)     free the engine's GPU memory for training (returns whether it slept)
     wake_up(tags=None)      take it back ("weights", "kv_cache", or both)
     update_weights(model)   load the trainer's current weights
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rft_core.vision import mm_inputs
+
 
 @dataclass
 class Generation:
@@ -27,11 +30,14 @@ class Generation:
 
 
 class HFEngine:
-    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None):
+    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, suppress_token_ids=None):
         self.model = model  # the unwrapped training model: always the current weights
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.autocast_dtype = autocast_dtype
+        # never sampled (a vision-language model's image placeholders: in a response they would be
+        # taken for image slots); logprobs stay those of the unmodified distribution
+        self.suppress = {"suppress_tokens": list(suppress_token_ids)} if suppress_token_ids else {}
 
     def sleep(self, needed_bytes=None):
         return False
@@ -43,28 +49,30 @@ class HFEngine:
         self.model = model
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0):
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
         was_training = self.model.training
         self.model.eval()  # also turns gradient checkpointing off, which `generate` cannot use
-        out = []
+        out, mm = [], mm or [None] * len(prompt_token_ids)
         for i in range(0, len(prompt_token_ids), self.micro_batch_size):
-            out += self._generate_batch(prompt_token_ids[i:i + self.micro_batch_size], max_new_tokens, temperature, top_p)
+            out += self._generate_batch(prompt_token_ids[i:i + self.micro_batch_size], max_new_tokens, temperature, top_p,
+                                        mm[i:i + self.micro_batch_size])
         self.model.train(was_training)
         return out
 
-    def _generate_batch(self, prompts, max_new_tokens, temperature, top_p):
+    def _generate_batch(self, prompts, max_new_tokens, temperature, top_p, mm):
         device = next(self.model.parameters()).device
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)  # (B, P)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        images = mm_inputs(mm, input_ids) or {}  # a vision-language model's image inputs, as the trainer builds them
         greedy = temperature == 0
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext())
         with autocast:
             res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                       pad_token_id=pad, eos_token_id=eos, output_logits=True,
-                                      return_dict_in_generate=True, **sampling)
+                                      return_dict_in_generate=True, **sampling, **images, **self.suppress)
         responses = res.sequences[:, width:]  # (B, L)
         logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)  # (B, L, V) raw model logits
         logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, L)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from rft_core.models import response_logprobs, response_values
+from rft_core.vision import mm_inputs
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Experience:
     values: torch.Tensor = None  # (B, R): the critic's V(s_t) before the update (gae)
     returns: torch.Tensor = None  # (B, R): the critic's regression targets (gae)
     rewards: torch.Tensor = None  # (B,)
+    mm: list = None  # per row, for vision-language models: {"pixel_values", "image_grid_thw", "image_token_id"} or None
     advantages: torch.Tensor = None  # (B,) per sequence, broadcast over tokens by the loss, or (B, R) per token
 
     def __len__(self):
@@ -30,7 +32,14 @@ class Experience:
     def select(self, idx):
         """The rows idx (a list or 1-D tensor of indices), untrimmed."""
         idx = torch.as_tensor(idx, device=self.input_ids.device)
-        return replace(self, **{f.name: getattr(self, f.name)[idx] for f in fields(self) if getattr(self, f.name) is not None})
+        picked = {f.name: getattr(self, f.name)[idx] for f in fields(self) if torch.is_tensor(getattr(self, f.name))}
+        if self.mm is not None:
+            picked["mm"] = [self.mm[i] for i in idx.tolist()]
+        return replace(self, **picked)
+
+    def mm_inputs(self):
+        """The model's image inputs for these rows (None for a text-only batch)."""
+        return mm_inputs(self.mm, self.input_ids)
 
     def split(self, micro_batch_size):
         """Micro-batches in order, each trimmed to its own longest prompt and response."""
@@ -50,8 +59,9 @@ class Experience:
         return replace(self, **trimmed)
 
 
-def build_experience(prompt_ids, generations, pad_token_id, device="cpu"):
-    """Pad prompts (left) and generations (right) into an Experience; one generation per prompt."""
+def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=None):
+    """Pad prompts (left) and generations (right) into an Experience; one generation per prompt.
+    mm: per-prompt image inputs of a vision-language model (see Experience.mm)."""
     if len(prompt_ids) != len(generations):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(generations)} generations")
     P = max(len(p) for p in prompt_ids)
@@ -68,7 +78,7 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu"):
         attention_mask[i, P - len(p):P + n] = 1
         action_mask[i, :n] = 1
         rollout_logprobs[i, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
-    return Experience(input_ids.to(device), attention_mask.to(device), action_mask.to(device), rollout_logprobs.to(device))
+    return Experience(input_ids.to(device), attention_mask.to(device), action_mask.to(device), rollout_logprobs.to(device), mm=mm)
 
 
 @torch.no_grad()
@@ -85,7 +95,7 @@ def batched_forward(experience, micro_batch_size, fn):
 def batched_logprobs(model, experience, micro_batch_size, temperature=1.0):
     """Response logprobs (B, R) of `model` over the whole experience, in micro-batches."""
     return batched_forward(experience, micro_batch_size, lambda mb: response_logprobs(
-        model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature)[0])
+        model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature, mm_inputs=mb.mm_inputs())[0])
 
 
 def batched_values(critic, experience, micro_batch_size):

@@ -61,18 +61,20 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
     return model, tokenizer
 
 
-def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False):
+def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False, mm_inputs=None):
     """Log-probabilities of the last `num_actions` tokens of each row under `model`.
 
     input_ids, attention_mask: (B, P + R), prompts left-padded, responses right-padded, R =
     num_actions. Logits are divided by the sampling temperature so these are the logprobs of the
     distribution the rollout sampled from. Returns logprobs (B, R) and, with_entropy "grad" (for an
     entropy bonus) or True (detached, for logging), the entropy (B, R); else None.
+    mm_inputs: a vision-language model's image inputs (pixel_values, image_grid_thw, mm_token_type_ids);
+    the model then computes its own (multimodal RoPE) positions.
     """
-    position_ids = _position_ids(attention_mask)
+    position_ids = None if mm_inputs else _position_ids(attention_mask)
     # logits_to_keep: the LM head runs on the last R + 1 positions only, not on the prompt's
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=num_actions + 1).logits[:, :-1]  # (B, R, V): position t predicts t+1
+                   logits_to_keep=num_actions + 1, **(mm_inputs or {})).logits[:, :-1]  # (B, R, V): position t predicts t+1
     logits = logits.float() / temperature
     targets = input_ids[:, -num_actions:].unsqueeze(-1)  # (B, R, 1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, R)

@@ -108,3 +108,15 @@ def check_image_tokens(input_ids, image_grid_thw, image_token_id, merge_size=2, 
     if have != want:
         raise ValueError(f"sample {sample!r}: {have} image tokens in the prompt but its {len(image_grid_thw)} "
                          f"image(s) need {want} (grids {[list(map(int, g)) for g in image_grid_thw]})")
+
+
+def mm_inputs(mm, input_ids):
+    """A vision-language model's image inputs for a batch: mm holds per row None (text only) or
+    {"pixel_values", "image_grid_thw", "image_token_id"}; pixels and grids are concatenated in row
+    order, as Qwen2-VL expects, and mm_token_type_ids marks the image tokens. None if no row has images."""
+    rows = [m for m in mm or [] if m is not None]
+    if not rows:
+        return None
+    return {"pixel_values": torch.cat([m["pixel_values"] for m in rows]).to(input_ids.device),
+            "image_grid_thw": torch.cat([m["image_grid_thw"] for m in rows]).to(input_ids.device),
+            "mm_token_type_ids": (input_ids == rows[0]["image_token_id"]).long()}

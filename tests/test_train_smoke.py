@@ -203,6 +203,7 @@ def test_prompt_file(tiny_model_dir, tmp_path):
     (["--kl_target", "0.1"], "--kl_target adapts the KL penalty in the reward"),
     (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 reward sources"),
     (["--high_entropy_token_ratio", "1.5"], "--high_entropy_token_ratio must be in [0, 1]"),
+    (["--ema_beta", "0.9", "--lora_rank", "4"], "--ema_beta with --lora_rank is not supported"),
 ])
 def test_bad_config_errors(tiny_model_dir, tmp_path, extra, message, monkeypatch):
     """In-process (the checks run before any training), so each case costs no interpreter start."""

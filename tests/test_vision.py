@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rft_core.vision import (COLOURS, IMAGE_SIZE, NUMBERS, check_image_tokens, draw_shapes, expand_image_tokens,
+from rft_core.vision import (COLOURS, IMAGE_SIZE, NUMBERS, VISION_TOKENS, check_image_tokens, draw_shapes, expand_image_tokens,
                              shapes_task, tiny_qwen2_vl, word_tokenizer)
 
 
@@ -75,3 +75,40 @@ def test_tiny_qwen2_vl_sees_the_image():
                         image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).long())
         logits.append(out.logits[0, -1])
     assert logits[0].shape == (len(tok),) and not torch.allclose(logits[0], logits[1])  # the answer depends on the pixels
+
+
+def test_engine_and_trainer_logprobs_agree_with_images():
+    """The HF engine samples with images (rows of different lengths, left-padded, one text-only row); the
+    trainer's logprobs of those samples, through Experience micro-batches, equal the engine's."""
+    import random
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from rft_core.engine import HFEngine
+    from rft_core.experience import batched_logprobs, build_experience
+
+    tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2)
+    model = tiny_qwen2_vl(tok)
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    prompts, mm = [], []
+    for i, question in enumerate(["what colour is the shape ?", "how many shapes are there ?", "what is the colour ?"]):
+        content = [{"type": "text", "text": question}]
+        if i < 2:
+            content.insert(0, {"type": "image"})
+        text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+        if i < 2:
+            pixels = processor(images=[draw_shapes("green", i + 1, random.Random(i))], return_tensors="pt")
+            text = expand_image_tokens(text, pixels["image_grid_thw"])
+            mm.append({**pixels, "image_token_id": image_id})
+        else:
+            mm.append(None)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    assert len({len(p) for p in prompts}) > 1  # left padding is exercised
+    torch.manual_seed(0)
+    vision_ids = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    gens = HFEngine(model, tok, micro_batch_size=3, suppress_token_ids=vision_ids).generate(prompts, 6, temperature=1.0, mm=mm)
+    assert not any(t in vision_ids for g in gens for t in g.token_ids)
+    exp = build_experience(prompts, gens, tok.pad_token_id, mm=mm)
+    for micro_batch_size in (1, 2, 3):
+        logprobs = batched_logprobs(model, exp, micro_batch_size)
+        assert torch.allclose(logprobs * exp.action_mask, exp.rollout_logprobs * exp.action_mask, atol=1e-4)
