@@ -315,8 +315,8 @@ def main():
         net.gradient_checkpointing_enable()
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
 
-    def load_rows(path):
-        rows, skipped = load_prompt_rows(path, args.input_key, args.label_key)
+    def load_rows(path, flag):
+        rows, skipped = load_prompt_rows(path, args.input_key, args.label_key, flag)
         if skipped:
             accelerator.print(f"[data] {path}: skipped {skipped} unusable rows (empty or malformed {args.input_key!r})")
         return rows
@@ -324,9 +324,9 @@ def main():
     if args.prompt_data in BUILTIN_TASKS:
         train_rows, eval_rows = arithmetic_task(seed=args.seed)
     else:
-        train_rows, eval_rows = load_rows(args.prompt_data), []
+        train_rows, eval_rows = load_rows(args.prompt_data, "--prompt_data"), []
     if args.eval_data:
-        eval_rows = load_rows(args.eval_data)
+        eval_rows = load_rows(args.eval_data, "--eval_data")
     ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size,
                                accelerator.process_index, world) if args.pretrain_data else None
     encoded = {}  # split -> [(prompt ids, label, prompt)]

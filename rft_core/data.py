@@ -54,11 +54,11 @@ def arithmetic_task(num_train=4096, num_eval=96, seed=0):
     return train_rows, eval_rows
 
 
-def load_prompt_rows(path, input_key="prompt", label_key="label"):
+def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data"):
     """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a
-    directory of them, or a `save_to_disk` directory."""
+    directory of them, or a `save_to_disk` directory; errors name `flag`."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--prompt_data {path!r}: no such file or directory (built-in tasks: {BUILTIN_TASKS})")
+        raise FileNotFoundError(f"{flag} {path!r}: no such file or directory (built-in tasks: {BUILTIN_TASKS})")
     import datasets  # heavy; only needed for files
 
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
@@ -69,15 +69,15 @@ def load_prompt_rows(path, input_key="prompt", label_key="label"):
         kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
         found = {kinds[os.path.splitext(f)[1]] for f in files if os.path.splitext(f)[1] in kinds}
         if len(found) != 1:
-            raise ValueError(f"--prompt_data {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, found {found or 'none'}")
+            raise ValueError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, found {found or 'none'}")
         ds = datasets.load_dataset(found.pop(), data_files=[f for f in files if kinds.get(os.path.splitext(f)[1])], split="train")
     for key in (input_key, label_key):
         if key is not None and key not in ds.column_names:
-            raise KeyError(f"--prompt_data {path!r} has no column {key!r} (columns: {ds.column_names}); set --input_key / --label_key")
+            raise KeyError(f"{flag} {path!r} has no column {key!r} (columns: {ds.column_names}); set --input_key / --label_key / --pretrain_key")
     rows = [{"prompt": row[input_key], "label": "" if label_key is None or row[label_key] is None else str(row[label_key])}
             for row in ds if _usable(row[input_key])]
     if not rows:
-        raise ValueError(f"--prompt_data {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
+        raise ValueError(f"{flag} {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
                          "(a non-empty string or a list of chat messages with role and content)")
     return rows, len(ds) - len(rows)
 
@@ -93,7 +93,7 @@ def batches(rows, rollout_batch_size, seed):
 
 def text_batches(path, key, batch_size, rank=0, world=1):
     """Endless batches of this rank's texts from the column `key` of a data file (the ptx loss's data)."""
-    texts = [r["prompt"] for r in load_prompt_rows(path, key, None)[0] if isinstance(r["prompt"], str)]
+    texts = [r["prompt"] for r in load_prompt_rows(path, key, None, "--pretrain_data")[0] if isinstance(r["prompt"], str)]
     if not texts:
         raise ValueError(f"{path!r}: no text rows in column {key!r}")
     texts = texts[rank::world] if len(texts) >= world else texts

@@ -80,3 +80,16 @@ def test_unusable_rows_counted_and_all_bad_is_an_error(tmp_path):
     path.write_text(json.dumps({"prompt": "  ", "label": 1}))
     with pytest.raises(ValueError, match="none of its 1 rows has a usable 'prompt'"):
         load_prompt_rows(str(path))
+
+
+def test_text_batches_name_their_flag(tmp_path):
+    from rft_core.data import text_batches
+
+    with pytest.raises(FileNotFoundError, match="--pretrain_data"):
+        next(text_batches(str(tmp_path / "missing.jsonl"), "text", 2))
+    path = tmp_path / "ptx.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n')
+    stream = text_batches(str(path), "text", 2, rank=1, world=2)
+    assert [next(stream) for _ in range(3)] == [["b"], ["b"], ["b"]]  # rank 1 of 2 gets the odd rows, endlessly
+    with pytest.raises(KeyError, match="--pretrain_data .* has no column 'body'"):
+        next(text_batches(str(path), "body", 2))
