@@ -54,9 +54,10 @@ def arithmetic_task(num_train=4096, num_eval=96, seed=0):
     return train_rows, eval_rows
 
 
-def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data"):
+def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=()):
     """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a
-    directory of them, or a `save_to_disk` directory; errors name `flag`."""
+    directory of them, or a `save_to_disk` directory; errors name `flag`. extra_keys: columns copied
+    into the rows as they are, where present."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{flag} {path!r}: no such file or directory (built-in tasks: {BUILTIN_TASKS})")
     import datasets  # heavy; only needed for files
@@ -74,8 +75,8 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
     for key in (input_key, label_key):
         if key is not None and key not in ds.column_names:
             raise KeyError(f"{flag} {path!r} has no column {key!r} (columns: {ds.column_names}); set --input_key / --label_key / --pretrain_key")
-    rows = [{"prompt": row[input_key], "label": "" if label_key is None or row[label_key] is None else str(row[label_key])}
-            for row in ds if _usable(row[input_key])]
+    rows = [{"prompt": row[input_key], "label": "" if label_key is None or row[label_key] is None else str(row[label_key]),
+             **{k: row[k] for k in extra_keys if k in row}} for row in ds if _usable(row[input_key])]
     if not rows:
         raise ValueError(f"{flag} {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
                          "(a non-empty string or a list of chat messages with role and content)")

@@ -7,7 +7,7 @@ from rft_core.rewards import pass_at_k
 
 def evaluate(engine, tokenizer, rows, score_fn, accelerator, max_len, n_samples=1, temperature=1.0):
     """Greedy accuracy, and with n_samples > 1 pass@1 / pass@n of n samples at `temperature`, on
-    rows [(prompt ids, label, prompt)]; each rank generates for its shard and the counts are summed.
+    rows [(prompt ids, label, prompt[, image inputs])]; each rank generates for its shard and the counts are summed.
 
     A sample is correct by the reward's "correct" component if it has one, else if its reward > 0.
     score_fn(prompts, completions, labels) -> (rewards, components, failures).
@@ -19,8 +19,8 @@ def evaluate(engine, tokenizer, rows, score_fn, accelerator, max_len, n_samples=
     def correct(rows, temperature):
         if not rows:
             return []
-        ids, labels, prompts = (list(col) for col in zip(*rows))
-        gens = engine.generate(ids, max_len, temperature=temperature)
+        ids, labels, prompts, *mm = (list(col) for col in zip(*rows))
+        gens = engine.generate(ids, max_len, temperature=temperature, **({"mm": mm[0]} if mm else {}))
         completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
         rewards, components, _ = score_fn(prompts, completions, labels)
         return components["correct"] if "correct" in components else [float(r > 0) for r in rewards]

@@ -6,6 +6,7 @@ language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tok
 `expand_image_tokens` writes them and `check_image_tokens` refuses any mismatch, naming the sample.
 """
 
+import os
 import random
 
 import torch
@@ -120,3 +121,40 @@ def mm_inputs(mm, input_ids):
     return {"pixel_values": torch.cat([m["pixel_values"] for m in rows]).to(input_ids.device),
             "image_grid_thw": torch.cat([m["image_grid_thw"] for m in rows]).to(input_ids.device),
             "mm_token_type_ids": (input_ids == rows[0]["image_token_id"]).long()}
+
+
+def first_word_reward(prompts, completions, labels, **kwargs):
+    """The shapes task's reward: 1 when the completion's first word is the label."""
+    return {"correct": [float(c.split()[:1] == [str(label)]) for c, label in zip(completions, labels)]}
+
+
+def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2, dtype=torch.float32):
+    """(model, tokenizer, image processor): a Qwen2-VL-family checkpoint directory, or (None) the built-in tiny
+    Qwen2-VL with the word tokenizer. The image processor is the PIL one: it needs no torchvision."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    if pretrain is None:
+        tokenizer = word_tokenizer()
+        return tiny_qwen2_vl(tokenizer).to(dtype), tokenizer, processor
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    if not os.path.isdir(pretrain):
+        raise FileNotFoundError(f"--pretrain {pretrain!r}: not a model directory")
+    tokenizer = AutoTokenizer.from_pretrained(pretrain)
+    tokenizer.padding_side = "left"
+    return AutoModelForImageTextToText.from_pretrained(pretrain, dtype=dtype), tokenizer, processor
+
+
+def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sample=None):
+    """(prompt ids, image inputs or None) for a text prompt and its images (PIL): one image slot per image
+    before the text, each expanded to the tokens its image takes, the count checked."""
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": prompt}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    if not images:
+        return tokenizer(text, add_special_tokens=False)["input_ids"], None
+    pixels = processor(images=images, return_tensors="pt")
+    ids = tokenizer(expand_image_tokens(text, pixels["image_grid_thw"]), add_special_tokens=False)["input_ids"]
+    check_image_tokens(ids, pixels["image_grid_thw"], image_token_id, sample=sample)
+    return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"],
+                 "image_token_id": image_token_id}

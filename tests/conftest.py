@@ -41,3 +41,11 @@ def tiny_rm_dir(tiny_model_dir, tmp_path_factory):
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def chars_reward(tmp_path):
+    """A reward that varies between samples even for a random tiny model, so gradients are not zero."""
+    path = tmp_path / "chars.py"
+    path.write_text("def chars(p, completions, l, **kw):\n    return [len(c) / 10 for c in completions]\n")
+    return f"{path}:chars"

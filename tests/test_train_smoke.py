@@ -27,14 +27,6 @@ def run(args, launcher=(sys.executable,), check=True):
     return proc
 
 
-@pytest.fixture
-def chars_reward(tmp_path):
-    """A reward that varies between samples even for a random tiny model, so gradients are not zero."""
-    path = tmp_path / "chars.py"
-    path.write_text("def chars(p, completions, l, **kw):\n    return [len(c) / 10 for c in completions]\n")
-    return f"{path}:chars"
-
-
 def read_metrics(out):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [r for r in rows if "train/policy_loss" in r], [r for r in rows if "eval/accuracy" in r]
