@@ -187,19 +187,7 @@ class Args:
     """gradient clipping norm"""
     # ---- engine, precision, memory ----
     engine_type: str = "auto"
-    """rollout engine: vllm | hf (transformers generate) | auto (vllm when it imports and a GPU is present)"""
-    engine_tp_size: int = 1
-    """vLLM tensor-parallel size: groups of this many consecutive ranks share one engine"""
-    engine_mem_util: float = 0.3
-    """fraction of GPU memory vLLM takes for weights and KV cache"""
-    enable_engine_sleep: bool = False
-    """always sleep the vLLM engine during training"""
-    disable_engine_sleep: bool = False
-    """never sleep it (default: auto, sleep only when training needs the memory)"""
-    engine_sleep_level: int = 1
-    """vLLM sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
-    engine_enforce_eager: bool = False
-    """vLLM without CUDA graphs and torch.compile: fast start, slower decode"""
+    """rollout engine: hf (transformers generate) | auto (hf for now; vllm image rollouts are not built yet)"""
     bf16: Optional[bool] = None
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     gradient_checkpointing: bool = False
@@ -262,9 +250,7 @@ def main():
           f"must be a multiple of --micro_train_batch_size {args.micro_train_batch_size} x {world} processes")
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
-    check(not (args.enable_engine_sleep and args.disable_engine_sleep), "--enable_engine_sleep or --disable_engine_sleep: pick one")
     check(not (args.ema_beta and args.lora_rank), "--ema_beta with --lora_rank is not supported yet (its export would merge the live adapter)")
-    check(world % args.engine_tp_size == 0, f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
     check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
     check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
