@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm import tqdm
 from transformers import get_scheduler
 
@@ -43,6 +43,7 @@ from rft_core.advantages import (ADVANTAGE_ESTIMATORS, TOKEN_LEVEL, adaptive_kl_
 from rft_core.cli import MetricsLog, gather_metrics, parse_args, phase_peak_gb, timed
 from rft_core.data import BUILTIN_TASKS, arithmetic_task, batches, encode_rows, load_prompt_rows, text_batches
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rft_core.distributed import configure_deepspeed, grad_norm_value, prepare_frozen
 from rft_core.engine import create_engine
 from rft_core.evaluation import evaluate
 from rft_core.experience import batched_logprobs, batched_values, build_experience
@@ -242,8 +243,11 @@ def main():
     args = parse_args(Args)
     args.bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     trackers = (["wandb"] if args.use_wandb else []) + (["tensorboard"] if args.use_tensorboard else [])
+    # DeepSpeed without a GPU (the CPU tests) needs its backend named, or accelerate sees one process
+    cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", log_with=trackers or None,
-                              project_dir=args.use_tensorboard)
+                              project_dir=args.use_tensorboard,
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_deepspeed else None)
     world = accelerator.num_processes
 
     # ---- derived values and checks ----
@@ -262,6 +266,12 @@ def main():
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
     check(not (args.enable_engine_sleep and args.disable_engine_sleep), "--enable_engine_sleep or --disable_engine_sleep: pick one")
     check(not (args.ema_beta and args.lora_rank), "--ema_beta with --lora_rank is not supported yet (its export would merge the live adapter)")
+    deepspeed = accelerator.state.deepspeed_plugin
+    sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed is not None and deepspeed.zero_stage == 3)
+    check(not (args.ema_beta and sharded), "--ema_beta needs whole parameters on every rank: use a config without "
+          "parameter sharding (multi_gpu, deepspeed_zero1/2)")
+    check(not (deepspeed and args.advantage_estimator == "gae"), "gae trains a critic beside the actor, which one "
+          "DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
     check(world % args.engine_tp_size == 0, f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
     check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
@@ -283,6 +293,7 @@ def main():
           f"--overlong_buffer_len must be in [0, --generate_max_len {args.generate_max_len})")
 
     accelerator.gradient_accumulation_steps = grad_accum  # before prepare(): DeepSpeed reads it there
+    configure_deepspeed(accelerator, args.micro_train_batch_size, grad_accum, args.max_norm)
     set_seed(args.seed, device_specific=True)
     os.makedirs(args.output_dir, exist_ok=True)
     if accelerator.is_main_process:
@@ -308,8 +319,7 @@ def main():
         model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets))
     ref_model = None
     if (args.use_kl_loss or kl_in_reward) and not args.lora_rank:
-        ref_model, _ = load_model_and_tokenizer(args.pretrain)
-        ref_model.requires_grad_(False).eval().to(accelerator.device)
+        ref_model = prepare_frozen(accelerator, load_model_and_tokenizer(args.pretrain)[0])  # sharded like the actor
     critic = load_value_model(args.critic_pretrain, actor=model) if args.advantage_estimator == "gae" else None
     for net in [m for m in (model, critic) if m is not None] if args.gradient_checkpointing else []:
         net.gradient_checkpointing_enable()
@@ -517,7 +527,7 @@ def main():
                         accelerator.backward(loss * grad_accum * world)
                         for net, opt, sched, key in trained[frozen:]:  # the actor unless frozen, the critic
                             if accelerator.sync_gradients:
-                                grad_norms[key].append(accelerator.clip_grad_norm_(net.parameters(), args.max_norm).item())
+                                grad_norms[key].append(grad_norm_value(accelerator.clip_grad_norm_(net.parameters(), args.max_norm)))
                             opt.step()
                             sched.step()
                             opt.zero_grad()

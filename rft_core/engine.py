@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rft_core.distributed import sharding
 from rft_core.vision import mm_inputs
 
 
@@ -30,8 +31,11 @@ class Generation:
 
 
 class HFEngine:
-    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, suppress_token_ids=None):
+    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, suppress_token_ids=None,
+                 synced_gpus=False):
         self.model = model  # the unwrapped training model: always the current weights
+        # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks keep stepping until all are done
+        self.synced_gpus = synced_gpus
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.autocast_dtype = autocast_dtype
@@ -72,7 +76,7 @@ class HFEngine:
         with autocast:
             res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                       pad_token_id=pad, eos_token_id=eos, output_logits=True,
-                                      return_dict_in_generate=True, **sampling, **images, **self.suppress)
+                                      return_dict_in_generate=True, synced_gpus=self.synced_gpus, **sampling, **images, **self.suppress)
         responses = res.sequences[:, width:]  # (B, L)
         logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)  # (B, L, V) raw model logits
         logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, L)
@@ -90,7 +94,7 @@ def create_engine(engine_type, model, tokenizer, args):
         engine_type = "vllm" if has_vllm and torch.cuda.is_available() else "hf"
     if engine_type == "hf":
         dtype = torch.bfloat16 if args.bf16 else None
-        return HFEngine(model, tokenizer, args.micro_rollout_batch_size, dtype)
+        return HFEngine(model, tokenizer, args.micro_rollout_batch_size, dtype, synced_gpus=sharding(model) is not None)
     if engine_type == "vllm":
         if not has_vllm:
             raise ImportError("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use --engine_type hf")

@@ -13,7 +13,10 @@ def evaluate(engine, tokenizer, rows, score_fn, accelerator, max_len, n_samples=
     score_fn(prompts, completions, labels) -> (rewards, components, failures).
     """
     rank, world, n = accelerator.process_index, accelerator.num_processes, n_samples
+    # every rank generates for the same number of rows (with sharded weights a forward is a collective);
+    # the padding rows, copies of the first, are not counted
     local = rows[rank::world]
+    count, local = len(local), (local + rows[:1] * (-(-len(rows) // world) - len(local)))
     engine.wake_up()
 
     def correct(rows, temperature):
@@ -25,10 +28,10 @@ def evaluate(engine, tokenizer, rows, score_fn, accelerator, max_len, n_samples=
         rewards, components, _ = score_fn(prompts, completions, labels)
         return components["correct"] if "correct" in components else [float(r > 0) for r in rewards]
 
-    sums = [sum(correct(local, 0.0)), len(local), 0.0, 0.0]
+    sums = [sum(correct(local, 0.0)[:count]), count, 0.0, 0.0]
     if n > 1:
         sampled = correct([row for row in local for _ in range(n)], temperature)
-        hits = [int(sum(sampled[i * n:(i + 1) * n])) for i in range(len(local))]
+        hits = [int(sum(sampled[i * n:(i + 1) * n])) for i in range(count)]
         sums[2:] = [sum(pass_at_k(n, c, 1) for c in hits), sum(pass_at_k(n, c, n) for c in hits)]
     totals = accelerator.reduce(torch.tensor(sums, device=accelerator.device, dtype=torch.float64), "sum").tolist()
     metrics = {"eval/accuracy": totals[0] / totals[1], "eval/num_problems": int(totals[1])}

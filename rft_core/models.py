@@ -149,8 +149,14 @@ def merged_state_dict(model, state_dict=None):
 
     for name, module in model.named_modules():
         key = f"{name}.base_layer.weight"
-        if isinstance(module, LoraLayer) and key in state:
-            state[key] = state[key] + module.get_delta_weight(module.active_adapters[0]).to(state[key].dtype)
+        if isinstance(module, LoraLayer) and key in state:  # from the state's tensors: they may be gathered copies
+            adapter = module.active_adapters[0]
+            lora_a, lora_b = (state.get(f"{name}.lora_{x}.{adapter}.weight") for x in "AB")  # (r, in), (out, r)
+            if lora_a is None or lora_b is None:
+                raise NotImplementedError(f"{name}: merging LoRA on {type(module).__name__} layers is not supported; "
+                                          "target linear layers (--target_modules)")
+            delta = (lora_b.float() @ lora_a.float()) * module.scaling[adapter]  # (out, in), as peft's Linear
+            state[key] = state[key] + (delta.T if module.fan_in_fan_out else delta).to(state[key].dtype)
     return {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k}
 
 

@@ -23,7 +23,7 @@ import socket
 import torch
 
 from rft_core.engine import Generation
-from rft_core.models import merged_state_dict
+from rft_core.distributed import full_weights
 
 WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # torch.compile, FSDP, ckpt
 
@@ -59,13 +59,10 @@ def vllm_param_name(name):
 
 
 def iter_weights(model, dtype):
-    """(vLLM name, tensor) for every parameter and persistent buffer of the unwrapped model.
-
-    ZeRO-3 / FSDP2: this is the one place that must gather instead (one layer at a time, with
-    deepspeed.zero.GatheredParameters or DTensor.full_tensor), never the whole model at once.
-    """
-    for name, tensor in merged_state_dict(model).items():  # LoRA: the adapters merged in
-        yield vllm_param_name(name), tensor.detach().to(dtype)
+    """(vLLM name, tensor) for every parameter and persistent buffer of the unwrapped model, a LoRA
+    model's adapters merged in. Under ZeRO-3 / FSDP2 one unit (a layer) is gathered at a time."""
+    for name, tensor in full_weights(model, dtype):
+        yield vllm_param_name(name), tensor
 
 
 def buckets(weights, bucket_bytes):

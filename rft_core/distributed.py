@@ -1,0 +1,119 @@
+"""What changes when the actor is sharded (DeepSpeed ZeRO-3, FSDP2) or run by a DeepSpeed engine.
+
+Accelerate does the sharding; this module covers the few places the scripts touch whole weights:
+- `full_weights(model)`: every weight as a full tensor, gathering one unit at a time (a transformer
+  layer, or one other module's own parameters), never the whole model on one rank. The weight sync
+  to vLLM and nothing else uses it; a LoRA model's adapters are merged unit by unit.
+- `prepare_frozen`: the reference model sharded like the actor (ZeRO-3: its own inference engine;
+  FSDP2: `accelerator.prepare`), else a replica on the device.
+- `configure_deepspeed`: the batch sizes and clipping DeepSpeed wants in its config, from our flags.
+- `sharding(model)`: "zero3", "fsdp2" or None, read off the parameters themselves.
+"""
+
+import contextlib
+import copy
+
+import torch
+
+
+def sharding(model):
+    """"zero3" (DeepSpeed partitioned parameters), "fsdp2" (DTensor parameters) or None."""
+    from torch.distributed.tensor import DTensor
+
+    param = next(model.parameters(), None)
+    if param is None:
+        return None
+    if hasattr(param, "ds_id"):
+        return "zero3"
+    return "fsdp2" if isinstance(param, DTensor) else None
+
+
+@contextlib.contextmanager
+def gathered(tensors):
+    """Full copies of `tensors` for the duration of the block: ZeRO-3 parameters are all-gathered in
+    place (and released after), FSDP2 DTensors all-gathered into new tensors, plain tensors passed through.
+    Collective: every rank must enter with the same tensors in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    zero3 = [t for t in tensors if hasattr(t, "ds_id")]
+    with contextlib.ExitStack() as stack:
+        if zero3:
+            import deepspeed
+
+            stack.enter_context(deepspeed.zero.GatheredParameters(zero3, modifier_rank=None))
+        yield [t.full_tensor() if isinstance(t, DTensor) else t.data for t in tensors]
+
+
+def units(model):
+    """(prefix, module, recurse): the model cut into the pieces gathered one at a time. An element of
+    a ModuleList (a transformer layer) and a LoRA layer (base weight + adapters, merged together) are
+    whole units; any other module contributes its own parameters and buffers."""
+    whole = {id(child) for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
+    whole |= {id(m) for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    inside = None  # prefix of the whole unit being skipped over
+    for name, module in model.named_modules():
+        if inside is not None and name.startswith(inside):
+            continue
+        recurse = id(module) in whole
+        inside = f"{name}." if recurse else inside
+        yield name, module, recurse
+
+
+def full_weights(model, dtype):
+    """(name, full tensor cast to dtype) for every parameter and persistent buffer, under the names of
+    model.state_dict() (a LoRA model: merged, under the base model's names). Collective under ZeRO-3 and
+    FSDP2; the tensors are copies, valid after the gather is released."""
+    from rft_core.models import merged_state_dict
+
+    served = set(model.state_dict().keys())  # parameters and persistent buffers; no communication
+    for prefix, module, recurse in units(model):
+        named = [(f"{prefix}.{n}" if prefix else n, t) for n, t in
+                 [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]]
+        named = [(n, t) for n, t in named if n in served]
+        if not named:
+            continue
+        with gathered([t for _, t in named]) as full:
+            state = dict(zip([n for n, _ in named], full))
+            for name, tensor in merged_state_dict(model, state).items():
+                yield name, tensor.detach().to(dtype, copy=True)
+
+
+def configure_deepspeed(accelerator, micro_batch_size, grad_accum, max_norm):
+    """Fill what DeepSpeed's config needs and cannot infer without a dataloader (call before prepare)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro_batch_size, gradient_accumulation_steps=grad_accum,
+                                   train_batch_size=micro_batch_size * grad_accum * accelerator.num_processes,
+                                   gradient_clipping=max_norm)
+
+
+def prepare_frozen(accelerator, model):
+    """Place a frozen model (the reference) where it costs least: sharded like the actor under ZeRO-3
+    (an inference-only DeepSpeed engine, parameters offloaded too if the actor's are) and FSDP2
+    (accelerate shards it), a replica on the device otherwise (DDP, ZeRO-1/2: it is small next to
+    the optimizer state they shard)."""
+    model.requires_grad_(False).eval()
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.zero_stage == 3:
+        import deepspeed
+
+        config = copy.deepcopy(plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # returns None, unlike nn.Module.eval
+        return engine
+    if accelerator.distributed_type.name == "FSDP":
+        return accelerator.prepare(model).eval()
+    return model.to(accelerator.device)
+
+
+def grad_norm_value(norm):
+    """accelerator.clip_grad_norm_'s result as a float: a tensor, an FSDP2 DTensor, or DeepSpeed's float / None."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float("nan") if norm is None else float(norm)
