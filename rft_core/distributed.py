@@ -5,7 +5,7 @@ Accelerate does the sharding; this module covers the few places the scripts touc
   layer, or one other module's own parameters), never the whole model on one rank. The weight sync
   to vLLM and nothing else uses it; a LoRA model's adapters are merged unit by unit.
 - `prepare_frozen`: the reference model sharded like the actor (ZeRO-3: its own inference engine;
-  FSDP2: `accelerator.prepare`), else a replica on the device.
+  FSDP2: accelerate's fully_shard recipe), else a replica on the device.
 - `configure_deepspeed`: the batch sizes and clipping DeepSpeed wants in its config, from our flags.
 - `sharding(model)`: "zero3", "fsdp2" or None, read off the parameters themselves.
 """
@@ -41,7 +41,10 @@ def gathered(tensors):
             import deepspeed
 
             stack.enter_context(deepspeed.zero.GatheredParameters(zero3, modifier_rank=None))
-        yield [t.full_tensor() if isinstance(t, DTensor) else t.data for t in tensors]
+        # CPU-offloaded FSDP2 shards gather through the GPU (NCCL), far faster than gloo on CPU tensors
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        yield [(t.to(device) if device and t.device.type == "cpu" else t).full_tensor() if isinstance(t, DTensor)
+               else t.data for t in tensors]
 
 
 def units(model):
@@ -85,13 +88,16 @@ def configure_deepspeed(accelerator, micro_batch_size, grad_accum, max_norm):
         return
     plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro_batch_size, gradient_accumulation_steps=grad_accum,
                                    train_batch_size=micro_batch_size * grad_accum * accelerator.num_processes,
-                                   gradient_clipping=max_norm)
+                                   gradient_clipping=max_norm,
+                                   # with optimizer offload, keep our AdamW (stepping on the CPU): accelerate would
+                                   # swap in DeepSpeedCPUAdam with only lr and weight decay carried over, not betas
+                                   zero_force_ds_cpu_optimizer=False)
 
 
 def prepare_frozen(accelerator, model):
     """Place a frozen model (the reference) where it costs least: sharded like the actor under ZeRO-3
     (an inference-only DeepSpeed engine, parameters offloaded too if the actor's are) and FSDP2
-    (accelerate shards it), a replica on the device otherwise (DDP, ZeRO-1/2: it is small next to
+    (per layer, with the actor's mixed precision and offload policy), a replica on the device otherwise (DDP, ZeRO-1/2: it is small next to
     the optimizer state they shard)."""
     model.requires_grad_(False).eval()
     plugin = accelerator.state.deepspeed_plugin
@@ -105,8 +111,10 @@ def prepare_frozen(accelerator, model):
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()  # returns None, unlike nn.Module.eval
         return engine
-    if accelerator.distributed_type.name == "FSDP":
-        return accelerator.prepare(model).eval()
+    if accelerator.distributed_type.name == "FSDP":  # accelerate's prepare() wants an optimizer with the model
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, model).eval()
     return model.to(accelerator.device)
 
 

@@ -108,7 +108,8 @@ def create_engine(engine_type, model, tokenizer, args):
         # vLLM reads the architecture and tokenizer from a directory; weights come by sync below.
         model_dir = tempfile.mkdtemp(prefix="rft_engine_")
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the peft model's base
-        model.config.architectures = [type(base).__name__]
+        # the transformers class: FSDP2 swaps in a subclass named FSDP<class>, which vLLM does not know
+        model.config.architectures = [next(c.__name__ for c in type(base).__mro__ if c.__module__.startswith("transformers"))]
         model.config.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
