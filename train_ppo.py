@@ -5,8 +5,8 @@ built-in, seeded arithmetic task; held-out greedy accuracy is printed before and
 
     python train_ppo.py                                   # CPU or one GPU
     accelerate launch train_ppo.py --max_steps 2          # same, through accelerate
-    accelerate launch --config_file accelerate_configs/multi_gpu.yaml train_ppo.py \
-        --pretrain /models/Qwen2.5-0.5B-Instruct --prompt_data data/train.jsonl --label_key answer
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml train_ppo.py \
+        --pretrain /models/Qwen2.5-7B-Instruct --prompt_data data/train.jsonl --label_key answer  # any config there
 
 With --save_steps N, running the same command again resumes from the last complete checkpoint.
 The loop per step: rollout -> rewards/advantages -> logprobs -> update -> weight sync -> log ->
@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import set_seed
 from tqdm import tqdm
 from transformers import get_scheduler
 
@@ -43,7 +43,8 @@ from rft_core.advantages import (ADVANTAGE_ESTIMATORS, TOKEN_LEVEL, adaptive_kl_
 from rft_core.cli import MetricsLog, gather_metrics, parse_args, phase_peak_gb, timed
 from rft_core.data import BUILTIN_TASKS, arithmetic_task, batches, encode_rows, load_prompt_rows, text_batches
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from rft_core.distributed import configure_deepspeed, grad_norm_value, prepare_frozen
+from rft_core.distributed import (configure_deepspeed, grad_norm_value, move_optimizer_state, prepare_frozen,
+                                  process_group_kwargs)
 from rft_core.engine import create_engine
 from rft_core.evaluation import evaluate
 from rft_core.experience import batched_logprobs, batched_values, build_experience
@@ -204,6 +205,9 @@ class Args:
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
+    optimizer_offload: bool = False
+    """keep the optimizer state in CPU memory outside the update, so it never shares the GPU with the rollout's KV cache
+    (DDP, FSDP2; with DeepSpeed use a *_offload config)"""
     lora_rank: int = 0
     """train LoRA adapters of this rank instead of every weight (0: full fine-tuning); vLLM gets the merged weights"""
     lora_alpha: int = 16
@@ -243,11 +247,8 @@ def main():
     args = parse_args(Args)
     args.bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     trackers = (["wandb"] if args.use_wandb else []) + (["tensorboard"] if args.use_tensorboard else [])
-    # DeepSpeed without a GPU (the CPU tests) needs its backend named, or accelerate sees one process
-    cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", log_with=trackers or None,
-                              project_dir=args.use_tensorboard,
-                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_deepspeed else None)
+                              project_dir=args.use_tensorboard, kwargs_handlers=process_group_kwargs())
     world = accelerator.num_processes
 
     # ---- derived values and checks ----
@@ -265,13 +266,14 @@ def main():
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
     check(not (args.enable_engine_sleep and args.disable_engine_sleep), "--enable_engine_sleep or --disable_engine_sleep: pick one")
-    check(not (args.ema_beta and args.lora_rank), "--ema_beta with --lora_rank is not supported yet (its export would merge the live adapter)")
     deepspeed = accelerator.state.deepspeed_plugin
     sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed is not None and deepspeed.zero_stage == 3)
-    check(not (args.ema_beta and sharded), "--ema_beta needs whole parameters on every rank: use a config without "
-          "parameter sharding (multi_gpu, deepspeed_zero1/2)")
+    check(not (args.ema_beta and (args.lora_rank or sharded)), "--ema_beta is not supported with --lora_rank (the export "
+          "would merge the live adapter) nor under ZeRO-3 / FSDP2 (it averages whole parameters)")
     check(not (deepspeed and args.advantage_estimator == "gae"), "gae trains a critic beside the actor, which one "
           "DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
+    check(not (deepspeed and args.optimizer_offload), "--optimizer_offload moves a torch optimizer's state; under "
+          "DeepSpeed use accelerate_configs/deepspeed_zero3_offload.yaml")
     check(world % args.engine_tp_size == 0, f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
     check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
@@ -308,7 +310,7 @@ def main():
 
     # ---- model, data, reward, optimizer, engine ----
     sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, accelerator.device,
-                             torch.bfloat16 if args.bf16 else None)
+                             torch.bfloat16 if args.bf16 else None, place=lambda m: prepare_frozen(accelerator, m))
     score_all = weighted_rewards(sources, args.reward_weights, args.reward_fallback)  # (prompts, completions, labels)
     moments = RunningMoments() if args.normalize_reward else None
 
@@ -325,18 +327,10 @@ def main():
         net.gradient_checkpointing_enable()
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
 
-    def load_rows(path, flag):
-        rows, skipped = load_prompt_rows(path, args.input_key, args.label_key, flag)
-        if skipped:
-            accelerator.print(f"[data] {path}: skipped {skipped} unusable rows (empty or malformed {args.input_key!r})")
-        return rows
-
-    if args.prompt_data in BUILTIN_TASKS:
-        train_rows, eval_rows = arithmetic_task(seed=args.seed)
-    else:
-        train_rows, eval_rows = load_rows(args.prompt_data, "--prompt_data"), []
-    if args.eval_data:
-        eval_rows = load_rows(args.eval_data, "--eval_data")
+    load_rows = lambda path, flag: load_prompt_rows(path, args.input_key, args.label_key, flag, log=accelerator.print)[0]  # noqa: E731
+    train_rows, eval_rows = (arithmetic_task(seed=args.seed) if args.prompt_data in BUILTIN_TASKS
+                             else (load_rows(args.prompt_data, "--prompt_data"), []))
+    eval_rows = load_rows(args.eval_data, "--eval_data") if args.eval_data else eval_rows
     ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size,
                                accelerator.process_index, world) if args.pretrain_data else None
     encoded = {}  # split -> [(prompt ids, label, prompt)]
@@ -344,8 +338,7 @@ def main():
         encoded[split], skipped = encode_rows(tokenizer, rows, args.prompt_max_len, args.apply_chat_template, args.system_prompt)
         if skipped:
             accelerator.print(f"[data] skipped {skipped} {split} prompts longer than --prompt_max_len {args.prompt_max_len}")
-    check(len(encoded["train"]) >= args.rollout_batch_size,
-          f"{len(encoded['train'])} usable training prompts, fewer than --rollout_batch_size {args.rollout_batch_size}")
+    check(len(encoded["train"]) >= args.rollout_batch_size, f"{len(encoded['train'])} usable training prompts, fewer than --rollout_batch_size")
     num_steps = min(args.max_steps, args.num_episodes * (len(encoded["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
 
@@ -389,20 +382,13 @@ def main():
             next(data)
         if moments is not None:
             moments.load_state_dict(state["moments"])
-        if ema is not None:
-            ema = tensors["ema"]
+        ema = tensors["ema"] if ema is not None else None
         engine.update_weights(accelerator.unwrap_model(model))
         accelerator.print(f"[resume] from {resume_from}: step {start}")
     accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "
                       f"grad_accum {grad_accum} | engine {type(engine).__name__} | bf16 {args.bf16}")
     if encoded["eval"] and not resume_from:
         first_eval = run_eval(0)
-    line_keys = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/reward/correct"),
-                 ("errors", "rollout/reward_errors"), ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"),
-                 ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
-                 ("gnorm", "train/grad_norm"), ("vloss", "train/value_loss"), ("lp_diff", "rollout/logprob_diff_mean"),
-                 ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
-                 ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]
 
     k, n = args.rollout_batch_size // world, args.n_samples_per_prompt
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
@@ -469,6 +455,8 @@ def main():
 
         # ---- update ----
         t2 = time.time()
+        for _, opt, _, _ in trained if args.optimizer_offload else []:  # the AdamW moments back from the CPU
+            move_optimizer_state(opt, device)
         model.train()
         mem_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0  # the peak was just reset
         frozen = step <= args.freezing_actor_steps  # PPO warm-up: only the critic learns
@@ -542,10 +530,12 @@ def main():
                     for key, v in m.items():
                         sums[key] = sums.get(key, 0.0) + v
                     count += 1
-        t_upd = time.time() - t2
         if torch.cuda.is_available():
             train_bytes = torch.cuda.max_memory_allocated() - mem_before  # what the next update will need
             mem["perf/mem_update_gb"] = phase_peak_gb()
+        for _, opt, _, _ in trained if args.optimizer_offload else []:
+            move_optimizer_state(opt, "cpu")
+        t_upd = time.time() - t2
 
         # ---- weight sync ----
         _, t_sync = timed(engine.update_weights, accelerator.unwrap_model(model))
@@ -572,7 +562,7 @@ def main():
             metrics.update({**mem, "perf/mem_update_extra_gb": train_bytes / 2**30})
         log.write(step, metrics)
         if step % args.logging_steps == 0:
-            tqdm.write(MetricsLog.line(step, metrics, line_keys)) if accelerator.is_main_process else None
+            tqdm.write(MetricsLog.line(step, metrics)) if accelerator.is_main_process else None
 
         if args.log_samples_steps and step % args.log_samples_steps == 0:
             log.samples(step, [{"prompt": tokenizer.decode(p), "completion": c, "label": lab, "reward": rw}

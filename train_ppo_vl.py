@@ -384,12 +384,6 @@ def main():
                       f"grad_accum {grad_accum} | engine {type(engine).__name__} | bf16 {args.bf16}")
     if encoded["eval"] and not resume_from:
         first_eval = run_eval(0)
-    line_keys = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/reward/correct"),
-                 ("errors", "rollout/reward_errors"), ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"),
-                 ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
-                 ("gnorm", "train/grad_norm"), ("lp_diff", "rollout/logprob_diff_mean"),
-                 ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
-                 ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]
 
     k, n = args.rollout_batch_size // world, args.n_samples_per_prompt
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
@@ -548,7 +542,7 @@ def main():
             metrics.update({**mem, "perf/mem_update_extra_gb": train_bytes / 2**30})
         log.write(step, metrics)
         if step % args.logging_steps == 0:
-            tqdm.write(MetricsLog.line(step, metrics, line_keys)) if accelerator.is_main_process else None
+            tqdm.write(MetricsLog.line(step, metrics)) if accelerator.is_main_process else None
 
         if args.log_samples_steps and step % args.log_samples_steps == 0:
             log.samples(step, [{"prompt": tokenizer.decode(p), "completion": c, "label": lab, "reward": rw}

@@ -82,6 +82,14 @@ def gather_metrics(local, sum_keys=()):
             for k in keys}
 
 
+STEP_LINE = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/reward/correct"),
+             ("errors", "rollout/reward_errors"), ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"),
+             ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
+             ("gnorm", "train/grad_norm"), ("vloss", "train/value_loss"), ("lp_diff", "rollout/logprob_diff_mean"),
+             ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
+             ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]  # the step line's (label, metric)
+
+
 class MetricsLog:
     """Appends one JSON object per row to OUTPUT_DIR/metrics.jsonl (and to the accelerate trackers)
     and formats the console line."""
@@ -119,7 +127,8 @@ class MetricsLog:
                                                             data=[[step, *x.values()] for x in rows], step=step)
 
     @staticmethod
-    def line(step, metrics, keys):
-        """`step 3 | reward 0.512 | ...` for the (label, key) pairs present in metrics."""
+    def line(step, metrics, keys=None):
+        """`step 3 | reward 0.512 | ...` for the (label, key) pairs (default STEP_LINE) present in metrics."""
+        keys = keys or STEP_LINE
         parts = [f"step {step}"] + [f"{label} {metrics[key]:.4g}" for label, key in keys if key in metrics]
         return " | ".join(parts)

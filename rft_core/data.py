@@ -54,10 +54,10 @@ def arithmetic_task(num_train=4096, num_eval=96, seed=0):
     return train_rows, eval_rows
 
 
-def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=()):
+def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(), log=None):
     """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a
     directory of them, or a `save_to_disk` directory; errors name `flag`. extra_keys: columns copied
-    into the rows as they are, where present."""
+    into the rows as they are, where present. log(message): told the skipped count, if any."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{flag} {path!r}: no such file or directory (built-in tasks: {BUILTIN_TASKS})")
     import datasets  # heavy; only needed for files
@@ -80,6 +80,8 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
     if not rows:
         raise ValueError(f"{flag} {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
                          "(a non-empty string or a list of chat messages with role and content)")
+    if log and len(ds) > len(rows):
+        log(f"[data] {path}: skipped {len(ds) - len(rows)} unusable rows (empty or malformed {input_key!r})")
     return rows, len(ds) - len(rows)
 
 

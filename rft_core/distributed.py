@@ -12,8 +12,19 @@ Accelerate does the sharding; this module covers the few places the scripts touc
 
 import contextlib
 import copy
+import os
 
 import torch
+
+
+def process_group_kwargs():
+    """Accelerator kwargs_handlers: DeepSpeed without a GPU (the CPU tests) needs its backend named, or
+    accelerate sees one process."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available():
+        return [InitProcessGroupKwargs(backend="gloo")]
+    return None
 
 
 def sharding(model):
@@ -125,3 +136,15 @@ def grad_norm_value(norm):
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float("nan") if norm is None else float(norm)
+
+
+def move_optimizer_state(optimizer, device):
+    """Move an optimizer's state tensors (AdamW's moments; FSDP2's are DTensors) to `device`: to the CPU
+    after an update, so the rollout's KV cache never shares the GPU with them, and back before the next."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # under accelerate's AcceleratedOptimizer
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":  # Adam keeps its step counter on the CPU
+                state[key] = value.to(device)
+    if torch.device(device).type == "cpu" and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand the freed blocks back, for vLLM's wake-up

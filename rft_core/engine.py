@@ -87,6 +87,13 @@ class HFEngine:
         return gens
 
 
+def hf_architecture(model):
+    """The transformers class name vLLM looks the model up by: a LoRA model's base, and under FSDP2 the
+    class it swapped out (fully_shard subclasses it as FSDP<class>)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return next(c.__name__ for c in type(base).__mro__ if c.__module__.startswith("transformers."))
+
+
 def create_engine(engine_type, model, tokenizer, args):
     """The engine named by --engine_type ("auto": vllm with a GPU and vllm installed, else hf)."""
     has_vllm = importlib.util.find_spec("vllm") is not None
@@ -107,9 +114,7 @@ def create_engine(engine_type, model, tokenizer, args):
 
         # vLLM reads the architecture and tokenizer from a directory; weights come by sync below.
         model_dir = tempfile.mkdtemp(prefix="rft_engine_")
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: the peft model's base
-        # the transformers class: FSDP2 swaps in a subclass named FSDP<class>, which vLLM does not know
-        model.config.architectures = [next(c.__name__ for c in type(base).__mro__ if c.__module__.startswith("transformers"))]
+        model.config.architectures = [hf_architecture(model)]
         model.config.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"

@@ -121,15 +121,17 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     return fn
 
 
-def reward_model_fn(path, device="cpu", dtype=None, batch_size=32):
+def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
     """A reward function scoring prompt + completion with the reward model at `path` (a sequence- or
-    token-classification checkpoint), in the reward model's own tokenizer and chat template."""
+    token-classification checkpoint), in the reward model's own tokenizer and chat template.
+    place(model) -> model puts it where it costs least (sharded like the actor); default: on `device`."""
     import torch
     from transformers import AutoTokenizer
 
     from rft_core.models import load_value_model, sequence_scores
 
-    model = load_value_model(path, dtype=dtype or torch.float32).to(device).eval().requires_grad_(False)
+    model = load_value_model(path, dtype=dtype or torch.float32).eval().requires_grad_(False)
+    model = place(model) if place else model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
 
@@ -225,13 +227,13 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
     return rewards, components, sum(r is None for r in rows)
 
 
-def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None):
+def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None, place=None):
     """A run's (name, fn) reward sources: "rule" (--reward_fn or --remote_rm_url; the built-in answer
     reward when no source is given at all), then "rm0", "rm1"... for the comma-separated --reward_pretrain."""
     rule = load_reward_fn(reward_fn) if reward_fn else remote_reward_fn(remote_rm_url) if remote_rm_url else None
     models = reward_pretrain.split(",") if reward_pretrain else []
     sources = [("rule", rule or answer_reward)] if rule or not models else []
-    return sources + [(f"rm{i}", reward_model_fn(path, device, dtype)) for i, path in enumerate(models)]
+    return sources + [(f"rm{i}", reward_model_fn(path, device, dtype, place=place)) for i, path in enumerate(models)]
 
 
 def weighted_rewards(sources, weights=None, fallback=0.0):

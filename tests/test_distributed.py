@@ -56,18 +56,19 @@ def test_full_weights_sharded(tiny_model_dir, mode, lora):
     assert out.count("OK") == 2
 
 
-def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tmp_path, chars_reward):
-    """ZeRO-3 (sharded actor, sharded reference for the KL loss) through accelerate_configs/deepspeed_zero3.yaml:
-    the same grad norms, KL and exported weights as DDP on the same seed; killed after step 1 and resumed,
-    step 2 is still DDP's step 2."""
+def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tmp_path, chars_reward):
+    """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss) and a
+    reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same seed; stopped
+    after step 1 and resumed, step 2 is still DDP's step 2."""
     pytest.importorskip("deepspeed")
-    args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN, "--reward_fn", chars_reward]
+    args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN, "--reward_fn", chars_reward,
+            "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "1"]
     launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args,
             "--output_dir", str(tmp_path / "ddp")], ACCELERATE_USE_CPU="true")
     zero3 = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
              os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml"), *args, "--save_steps", "1",
              "--output_dir", str(tmp_path / "z3")]
-    launch([*zero3[:-6], "--max_steps", "1", *zero3[-6:]])  # argparse: the later --max_steps wins
+    launch([*zero3, "--max_steps", "1"])  # the later --max_steps wins
     assert os.path.isdir(tmp_path / "z3" / "checkpoint-1")
     out = launch(zero3)
     assert "[resume] from" in out and "2 processes" in out
@@ -75,9 +76,81 @@ def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tmp_path, chars
     z3, _ = read_metrics(str(tmp_path / "z3"))
     assert [r["step"] for r in z3] == [1, 2]
     for a, b in zip(ddp, z3):
-        for key in ("train/grad_norm", "train/kl", "train/policy_loss", "rollout/reward_mean"):
+        for key in ("train/grad_norm", "train/kl", "train/policy_loss", "rollout/reward_mean", "rollout/reward/rm0"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert z3[1]["train/kl"] > 0  # the sharded reference model is in use
     want, got = (load_file(str(tmp_path / d / "model" / "model.safetensors")) for d in ("ddp", "z3"))
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
     assert json.load(open(tmp_path / "z3" / "config.json"))["world_size"] == 2
+
+
+def test_hf_architecture_names_the_transformers_class(tiny_model_dir):
+    """vLLM looks the model up by class name: FSDP2's FSDP<class> subclass and peft's wrapper map back."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rft_core.engine import hf_architecture
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert hf_architecture(model) == "LlamaForCausalLM"
+    from torch.distributed.fsdp import FSDPModule
+
+    model.__class__ = type("FSDPLlamaForCausalLM", (FSDPModule, type(model)), {})  # as fully_shard does
+    assert hf_architecture(model) == "LlamaForCausalLM"
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, target_modules="all-linear"))
+    assert hf_architecture(lora) == "LlamaForCausalLM"
+
+
+def test_move_optimizer_state():
+    """--optimizer_offload: AdamW's moments move, its CPU step counter stays, and training goes on."""
+    from rft_core.distributed import move_optimizer_state
+
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    want = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in net.parameters()}
+    move_optimizer_state(opt, "meta")  # a stand-in for the GPU
+    assert all({k: v.device.type for k, v in opt.state[p].items()} == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
+               for p in net.parameters())
+    for p in net.parameters():  # meta holds no data: put the values back, then a round trip to the CPU
+        opt.state[p].update(want[p])
+    move_optimizer_state(opt, "cpu")
+    assert all(torch.equal(opt.state[p][k], v) for p in net.parameters() for k, v in want[p].items())
+    opt.step()
+
+
+def test_evaluate_pads_ranks_to_equal_work():
+    """With sharded weights every generate call is a collective: each rank generates for as many rows,
+    and the padding rows are not counted."""
+    from rft_core.engine import Generation
+    from rft_core.evaluation import evaluate
+
+    class Engine:
+        def __init__(self):
+            self.sizes = []
+
+        def wake_up(self):
+            pass
+
+        def generate(self, ids, max_len, temperature=0.0):
+            self.sizes.append(len(ids))
+            return [Generation([7], [0.0]) for _ in ids]
+
+    class Accel:
+        def __init__(self, rank):
+            self.process_index, self.num_processes, self.device = rank, 2, "cpu"
+
+        def reduce(self, t, op):
+            return t
+
+    class Tok:
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["x" for _ in ids]
+
+    rows = [([1], str(i), "p") for i in range(5)]  # rank 0 gets 3 rows, rank 1 gets 2 (+1 padding)
+    score = lambda prompts, completions, labels: ([1.0] * len(prompts), {"correct": [1.0] * len(prompts)}, 0)  # noqa: E731
+    for rank, count in ((0, 3), (1, 2)):
+        engine = Engine()
+        metrics = evaluate(engine, Tok(), rows, score, Accel(rank), 4, n_samples=2)
+        assert engine.sizes == [3, 6] and metrics["eval/num_problems"] == count and metrics["eval/accuracy"] == 1.0

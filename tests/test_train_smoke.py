@@ -158,11 +158,11 @@ def test_accelerate_launch(tiny_model_dir, tmp_path):
 
 def test_two_processes_cpu(tiny_model_dir, tmp_path, chars_reward):
     """Two data-parallel ranks over gloo (torchrun + ACCELERATE_USE_CPU): PPO with its critic under DDP, global
-    whitening, metric gathers and the final export."""
+    whitening, metric gathers, both optimizers' state moved out between updates, and the final export."""
     os.environ["ACCELERATE_USE_CPU"] = "true"
     try:
         run(["--pretrain", tiny_model_dir, *TINY, "--micro_train_batch_size", "1", "--reward_fn", chars_reward,
-             "--advantage_estimator", "gae", "--output_dir", str(tmp_path)], launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+             "--advantage_estimator", "gae", "--optimizer_offload", "--output_dir", str(tmp_path)], launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
     finally:
         del os.environ["ACCELERATE_USE_CPU"]
     steps_rows, eval_rows = read_metrics(str(tmp_path))
@@ -195,7 +195,7 @@ def test_prompt_file(tiny_model_dir, tmp_path):
     (["--kl_target", "0.1"], "--kl_target adapts the KL penalty in the reward"),
     (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 reward sources"),
     (["--high_entropy_token_ratio", "1.5"], "--high_entropy_token_ratio must be in [0, 1]"),
-    (["--ema_beta", "0.9", "--lora_rank", "4"], "--ema_beta with --lora_rank is not supported"),
+    (["--ema_beta", "0.9", "--lora_rank", "4"], "--ema_beta is not supported with --lora_rank"),
 ])
 def test_bad_config_errors(tiny_model_dir, tmp_path, extra, message, monkeypatch):
     """In-process (the checks run before any training), so each case costs no interpreter start."""
