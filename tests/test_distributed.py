@@ -2,6 +2,7 @@
 files, the layer-wise weight gather under FSDP2 and ZeRO-3, and every accelerate config file."""
 
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -154,3 +155,22 @@ def test_evaluate_pads_ranks_to_equal_work():
         engine = Engine()
         metrics = evaluate(engine, Tok(), rows, score, Accel(rank), 4, n_samples=2)
         assert engine.sizes == [3, 6] and metrics["eval/num_problems"] == count and metrics["eval/accuracy"] == 1.0
+
+
+# ---- GPU: two GPUs with vllm (run on the GPU machine) ----
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
+                    reason="needs 2 GPUs and vllm")
+@pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2"])
+def test_sharded_configs_with_vllm(tmp_path, config):
+    """The embedded model, sharded over 2 GPUs with vLLM colocated: the layer-wise sync keeps vLLM's
+    logprobs on the trainer's, and the export loads."""
+    if config.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), os.path.join(ROOT, "train_ppo.py"),
+            "--engine_type", "vllm", "--engine_enforce_eager", "--use_kl_loss", "--max_steps", "2",
+            "--output_dir", str(tmp_path)], DS_ACCELERATOR="cuda")
+    steps, _ = read_metrics(str(tmp_path))
+    assert len(steps) == 2 and all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)
+    assert os.path.isfile(tmp_path / "model" / "model.safetensors")
