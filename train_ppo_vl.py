@@ -483,32 +483,34 @@ def main():
                         if args.use_kl_loss:
                             kl = kl_estimate(logprobs, mb.ref_logprobs, args.kl_estimator)  # (B, T)
                             loss = loss + kl_coef * aggregate_loss(kl, mb.action_mask, args.loss_agg_mode, **agg)
-                            m["kl"] = masked_mean(kl, mb.action_mask).item()
+                            m["kl"] = masked_mean(kl, mb.action_mask).detach()
                         if ptx_batches is not None:  # a mean per micro-batch: average it over them
                             enc = tokenizer(next(ptx_batches), return_tensors="pt", padding=True, truncation=True,
                                             max_length=args.prompt_max_len).to(device)
                             ptx_loss = lm_loss(model, enc["input_ids"], enc["attention_mask"])
                             loss = loss + args.ptx_coef * ptx_loss / (grad_accum * world)
-                            m["ptx_loss"] = ptx_loss.item()
-                        if not torch.isfinite(loss):
-                            raise FloatingPointError(f"non-finite loss at step {step}: lower --actor_learning_rate or use --bf16 false")
+                            m["ptx_loss"] = ptx_loss.detach()
                         # Losses are normalised by the whole step's totals, so undo the mean that
                         # gradient accumulation and DDP each apply.
                         accelerator.backward(loss * grad_accum * world)
                         for net, opt, sched, key in trained:
                             if accelerator.sync_gradients:
                                 grad_norms[key].append(accelerator.clip_grad_norm_(net.parameters(), args.max_norm).item())
+                                if not math.isfinite(grad_norms[key][-1]):  # checked here, the one host sync per step
+                                    raise FloatingPointError(f"non-finite loss or gradients ({key}) at step {step}: lower "
+                                                             "--actor_learning_rate or use --bf16 false")
                             opt.step()
                             sched.step()
                             opt.zero_grad()
                         if ema is not None and accelerator.sync_gradients:
                             torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1.0 - args.ema_beta)
-                    m["policy_loss"] = pg_loss.item() * grad_accum  # mean over micro-batches -> step loss
-                    m["entropy"] = masked_mean(entropy.detach(), mb.action_mask).item()
+                    # metrics stay on the device until the update ends: an .item() here would stall the GPU
+                    m["policy_loss"] = pg_loss.detach() * grad_accum  # mean over micro-batches -> step loss
+                    m["entropy"] = masked_mean(entropy.detach(), mb.action_mask)
                     if epoch == 0:
                         diff = (mb.rollout_logprobs - old).abs() * mb.action_mask  # (B, T)
-                        m["logprob_diff_mean"] = (diff.sum() / mb.action_mask.sum()).item()
-                        m["logprob_diff_max"] = diff.max().item()
+                        m["logprob_diff_mean"] = diff.sum() / mb.action_mask.sum()
+                        m["logprob_diff_max"] = diff.max()
                     for key, v in m.items():
                         sums[key] = sums.get(key, 0.0) + v
                     count += 1
@@ -527,7 +529,7 @@ def main():
                  "rollout/response_length": exp.action_mask.sum(-1).float().mean().item(),
                  "rollout/truncated": sum(len(g.token_ids) >= args.generate_max_len for g in generations) / len(r)}
         local.update({f"rollout/reward/{k_}": float(np.nanmean(v)) for k_, v in components.items()})
-        local.update({("rollout/" if k_.startswith("logprob") else "train/") + k_: v / count for k_, v in sums.items()})
+        local.update({("rollout/" if k_.startswith("logprob") else "train/") + k_: float(v / count) for k_, v in sums.items()})
         local.update({f"train/{k_}": sum(v) / len(v) for k_, v in grad_norms.items() if v})  # per optimizer step
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()

@@ -138,13 +138,14 @@ def grad_norm_value(norm):
     return float("nan") if norm is None else float(norm)
 
 
-def move_optimizer_state(optimizer, device):
-    """Move an optimizer's state tensors (AdamW's moments; FSDP2's are DTensors) to `device`: to the CPU
+def move_optimizer_state(optimizers, device):
+    """Move the optimizers' state tensors (AdamW's moments; FSDP2's are DTensors) to `device`: to the CPU
     after an update, so the rollout's KV cache never shares the GPU with them, and back before the next."""
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # under accelerate's AcceleratedOptimizer
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and key != "step":  # Adam keeps its step counter on the CPU
-                state[key] = value.to(device)
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # under accelerate's AcceleratedOptimizer
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":  # Adam keeps its step counter on the CPU
+                    state[key] = value.to(device)
     if torch.device(device).type == "cpu" and torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the freed blocks back, for vLLM's wake-up

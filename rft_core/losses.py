@@ -82,7 +82,7 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, l
                    the gradient, which stays -A grad log pi inside the range and 0 outside
 
     logprobs, old_logprobs, action_mask: (B, T); advantages: (B, T) or (B,) broadcast over tokens.
-    Returns (loss, metrics) with metrics detached: clip fraction and the k1 policy-vs-old KL.
+    Returns (loss, metrics): clip fraction and the k1 policy-vs-old KL as detached 0-d tensors (no host sync).
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)  # (B, T)
@@ -107,8 +107,8 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, l
     loss = aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len)
     with torch.no_grad():
         metrics = {
-            "clip_frac": masked_mean((surr2 < surr1).float(), action_mask).item(),
-            "ppo_kl": masked_mean(-(logprobs - old_logprobs), action_mask).item(),
+            "clip_frac": masked_mean((surr2 < surr1).float(), action_mask),
+            "ppo_kl": masked_mean(-(logprobs - old_logprobs), action_mask),
         }
     return loss, metrics
 
@@ -135,7 +135,9 @@ def high_entropy_mask(entropy, action_mask, ratio):
     return keep.view_as(entropy) * action_mask
 
 
-def entropy_from_logits(logits):
-    """Per-position entropy of softmax(logits): logsumexp(z) - sum softmax(z) z.  (..., V) -> (...)"""
+def entropy_from_logits(logits, lse=None):
+    """Per-position entropy of softmax(logits): logsumexp(z) - sum softmax(z) z.  (..., V) -> (...)
+    lse: logsumexp(logits) if already computed (it saves passes over the vocabulary)."""
     logits = logits.float()
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    lse = torch.logsumexp(logits, -1) if lse is None else lse
+    return lse - (torch.exp(logits - lse.unsqueeze(-1)) * logits).sum(-1)

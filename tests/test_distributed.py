@@ -111,12 +111,12 @@ def test_move_optimizer_state():
     net(torch.randn(4, 3)).sum().backward()
     opt.step()
     want = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in net.parameters()}
-    move_optimizer_state(opt, "meta")  # a stand-in for the GPU
+    move_optimizer_state([opt], "meta")  # a stand-in for the GPU
     assert all({k: v.device.type for k, v in opt.state[p].items()} == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
                for p in net.parameters())
     for p in net.parameters():  # meta holds no data: put the values back, then a round trip to the CPU
         opt.state[p].update(want[p])
-    move_optimizer_state(opt, "cpu")
+    move_optimizer_state([opt], "cpu")
     assert all(torch.equal(opt.state[p][k], v) for p in net.parameters() for k, v in want[p].items())
     opt.step()
 

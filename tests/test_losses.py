@@ -137,6 +137,7 @@ def test_masked_mean_and_entropy():
     logits = torch.tensor([[0.0, 0.0], [0.0, math.log(3.0)]])
     expected = [math.log(2), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
     assert entropy_from_logits(logits).tolist() == pytest.approx(expected, rel=1e-5)
+    assert entropy_from_logits(logits, torch.logsumexp(logits, -1)).tolist() == pytest.approx(expected, rel=1e-5)
 
 
 def naive_token_losses(logprobs, old, adv, mask, lo, hi, dual=None):

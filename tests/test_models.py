@@ -1,5 +1,6 @@
 """The critic / reward-model head, and the ptx loss, against transformers' own outputs."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -64,3 +65,23 @@ def test_merged_state_dict_matches_peft_merge(tiny_model_dir):
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                            before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_response_logprobs_against_full_log_softmax(tiny_model_dir, temperature):
+    """Logprobs and entropy of the response tokens == a naive log_softmax over every position's full
+    logits at that temperature, left padding included."""
+    from rft_core.models import response_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 1]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    logprobs, entropy = response_logprobs(model, ids, mask, 3, temperature, with_entropy=True)
+    for b in range(2):
+        real = mask[b].bool()
+        logits = model(input_ids=ids[b:b + 1, real]).logits[0].float() / temperature  # (L, V), no padding at all
+        logp = torch.log_softmax(logits, -1)
+        want = [logp[t - 1, ids[b, real][t]].item() for t in range(real.sum() - 3, real.sum())]
+        want_entropy = [-(logp[t - 1].exp() * logp[t - 1]).sum().item() for t in range(real.sum() - 3, real.sum())]
+        assert logprobs[b].tolist() == pytest.approx(want, abs=1e-5)
+        assert entropy[b].tolist() == pytest.approx(want_entropy, abs=1e-5)

@@ -206,6 +206,15 @@ def test_bad_config_errors(tiny_model_dir, tmp_path, extra, message, monkeypatch
         train_ppo.main()
 
 
+def test_non_finite_gradients_stop_the_run(tiny_model_dir, tmp_path, chars_reward):
+    """A learning rate that blows the weights up: the first non-finite gradient stops the run with a clear
+    error before its optimizer step (the loss itself can still be finite), and the checkpoint before it stays."""
+    proc = run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--reward_fn", chars_reward, "--save_steps", "1",
+                "--actor_learning_rate", "1e30", "--output_dir", str(tmp_path)], check=False)
+    assert proc.returncode != 0 and "FloatingPointError: non-finite loss or gradients (grad_norm) at step 2" in proc.stderr
+    assert open(tmp_path / "latest").read().strip() == "checkpoint-1"
+
+
 def test_default_model_two_steps(tmp_path):
     """The acceptance command: the embedded SmolLM2-135M, default flags, two steps."""
     run(["--max_steps", "2", "--output_dir", str(tmp_path)])
