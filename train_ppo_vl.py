@@ -10,8 +10,9 @@ Qwen2-VL (word-level vocabulary, built from a config) over a built-in, seeded ta
     accelerate launch train_ppo_vl.py --pretrain /models/Qwen2-VL-2B-Instruct --prompt_data data/vqa.jsonl \
         --images_key images --label_key answer --reward_fn math
 
-Not yet: vLLM rollouts for images (--engine_type hf only) and the PPO critic (gae). With --save_steps N,
-running the same command again resumes from the last complete checkpoint.
+Not yet: vLLM rollouts for images (--engine_type hf only). With --save_steps N, running the same
+command again resumes from the last complete checkpoint. gae's critic is a copy of the policy's
+backbone, vision tower included, with a zero-initialised value head.
 The loop per step: rollout -> rewards/advantages -> logprobs -> update -> weight sync -> log ->
 eval/checkpoint. Where it departs from the papers:
 - KL: none by default for the per-sequence estimators (as DAPO and Dr.GRPO); the token-level ones
@@ -49,12 +50,14 @@ from rft_core.data import batches, load_prompt_rows, text_batches
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rft_core.engine import HFEngine
 from rft_core.evaluation import evaluate
-from rft_core.experience import batched_logprobs, build_experience
-from rft_core.losses import LOSS_AGG_MODES, aggregate_loss, high_entropy_mask, kl_estimate, masked_mean, policy_loss
-from rft_core.models import export_hf, lm_loss, response_logprobs
+from rft_core.experience import batched_logprobs, batched_values, build_experience
+from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, high_entropy_mask, kl_estimate, masked_mean, policy_loss,
+                             value_loss)
+from rft_core.models import export_hf, lm_loss, response_logprobs, response_values
 from rft_core.plots import write_plots
 from rft_core.rewards import RunningMoments, overlong_penalty, reward_sources, weighted_rewards
-from rft_core.vision import VISION_TOKENS, encode_vl_prompt, first_word_reward, load_vl_model, shapes_task
+from rft_core.vision import (VISION_TOKENS, VisionValueModel, encode_vl_prompt, first_word_reward, load_vl_model,
+                             shapes_task)
 
 
 @dataclass
@@ -111,7 +114,7 @@ class Args:
     """maximum new tokens per response (also Dr.GRPO's normalising constant)"""
     # ---- algorithm ----
     advantage_estimator: str = "group_norm"
-    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline (gae: not yet)"""
+    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO with a critic)"""
     n_samples_per_prompt: int = 8
     """responses sampled per prompt (the group size)"""
     eps_clip: float = 0.2
@@ -142,6 +145,12 @@ class Args:
     """discount of the token-level estimators (gae, reinforce, reinforce_baseline)"""
     lambd: float = 0.95
     """GAE lambda"""
+    critic_learning_rate: float = 5e-5
+    """gae: AdamW learning rate of the critic (the policy's backbone with a value head)"""
+    value_clip: Optional[float] = 0.2
+    """clip the critic's new values to within this of the old ones in its loss (None: unclipped)"""
+    freezing_actor_steps: int = 0
+    """gae: train only the critic for this many first steps"""
     use_cpg_loss: bool = False
     """CPGD's clipped policy-gradient loss (on by default with --advantage_estimator cpgd)"""
     policy_drift_coef: Optional[float] = None
@@ -265,7 +274,8 @@ def main():
     check(args.kl_target is None or kl_in_reward, "--kl_target adapts the KL penalty in the reward: use gae / reinforce / "
           "reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss")
     check(0.0 <= args.high_entropy_token_ratio <= 1.0, f"--high_entropy_token_ratio must be in [0, 1], got {args.high_entropy_token_ratio}")
-    check(args.advantage_estimator != "gae", "--advantage_estimator gae: a critic for vision-language models is not built yet")
+    check(not args.freezing_actor_steps or args.advantage_estimator == "gae",
+          "--freezing_actor_steps trains the critic alone: it needs --advantage_estimator gae")
     check(args.engine_type in ("auto", "hf"), "--engine_type vllm: vLLM image rollouts are not built yet; use --engine_type hf")
     check(0 <= args.overlong_buffer_len < args.generate_max_len,
           f"--overlong_buffer_len must be in [0, --generate_max_len {args.generate_max_len})")
@@ -291,7 +301,8 @@ def main():
     moments = RunningMoments() if args.normalize_reward else None
 
     model, tokenizer, processor = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)
-    for name, p in model.named_parameters() if args.freeze_prefix else []:
+    critic = VisionValueModel(model) if args.advantage_estimator == "gae" else None  # named model.* like the policy
+    for name, p in [*model.named_parameters(), *(critic.named_parameters() if critic else [])] if args.freeze_prefix else []:
         p.requires_grad_(not name.startswith(args.freeze_prefix))
     if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
         from peft import LoraConfig, get_peft_model
@@ -301,27 +312,22 @@ def main():
     if (args.use_kl_loss or kl_in_reward) and not args.lora_rank:
         ref_model, _, _ = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)
         ref_model.requires_grad_(False).eval().to(accelerator.device)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    for net in [m for m in (model, critic) if m is not None] if args.gradient_checkpointing else []:
+        net.gradient_checkpointing_enable()
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
 
     def load_rows(path, flag):
         """Prompt rows with their images loaded (paths relative to the data file)."""
-        rows, skipped = load_prompt_rows(path, args.input_key, args.label_key, flag, extra_keys=(args.images_key,))
+        rows, _ = load_prompt_rows(path, args.input_key, args.label_key, flag, (args.images_key,), log=accelerator.print)
         base = path if os.path.isdir(path) else os.path.dirname(path)
         for row in rows:
             paths = row.pop(args.images_key, None) or []
             row["images"] = [Image.open(os.path.join(base, p)).convert("RGB") for p in ([paths] if isinstance(paths, str) else paths)]
-        if skipped:
-            accelerator.print(f"[data] {path}: skipped {skipped} unusable rows (empty or malformed {args.input_key!r})")
         return rows
 
-    if args.prompt_data == "shapes":
-        train_rows, eval_rows = shapes_task(seed=args.seed)
-    else:
-        train_rows, eval_rows = load_rows(args.prompt_data, "--prompt_data"), []
-    if args.eval_data:
-        eval_rows = load_rows(args.eval_data, "--eval_data")
+    train_rows, eval_rows = (shapes_task(seed=args.seed) if args.prompt_data == "shapes"
+                             else (load_rows(args.prompt_data, "--prompt_data"), []))
+    eval_rows = load_rows(args.eval_data, "--eval_data") if args.eval_data else eval_rows
     ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size,
                                accelerator.process_index, world) if args.pretrain_data else None
     encoded = {}  # split -> [(prompt ids, label, prompt, image inputs or None)]
@@ -333,8 +339,7 @@ def main():
         if len(encoded[split]) < len(rows):
             accelerator.print(f"[data] skipped {len(rows) - len(encoded[split])} {split} prompts: no image (see --mixed_mm_data), "
                               f"more than --limit_mm_image_per_prompt images, or longer than --prompt_max_len tokens")
-    check(len(encoded["train"]) >= args.rollout_batch_size,
-          f"{len(encoded['train'])} usable training prompts, fewer than --rollout_batch_size {args.rollout_batch_size}")
+    check(len(encoded["train"]) >= args.rollout_batch_size, f"{len(encoded['train'])} usable training prompts, fewer than --rollout_batch_size")
     num_steps = min(args.max_steps, args.num_episodes * (len(encoded["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
 
@@ -345,6 +350,9 @@ def main():
 
     model, optimizer, scheduler = accelerator.prepare(model, *optimizer_and_scheduler(model, args.actor_learning_rate))
     trained = [(model, optimizer, scheduler, "grad_norm")]  # what each update steps: (model, optimizer, scheduler, log key)
+    if critic is not None:
+        trained.append((*accelerator.prepare(critic, *optimizer_and_scheduler(critic, args.critic_learning_rate)), "critic_grad_norm"))
+        critic = trained[-1][0]
     kl_coef = args.init_kl_coef
     # transformers generate on the training model; image placeholders are never sampled
     engine = HFEngine(accelerator.unwrap_model(model), tokenizer, args.micro_rollout_batch_size, torch.bfloat16 if args.bf16 else None,
@@ -376,8 +384,7 @@ def main():
             next(data)
         if moments is not None:
             moments.load_state_dict(state["moments"])
-        if ema is not None:
-            ema = tensors["ema"]
+        ema = tensors["ema"] if ema is not None else None
         engine.update_weights(accelerator.unwrap_model(model))
         accelerator.print(f"[resume] from {resume_from}: step {start}")
     accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "
@@ -438,12 +445,14 @@ def main():
             if args.use_kl_loss or kl_in_reward:  # with LoRA the reference is the base: the adapters switched off
                 with accelerator.unwrap_model(model).disable_adapter() if args.lora_rank else contextlib.nullcontext():
                     exp.ref_logprobs = batched_logprobs(ref_model or model, exp, args.micro_rollout_batch_size, args.temperature)
+            if critic is not None:
+                exp.values = batched_values(critic, exp, args.micro_rollout_batch_size)  # (B, R), the images seen
         t_lp = time.time() - t1
         mem["perf/mem_logprob_gb"] = phase_peak_gb()
         reward_kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_in_reward else None  # (B, R)
         exp.advantages = scores  # (B,), or per token (B, R): score on the last token, KL penalty on all, returns or GAE
         if token_level:
-            exp.advantages, exp.returns = token_level_advantages(scores, exp.action_mask, reward_kl, kl_coef, None,
+            exp.advantages, exp.returns = token_level_advantages(scores, exp.action_mask, reward_kl, kl_coef, exp.values,
                                                                  args.gamma, args.lambd, reduce_sum)
 
         # ---- update ----
@@ -451,7 +460,8 @@ def main():
         model.train()
         mem_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0  # the peak was just reset
         ratio = args.high_entropy_token_ratio
-        sums, count, grad_norms = {}, 0, {"grad_norm": []}
+        frozen = step <= args.freezing_actor_steps  # PPO warm-up: only the critic learns
+        sums, count, grad_norms = {}, 0, {"grad_norm": [], "critic_grad_norm": []}
         for epoch in range(args.max_epochs):
             order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(args.seed * 100003 + step * 101 + epoch))
             for start in range(0, len(exp), rows_per_update):
@@ -461,10 +471,11 @@ def main():
                 pg_tokens = num_tokens if not ratio else reduce_sum(torch.tensor(  # the tokens high_entropy_mask keeps
                     float(sum(max(1, round(ratio * int(mb.action_mask.sum()))) for mb in micro_batches)), device=device))
                 for mb in micro_batches:
-                    with accelerator.accumulate(model), accelerator.autocast():
-                        logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1],
-                                                              args.temperature, with_entropy="grad" if args.entropy_coef else True,
-                                                              mm_inputs=mb.mm_inputs())
+                    with accelerator.accumulate(*[m for m in (model, critic) if m is not None]), accelerator.autocast():
+                        with torch.set_grad_enabled(not frozen):
+                            logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1],
+                                                                  args.temperature, with_entropy="grad" if args.entropy_coef else True,
+                                                                  mm_inputs=mb.mm_inputs())
                         old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
                         agg = dict(num_tokens=num_tokens, num_seqs=args.train_batch_size, max_len=args.generate_max_len)
                         # TIS: correct for the engine sampling from other numerics
@@ -484,16 +495,23 @@ def main():
                             kl = kl_estimate(logprobs, mb.ref_logprobs, args.kl_estimator)  # (B, T)
                             loss = loss + kl_coef * aggregate_loss(kl, mb.action_mask, args.loss_agg_mode, **agg)
                             m["kl"] = masked_mean(kl, mb.action_mask).detach()
-                        if ptx_batches is not None:  # a mean per micro-batch: average it over them
+                        if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
                             enc = tokenizer(next(ptx_batches), return_tensors="pt", padding=True, truncation=True,
                                             max_length=args.prompt_max_len).to(device)
                             ptx_loss = lm_loss(model, enc["input_ids"], enc["attention_mask"])
                             loss = loss + args.ptx_coef * ptx_loss / (grad_accum * world)
                             m["ptx_loss"] = ptx_loss.detach()
+                        if critic is not None:
+                            values = response_values(critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1],
+                                                     mm_inputs=mb.mm_inputs())
+                            v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
+                                                args.loss_agg_mode, **agg)
+                            m["value_loss"], m["values"] = v_loss.detach() * grad_accum, masked_mean(values.detach(), mb.action_mask)
+                            loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward serves both
                         # Losses are normalised by the whole step's totals, so undo the mean that
                         # gradient accumulation and DDP each apply.
                         accelerator.backward(loss * grad_accum * world)
-                        for net, opt, sched, key in trained:
+                        for net, opt, sched, key in trained[frozen:]:  # the actor unless frozen, the critic
                             if accelerator.sync_gradients:
                                 grad_norms[key].append(accelerator.clip_grad_norm_(net.parameters(), args.max_norm).item())
                                 if not math.isfinite(grad_norms[key][-1]):  # checked here, the one host sync per step
@@ -502,7 +520,7 @@ def main():
                             opt.step()
                             sched.step()
                             opt.zero_grad()
-                        if ema is not None and accelerator.sync_gradients:
+                        if ema is not None and accelerator.sync_gradients and not frozen:
                             torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1.0 - args.ema_beta)
                     # metrics stay on the device until the update ends: an .item() here would stall the GPU
                     m["policy_loss"] = pg_loss.detach() * grad_accum  # mean over micro-batches -> step loss

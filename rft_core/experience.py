@@ -101,4 +101,4 @@ def batched_logprobs(model, experience, micro_batch_size, temperature=1.0):
 def batched_values(critic, experience, micro_batch_size):
     """The critic's values (B, R) over the whole experience, in micro-batches."""
     return batched_forward(experience, micro_batch_size, lambda mb: response_values(
-        critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1]))
+        critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], mm_inputs=mb.mm_inputs()))

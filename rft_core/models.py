@@ -117,9 +117,11 @@ def load_value_model(path=None, actor=None, dtype=torch.float32):
     return model
 
 
-def response_values(model, input_ids, attention_mask, num_actions):
-    """Critic values V(s_t) of the state before each response token: (B, R), like response_logprobs."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_position_ids(attention_mask))
+def response_values(model, input_ids, attention_mask, num_actions, mm_inputs=None):
+    """Critic values V(s_t) of the state before each response token: (B, R), like response_logprobs
+    (mm_inputs: a vision-language critic's image inputs; it computes its own positions)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=None if mm_inputs else _position_ids(attention_mask), **(mm_inputs or {}))
     return out.logits[:, -num_actions - 1:-1, 0].float()  # (B, R)
 
 

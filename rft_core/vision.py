@@ -6,6 +6,7 @@ language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tok
 `expand_image_tokens` writes them and `check_image_tokens` refuses any mismatch, naming the sample.
 """
 
+import copy
 import os
 import random
 
@@ -158,3 +159,26 @@ def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sampl
     check_image_tokens(ids, pixels["image_grid_thw"], image_token_id, sample=sample)
     return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"],
                  "image_token_id": image_token_id}
+
+
+class VisionValueModel(torch.nn.Module):
+    """The PPO critic of a vision-language policy (AutoModelForTokenClassification has no Qwen2-VL class):
+    a copy of the policy's backbone, vision tower included, and a scalar head `score` on every position,
+    zero-initialised so values start at 0. Its output's `.logits` (B, L, 1) reads like a token classifier's."""
+
+    def __init__(self, actor):
+        super().__init__()
+        self.model = copy.deepcopy(actor.model)  # Qwen2VLModel: vision tower + language model
+        self.score = torch.nn.Linear(actor.get_output_embeddings().in_features, 1)
+        torch.nn.init.zeros_(self.score.weight)
+        torch.nn.init.zeros_(self.score.bias)
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, input_ids, attention_mask, position_ids=None, **mm_inputs):
+        from transformers.modeling_outputs import TokenClassifierOutput
+
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, **mm_inputs).last_hidden_state  # (B, L, H)
+        return TokenClassifierOutput(logits=self.score(hidden))  # (B, L, 1)

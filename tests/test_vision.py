@@ -79,13 +79,16 @@ def test_tiny_qwen2_vl_sees_the_image():
 
 def test_engine_and_trainer_logprobs_agree_with_images():
     """The HF engine samples with images (rows of different lengths, left-padded, one text-only row); the
-    trainer's logprobs of those samples, through Experience micro-batches, equal the engine's."""
+    trainer's logprobs of those samples, through Experience micro-batches, equal the engine's; and the VL
+    critic's values are batching-invariant, see the image, and are its backbone's hidden states under its head."""
     import random
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from rft_core.engine import HFEngine
-    from rft_core.experience import batched_logprobs, build_experience
+    from rft_core.experience import batched_logprobs, batched_values, build_experience
+    from rft_core.models import response_values
+    from rft_core.vision import VisionValueModel
 
     tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2)
     model = tiny_qwen2_vl(tok)
@@ -112,3 +115,18 @@ def test_engine_and_trainer_logprobs_agree_with_images():
     for micro_batch_size in (1, 2, 3):
         logprobs = batched_logprobs(model, exp, micro_batch_size)
         assert torch.allclose(logprobs * exp.action_mask, exp.rollout_logprobs * exp.action_mask, atol=1e-4)
+
+    # the VL critic: zero at the start; then, with a random head, the same values however the rows are batched,
+    # and those of the policy's own backbone (its copy) under that head, with the images seen
+    critic = VisionValueModel(model)
+    assert batched_values(critic, exp, 3).abs().max() == 0
+    torch.nn.init.normal_(critic.score.weight)
+    values = [batched_values(critic, exp, mbs) for mbs in (1, 2, 3)]
+    assert all(torch.allclose(v, values[0], atol=1e-4) for v in values[1:]) and values[0].abs().max() > 0
+    row, r = exp.split(1)[0], exp.action_mask.shape[1]  # row 0 has an image
+    hidden = model.model(input_ids=row.input_ids, attention_mask=row.attention_mask, **row.mm_inputs()).last_hidden_state
+    want = critic.score(hidden)[0, -r - 1:-1, 0] * row.action_mask[0]
+    assert torch.allclose(values[0][0, :r], want, atol=1e-4)
+    with_image = response_values(critic, row.input_ids, row.attention_mask, r, mm_inputs=row.mm_inputs())
+    blank = {**row.mm_inputs(), "pixel_values": torch.zeros_like(row.mm_inputs()["pixel_values"])}
+    assert not torch.allclose(with_image, response_values(critic, row.input_ids, row.attention_mask, r, mm_inputs=blank))
