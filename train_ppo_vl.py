@@ -13,18 +13,10 @@ Qwen2-VL (word-level vocabulary, built from a config) over a built-in, seeded ta
 Not yet: vLLM rollouts for images (--engine_type hf only). With --save_steps N, running the same
 command again resumes from the last complete checkpoint. gae's critic is a copy of the policy's
 backbone, vision tower included, with a zero-initialised value head.
-The loop per step: rollout -> rewards/advantages -> logprobs -> update -> weight sync -> log ->
-eval/checkpoint. Where it departs from the papers:
-- KL: none by default for the per-sequence estimators (as DAPO and Dr.GRPO); the token-level ones
-  (gae, reinforce, reinforce_baseline) put a k1 penalty into the per-token reward (InstructGPT,
-  REINFORCE++); `--use_kl_loss` instead adds GRPO's k3 loss against the frozen reference.
-- When a rollout batch feeds exactly one optimizer step (train_batch_size == rollout_batch_size *
-  n_samples_per_prompt, max_epochs 1), the "old" logprobs are the update pass's own, detached:
-  the weights have not moved, so the ratio is exactly 1 and a forward pass is saved.
-- Logprobs are those of softmax(logits / temperature), without top-p truncation, in the rollout
-  and the trainer alike.
-- --high_entropy_token_ratio picks the top tokens within each micro-batch (the paper: each batch;
-  the same when --micro_train_batch_size covers the optimizer step).
+Scale-out as for train_ppo.py: `accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml
+train_ppo_vl.py ...` (any config there). The loop per step: rollout -> rewards/advantages -> logprobs ->
+update -> weight sync -> log -> eval/checkpoint; where it departs from the papers (KL placement, reused old
+logprobs, temperature-only logprobs, per-micro-batch high-entropy tokens) is as train_ppo.py's docstring says.
 """
 
 import contextlib
@@ -48,6 +40,7 @@ from rft_core.advantages import (ADVANTAGE_ESTIMATORS, TOKEN_LEVEL, adaptive_kl_
 from rft_core.cli import MetricsLog, gather_metrics, parse_args, phase_peak_gb, timed
 from rft_core.data import batches, load_prompt_rows, text_batches
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rft_core.distributed import configure_deepspeed, grad_norm_value, prepare_frozen, process_group_kwargs
 from rft_core.engine import HFEngine
 from rft_core.evaluation import evaluate
 from rft_core.experience import batched_logprobs, batched_values, build_experience
@@ -242,7 +235,7 @@ def main():
     args.actor_learning_rate = args.actor_learning_rate or (1e-6 if args.pretrain else 3e-3)
     trackers = (["wandb"] if args.use_wandb else []) + (["tensorboard"] if args.use_tensorboard else [])
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", log_with=trackers or None,
-                              project_dir=args.use_tensorboard)
+                              project_dir=args.use_tensorboard, kwargs_handlers=process_group_kwargs())
     world = accelerator.num_processes
 
     # ---- derived values and checks ----
@@ -259,7 +252,12 @@ def main():
           f"must be a multiple of --micro_train_batch_size {args.micro_train_batch_size} x {world} processes")
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
-    check(not (args.ema_beta and args.lora_rank), "--ema_beta with --lora_rank is not supported yet (its export would merge the live adapter)")
+    deepspeed = accelerator.state.deepspeed_plugin
+    sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed is not None and deepspeed.zero_stage == 3)
+    check(not (args.ema_beta and (args.lora_rank or sharded)), "--ema_beta is not supported with --lora_rank (the export "
+          "would merge the live adapter) nor under ZeRO-3 / FSDP2 (it averages whole parameters)")
+    check(not (deepspeed and args.advantage_estimator == "gae"), "gae trains a critic beside the actor, which one "
+          "DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
     check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
     check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
@@ -281,6 +279,7 @@ def main():
           f"--overlong_buffer_len must be in [0, --generate_max_len {args.generate_max_len})")
 
     accelerator.gradient_accumulation_steps = grad_accum  # before prepare(): DeepSpeed reads it there
+    configure_deepspeed(accelerator, args.micro_train_batch_size, grad_accum, args.max_norm)
     set_seed(args.seed, device_specific=True)
     os.makedirs(args.output_dir, exist_ok=True)
     if accelerator.is_main_process:
@@ -295,7 +294,7 @@ def main():
 
     # ---- model, data, reward, optimizer, engine ----
     sources = (reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, accelerator.device,
-                              torch.bfloat16 if args.bf16 else None)
+                              torch.bfloat16 if args.bf16 else None, place=lambda m: prepare_frozen(accelerator, m))
                if args.reward_fn or args.remote_rm_url or args.reward_pretrain else [("rule", first_word_reward)])
     score_all = weighted_rewards(sources, args.reward_weights, args.reward_fallback)  # (prompts, completions, labels)
     moments = RunningMoments() if args.normalize_reward else None
@@ -310,8 +309,7 @@ def main():
         model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets))
     ref_model = None
     if (args.use_kl_loss or kl_in_reward) and not args.lora_rank:
-        ref_model, _, _ = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)
-        ref_model.requires_grad_(False).eval().to(accelerator.device)
+        ref_model = prepare_frozen(accelerator, load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)[0])
     for net in [m for m in (model, critic) if m is not None] if args.gradient_checkpointing else []:
         net.gradient_checkpointing_enable()
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
@@ -356,7 +354,8 @@ def main():
     kl_coef = args.init_kl_coef
     # transformers generate on the training model; image placeholders are never sampled
     engine = HFEngine(accelerator.unwrap_model(model), tokenizer, args.micro_rollout_batch_size, torch.bfloat16 if args.bf16 else None,
-                      suppress_token_ids=tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]))
+                      suppress_token_ids=tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]),
+                      synced_gpus=sharded)  # sharded weights: every forward is a collective
     rank, device = accelerator.process_index, accelerator.device
 
     def run_eval(step):
@@ -513,7 +512,7 @@ def main():
                         accelerator.backward(loss * grad_accum * world)
                         for net, opt, sched, key in trained[frozen:]:  # the actor unless frozen, the critic
                             if accelerator.sync_gradients:
-                                grad_norms[key].append(accelerator.clip_grad_norm_(net.parameters(), args.max_norm).item())
+                                grad_norms[key].append(grad_norm_value(accelerator.clip_grad_norm_(net.parameters(), args.max_norm)))
                                 if not math.isfinite(grad_norms[key][-1]):  # checked here, the one host sync per step
                                     raise FloatingPointError(f"non-finite loss or gradients ({key}) at step {step}: lower "
                                                              "--actor_learning_rate or use --bf16 false")

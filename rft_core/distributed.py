@@ -103,6 +103,13 @@ def configure_deepspeed(accelerator, micro_batch_size, grad_accum, max_norm):
                                    # with optimizer offload, keep our AdamW (stepping on the CPU): accelerate would
                                    # swap in DeepSpeedCPUAdam with only lr and weight decay carried over, not betas
                                    zero_force_ds_cpu_optimizer=False)
+    if plugin.zero_stage == 3 and not plugin.zero3_init_flag:
+        # accelerate registers its config with transformers all the same, which then builds every model
+        # partitioned (zero.Init): a GGUF rebuild or a model made from a config breaks. Load them whole, as
+        # the flag says; prepare() partitions them.
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
 
 
 def prepare_frozen(accelerator, model):

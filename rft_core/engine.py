@@ -91,7 +91,7 @@ def hf_architecture(model):
     """The transformers class name vLLM looks the model up by: a LoRA model's base, and under FSDP2 the
     class it swapped out (fully_shard subclasses it as FSDP<class>)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return next(c.__name__ for c in type(base).__mro__ if c.__module__.startswith("transformers."))
+    return next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))  # remote code too
 
 
 def create_engine(engine_type, model, tokenizer, args):

@@ -1,5 +1,6 @@
 """Run by tests/test_distributed.py under torchrun (2 CPU ranks, gloo): shard a tiny Llama with FSDP2
-or DeepSpeed ZeRO-3, optionally with LoRA, and check full_weights against the unsharded weights."""
+and with DeepSpeed ZeRO-3 (if installed), each with and without LoRA, and check full_weights against the
+unsharded weights."""
 
 import sys
 
@@ -11,8 +12,7 @@ import rft_core.distributed as D
 from rft_core.models import merged_state_dict
 
 
-def main(model_dir, mode, lora):
-    dist.init_process_group("gloo")
+def check(model_dir, mode, lora):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if lora:
@@ -42,7 +42,10 @@ def main(model_dir, mode, lora):
         return gather(tensors)
 
     D.gathered = counting
-    got = dict(D.full_weights(model, torch.float32))
+    try:
+        got = dict(D.full_weights(model, torch.float32))
+    finally:
+        D.gathered = gather
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst == 0.0, worst
@@ -57,4 +60,7 @@ def D_numel(t):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1")
+    dist.init_process_group("gloo")
+    for mode in sys.argv[2:]:
+        for lora in (False, True):
+            check(sys.argv[1], mode, lora)
