@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # 2 x H200: the scale-out table. Phase A installs and measures 1 vs 2 GPUs; B and C run the configs.
+# Run on the GPU machine after the bundle of ../shared/gpu is copied to /tmp/gpu (see that README); $OUT collects results.
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 cd "$(dirname "$0")/.."
 phase=$1
@@ -22,7 +23,7 @@ PY
   python bench/bench_scale.py --configs multi_gpu --tp 2 --out_dir /tmp/bs --timeout 150 -- $COMMON --max_steps 3 --rollout_batch_size 32 > $OUT/A3.json
   cat $OUT/A1.json $OUT/A2.json $OUT/A3.json
 else
-  [ "$phase" = B ] && configs="deepspeed_zero1 deepspeed_zero2 deepspeed_zero3" || configs="fsdp2_offload"
+  [ "$phase" = B ] && configs="deepspeed_zero1 deepspeed_zero2 deepspeed_zero3" || configs="fsdp2 fsdp2_offload deepspeed_zero3_offload"
   python bench/bench_scale.py --configs $configs --tp ${TPS:-1 2} --out_dir /tmp/bs --timeout 150 -- $COMMON --max_steps 3 --rollout_batch_size 32 > $OUT/$phase.json
   cat $OUT/$phase.json | python -c "import json,sys; [print({k: v for k, v in r.items() if k != 'log_tail'}, *(r.get('log_tail') or [])[-4:], sep='\n  ') for r in json.load(sys.stdin)]"
 fi
