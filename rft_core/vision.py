@@ -95,12 +95,13 @@ def tiny_qwen2_vl(tokenizer, seed=0):
 
 
 def expand_image_tokens(text, image_grid_thw, merge_size=2, image_token="<|image_pad|>"):
-    """Replace each image placeholder in `text`, in order, by the t*h*w / merge^2 tokens its image takes."""
+    """Replace each image placeholder in `text`, in order, by the t*h*w / merge^2 tokens its image takes
+    (the placeholders back to back, as Qwen2VLProcessor writes them)."""
     parts = text.split(image_token)
     if len(parts) - 1 != len(image_grid_thw):
         raise ValueError(f"{len(parts) - 1} image placeholders in the prompt but {len(image_grid_thw)} images")
     counts = [int(torch.as_tensor(thw).prod()) // merge_size**2 for thw in image_grid_thw]
-    return parts[0] + "".join(f" {image_token}" * n + " " + part for n, part in zip(counts, parts[1:]))
+    return parts[0] + "".join(image_token * n + part for n, part in zip(counts, parts[1:]))
 
 
 def check_image_tokens(input_ids, image_grid_thw, image_token_id, merge_size=2, sample=None):

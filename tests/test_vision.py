@@ -53,6 +53,8 @@ def test_image_token_accounting():
     check_image_tokens(ids, pixels["image_grid_thw"], image_id)
     with pytest.raises(ValueError, match="sample 7: 24 image tokens in the prompt but its 2 image"):
         check_image_tokens(ids[:ids.index(image_id)] + ids[ids.index(image_id) + 1:], pixels["image_grid_thw"], image_id, sample=7)
+    pad = "<|image_pad|>"  # back to back, as Qwen2VLProcessor writes them: no extra tokens for a BPE tokenizer
+    assert expand_image_tokens(f"<|vision_start|>{pad}<|vision_end|>hi", [[1, 4, 2]]) == f"<|vision_start|>{pad}{pad}<|vision_end|>hi"
     with pytest.raises(ValueError, match="1 image placeholders in the prompt but 2 images"):
         expand_image_tokens("<|image_pad|>", pixels["image_grid_thw"])
 
