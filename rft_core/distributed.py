@@ -88,7 +88,8 @@ def full_weights(model, dtype):
             continue
         with gathered([t for _, t in named]) as full:
             state = dict(zip([n for n, _ in named], full))
-            for name, tensor in merged_state_dict(model, state).items():
+            # only this unit's modules can hold its LoRA layers: no walk over the whole model per unit
+            for name, tensor in merged_state_dict(model, state, module.named_modules(prefix=prefix)).items():
                 yield name, tensor.detach().to(dtype, copy=True)
 
 
@@ -115,8 +116,8 @@ def configure_deepspeed(accelerator, micro_batch_size, grad_accum, max_norm):
 def prepare_frozen(accelerator, model):
     """Place a frozen model (the reference) where it costs least: sharded like the actor under ZeRO-3
     (an inference-only DeepSpeed engine, parameters offloaded too if the actor's are) and FSDP2
-    (per layer, with the actor's mixed precision and offload policy), a replica on the device otherwise (DDP, ZeRO-1/2: it is small next to
-    the optimizer state they shard)."""
+    (per layer, with the actor's mixed precision and offload policy), a replica on the device otherwise
+    (DDP, ZeRO-1/2: it is small next to the optimizer state they shard)."""
     model.requires_grad_(False).eval()
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and plugin.zero_stage == 3:

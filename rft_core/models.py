@@ -144,15 +144,16 @@ def lm_loss(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def merged_state_dict(model, state_dict=None):
+def merged_state_dict(model, state_dict=None, modules=None):
     """The weights to serve: a LoRA (peft) model's adapters merged into its base weights, under the
-    base model's parameter names, without touching the live model; a plain model's state dict as is."""
+    base model's parameter names, without touching the live model; a plain model's state dict as is.
+    modules: the (name, module) pairs holding state_dict's LoRA layers (default: all of model's)."""
     state = dict(state_dict if state_dict is not None else model.state_dict())
     if not hasattr(model, "peft_config"):
         return state
     from peft.tuners.lora import LoraLayer
 
-    for name, module in model.named_modules():
+    for name, module in modules if modules is not None else model.named_modules():
         key = f"{name}.base_layer.weight"
         if isinstance(module, LoraLayer) and key in state:  # from the state's tensors: they may be gathered copies
             adapter = module.active_adapters[0]
