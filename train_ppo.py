@@ -50,8 +50,8 @@ from rft_core.evaluation import evaluate
 from rft_core.experience import batched_logprobs, batched_values, build_experience
 from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, high_entropy_mask, kl_estimate, masked_mean, policy_loss,
                              value_loss)
-from rft_core.models import (export_hf, lm_loss, load_model_and_tokenizer, load_value_model, response_logprobs,
-                             response_values)
+from rft_core.models import (compile_blocks, export_hf, lm_loss, load_model_and_tokenizer, load_value_model,
+                             response_logprobs, response_values)
 from rft_core.plots import write_plots
 from rft_core.rewards import RunningMoments, overlong_penalty, reward_sources, weighted_rewards
 
@@ -205,6 +205,8 @@ class Args:
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
+    torch_compile: bool = False
+    """torch.compile each decoder layer of the trained model (dynamic shapes; the first steps pay the compile)"""
     optimizer_offload: bool = False
     """keep the optimizer state in CPU memory outside the update, so it never shares the GPU with the rollout's KV cache
     (DDP, FSDP2; with DeepSpeed use a *_offload config)"""
@@ -265,7 +267,6 @@ def main():
           f"must be a multiple of --micro_train_batch_size {args.micro_train_batch_size} x {world} processes")
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
-    check(not (args.enable_engine_sleep and args.disable_engine_sleep), "--enable_engine_sleep or --disable_engine_sleep: pick one")
     deepspeed = accelerator.state.deepspeed_plugin
     sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed is not None and deepspeed.zero_stage == 3)
     check(not (args.ema_beta and (args.lora_rank or sharded)), "--ema_beta is not supported with --lora_rank (the export "
@@ -274,7 +275,6 @@ def main():
           "DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
     check(not (deepspeed and args.optimizer_offload), "--optimizer_offload moves a torch optimizer's state; under "
           "DeepSpeed use accelerate_configs/deepspeed_zero3_offload.yaml")
-    check(world % args.engine_tp_size == 0, f"{world} processes do not split into --engine_tp_size {args.engine_tp_size} groups")
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
     check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
     check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
@@ -325,6 +325,8 @@ def main():
     critic = load_value_model(args.critic_pretrain, actor=model) if args.advantage_estimator == "gae" else None
     for net in [m for m in (model, critic) if m is not None] if args.gradient_checkpointing else []:
         net.gradient_checkpointing_enable()
+    for net in [m for m in (model, critic) if m is not None] if args.torch_compile else []:
+        compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
 
     load_rows = lambda path, flag: load_prompt_rows(path, args.input_key, args.label_key, flag, log=accelerator.print)[0]  # noqa: E731
@@ -348,15 +350,12 @@ def main():
                                         num_warmup_steps=math.ceil(args.lr_warmup_ratio * num_updates))
 
     model, optimizer, scheduler = accelerator.prepare(model, *optimizer_and_scheduler(model, args.actor_learning_rate))
-    if critic is not None:
-        critic, critic_optimizer, critic_scheduler = accelerator.prepare(
-            critic, *optimizer_and_scheduler(critic, args.critic_learning_rate))
     trained = [(model, optimizer, scheduler, "grad_norm")]  # what each update steps: (model, optimizer, scheduler, log key)
     if critic is not None:
-        trained.append((critic, critic_optimizer, critic_scheduler, "critic_grad_norm"))
-    kl_coef = args.init_kl_coef
+        trained.append((*accelerator.prepare(critic, *optimizer_and_scheduler(critic, args.critic_learning_rate)), "critic_grad_norm"))
+        critic = trained[-1][0]
     engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, args)
-    rank, device = accelerator.process_index, accelerator.device
+    rank, device, kl_coef = accelerator.process_index, accelerator.device, args.init_kl_coef
 
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, encoded["eval"], score_all, accelerator, args.generate_max_len,

@@ -6,13 +6,13 @@ not match its images is an error naming the sample. With no arguments: GRPO on a
 Qwen2-VL (word-level vocabulary, built from a config) over a built-in, seeded task of drawn shapes
 ("what colour is the shape ?", "how many shapes are there ?"), reward 1 for the right first word.
 
-    python train_ppo_vl.py                                # CPU or one GPU (transformers engine)
+    python train_ppo_vl.py                                # CPU (transformers engine) or one GPU (vLLM if installed)
     accelerate launch train_ppo_vl.py --pretrain /models/Qwen2-VL-2B-Instruct --prompt_data data/vqa.jsonl \
-        --images_key images --label_key answer --reward_fn math
+        --images_key images --label_key answer --reward_fn math --freeze_prefix model.visual
 
-Not yet: vLLM rollouts for images (--engine_type hf only). With --save_steps N, running the same
-command again resumes from the last complete checkpoint. gae's critic is a copy of the policy's
-backbone, vision tower included, with a zero-initialised value head.
+vLLM gets one placeholder per image and the images, and must expand them to the trainer's prompt token
+for token (rft_core/vllm_engine.py). With --save_steps N, running the same command again resumes from the
+last complete checkpoint. gae's critic is a copy of the policy's backbone, vision tower included.
 Scale-out as for train_ppo.py: `accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml
 train_ppo_vl.py ...` (any config there). The loop per step: rollout -> rewards/advantages -> logprobs ->
 update -> weight sync -> log -> eval/checkpoint; where it departs from the papers (KL placement, reused old
@@ -29,7 +29,6 @@ from typing import Optional, Tuple
 
 import numpy as np
 import torch
-from PIL import Image
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
@@ -38,10 +37,10 @@ from transformers import get_scheduler
 from rft_core.advantages import (ADVANTAGE_ESTIMATORS, TOKEN_LEVEL, adaptive_kl_coef, compute_advantages,
                                   token_level_advantages)
 from rft_core.cli import MetricsLog, gather_metrics, parse_args, phase_peak_gb, timed
-from rft_core.data import batches, load_prompt_rows, text_batches
+from rft_core.data import batches, text_batches
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rft_core.distributed import configure_deepspeed, grad_norm_value, prepare_frozen, process_group_kwargs
-from rft_core.engine import HFEngine
+from rft_core.engine import create_engine
 from rft_core.evaluation import evaluate
 from rft_core.experience import batched_logprobs, batched_values, build_experience
 from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, high_entropy_mask, kl_estimate, masked_mean, policy_loss,
@@ -49,7 +48,7 @@ from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, high_entropy_mask, 
 from rft_core.models import export_hf, lm_loss, response_logprobs, response_values
 from rft_core.plots import write_plots
 from rft_core.rewards import RunningMoments, overlong_penalty, reward_sources, weighted_rewards
-from rft_core.vision import (VISION_TOKENS, VisionValueModel, encode_vl_prompt, first_word_reward, load_vl_model,
+from rft_core.vision import (VisionValueModel, encode_vl_prompt, first_word_reward, load_image_rows, load_vl_model,
                              shapes_task)
 
 
@@ -189,7 +188,19 @@ class Args:
     """gradient clipping norm"""
     # ---- engine, precision, memory ----
     engine_type: str = "auto"
-    """rollout engine: hf (transformers generate) | auto (hf for now; vllm image rollouts are not built yet)"""
+    """rollout engine: vllm | hf (transformers generate) | auto (vllm when it imports and a GPU is present)"""
+    engine_tp_size: int = 1
+    """vLLM tensor-parallel size: groups of this many consecutive ranks share one engine"""
+    engine_mem_util: float = 0.3
+    """fraction of GPU memory vLLM takes for weights and KV cache"""
+    enable_engine_sleep: bool = False
+    """always sleep the vLLM engine during training"""
+    disable_engine_sleep: bool = False
+    """never sleep it (default: auto, sleep only when training needs the memory)"""
+    engine_sleep_level: int = 1
+    """vLLM sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
+    engine_enforce_eager: bool = False
+    """vLLM without CUDA graphs and torch.compile: fast start, slower decode"""
     bf16: Optional[bool] = None
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     gradient_checkpointing: bool = False
@@ -274,7 +285,6 @@ def main():
     check(0.0 <= args.high_entropy_token_ratio <= 1.0, f"--high_entropy_token_ratio must be in [0, 1], got {args.high_entropy_token_ratio}")
     check(not args.freezing_actor_steps or args.advantage_estimator == "gae",
           "--freezing_actor_steps trains the critic alone: it needs --advantage_estimator gae")
-    check(args.engine_type in ("auto", "hf"), "--engine_type vllm: vLLM image rollouts are not built yet; use --engine_type hf")
     check(0 <= args.overlong_buffer_len < args.generate_max_len,
           f"--overlong_buffer_len must be in [0, --generate_max_len {args.generate_max_len})")
 
@@ -314,15 +324,8 @@ def main():
         net.gradient_checkpointing_enable()
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
 
-    def load_rows(path, flag):
-        """Prompt rows with their images loaded (paths relative to the data file)."""
-        rows, _ = load_prompt_rows(path, args.input_key, args.label_key, flag, (args.images_key,), log=accelerator.print)
-        base = path if os.path.isdir(path) else os.path.dirname(path)
-        for row in rows:
-            paths = row.pop(args.images_key, None) or []
-            row["images"] = [Image.open(os.path.join(base, p)).convert("RGB") for p in ([paths] if isinstance(paths, str) else paths)]
-        return rows
-
+    load_rows = lambda path, flag: load_image_rows(path, args.input_key, args.label_key, args.images_key, flag,  # noqa: E731
+                                                   log=accelerator.print)
     train_rows, eval_rows = (shapes_task(seed=args.seed) if args.prompt_data == "shapes"
                              else (load_rows(args.prompt_data, "--prompt_data"), []))
     eval_rows = load_rows(args.eval_data, "--eval_data") if args.eval_data else eval_rows
@@ -352,10 +355,7 @@ def main():
         trained.append((*accelerator.prepare(critic, *optimizer_and_scheduler(critic, args.critic_learning_rate)), "critic_grad_norm"))
         critic = trained[-1][0]
     kl_coef = args.init_kl_coef
-    # transformers generate on the training model; image placeholders are never sampled
-    engine = HFEngine(accelerator.unwrap_model(model), tokenizer, args.micro_rollout_batch_size, torch.bfloat16 if args.bf16 else None,
-                      suppress_token_ids=tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()]),
-                      synced_gpus=sharded)  # sharded weights: every forward is a collective
+    engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, args, processor)
     rank, device = accelerator.process_index, accelerator.device
 
     def run_eval(step):

@@ -2,7 +2,7 @@
 clip, AdamW) on a synthetic batch, timed per step and profiled with torch.profiler; prints one JSON object.
 
     python bench/profile_update.py                          # SmolLM2-135M, 256 x (100 + 128) tokens, micro 64
-    python bench/profile_update.py --micro_batch 128 --no_item_syncs
+    python bench/profile_update.py --micro_batch 128 --no_item_syncs [--compile]
     python bench/profile_update.py --pretrain TINY_DIR --batch 8 --micro_batch 4 --steps 2   # a CPU smoke run
 
 --no_item_syncs keeps the per-micro-batch metrics on the device (train_ppo.py calls .item() on each),
@@ -31,17 +31,19 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no_item_syncs", action="store_true")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (--torch_compile)")
     args = parser.parse_args()
 
     from accelerate import Accelerator
 
     from rft_core.experience import Experience
     from rft_core.losses import masked_mean, policy_loss
-    from rft_core.models import load_model_and_tokenizer, response_logprobs
+    from rft_core.models import compile_blocks, load_model_and_tokenizer, response_logprobs
 
     cuda = torch.cuda.is_available()
     accelerator = Accelerator(mixed_precision="bf16" if cuda else "no")
     model, tokenizer = load_model_and_tokenizer(args.pretrain)
+    model = compile_blocks(model) if args.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.gradient_accumulation_steps = args.batch // args.micro_batch
@@ -83,7 +85,7 @@ def main():
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:args.top]
     print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "batch": B, "tokens": P + R,
-                      "micro_batch": args.micro_batch, "item_syncs": not args.no_item_syncs,
+                      "micro_batch": args.micro_batch, "item_syncs": not args.no_item_syncs, "compile": args.compile,
                       "step_s_median": statistics.median(times), "step_s": times,
                       "top_ops_ms": {e.key: round(getattr(e, key) / 1e3, 2) for e in events},
                       "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rft_core.distributed import sharding
-from rft_core.vision import mm_inputs
+from rft_core.vision import mm_inputs, vision_token_ids
 
 
 @dataclass
@@ -31,17 +31,13 @@ class Generation:
 
 
 class HFEngine:
-    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, suppress_token_ids=None,
-                 synced_gpus=False):
+    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, synced_gpus=False):
         self.model = model  # the unwrapped training model: always the current weights
         # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks keep stepping until all are done
         self.synced_gpus = synced_gpus
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.autocast_dtype = autocast_dtype
-        # never sampled (a vision-language model's image placeholders: in a response they would be
-        # taken for image slots); logprobs stay those of the unmodified distribution
-        self.suppress = {"suppress_tokens": list(suppress_token_ids)} if suppress_token_ids else {}
 
     def sleep(self, needed_bytes=None):
         return False
@@ -76,7 +72,7 @@ class HFEngine:
         with autocast:
             res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                       pad_token_id=pad, eos_token_id=eos, output_logits=True,
-                                      return_dict_in_generate=True, synced_gpus=self.synced_gpus, **sampling, **images, **self.suppress)
+                                      return_dict_in_generate=True, synced_gpus=self.synced_gpus, **sampling, **images)
         responses = res.sequences[:, width:]  # (B, L)
         logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)  # (B, L, V) raw model logits
         logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, L)
@@ -94,8 +90,13 @@ def hf_architecture(model):
     return next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))  # remote code too
 
 
-def create_engine(engine_type, model, tokenizer, args):
-    """The engine named by --engine_type ("auto": vllm with a GPU and vllm installed, else hf)."""
+def create_engine(engine_type, model, tokenizer, args, processor=None):
+    """The engine named by --engine_type ("auto": vllm with a GPU and vllm installed, else hf).
+
+    processor: a vision-language model's image processor. vLLM processes the images itself, with
+    this processor's settings (so its image grids are the trainer's), and never samples the vision
+    placeholders (the trainer's model blocks them at its LM head: rft_core/vision.py).
+    """
     has_vllm = importlib.util.find_spec("vllm") is not None
     if engine_type == "auto":
         engine_type = "vllm" if has_vllm and torch.cuda.is_available() else "hf"
@@ -107,19 +108,31 @@ def create_engine(engine_type, model, tokenizer, args):
             raise ImportError("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use --engine_type hf")
         if not torch.cuda.is_available():
             raise RuntimeError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
-        heads = getattr(model.config, "num_attention_heads", None)
+        text_config = model.config.get_text_config()
+        heads = getattr(text_config, "num_attention_heads", None)
         if heads and heads % args.engine_tp_size:  # SmolLM2-135M has 9 heads: TP 1 only
             raise ValueError(f"--engine_tp_size {args.engine_tp_size} must divide the model's {heads} attention heads")
-        from rft_core.vllm_engine import VLLMEngine
+        from rft_core.vllm_engine import VLLMEngine, kv_cache_bytes
 
         # vLLM reads the architecture and tokenizer from a directory; weights come by sync below.
         model_dir = tempfile.mkdtemp(prefix="rft_engine_")
         model.config.architectures = [hf_architecture(model)]
         model.config.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
+        max_len = min(args.prompt_max_len + args.generate_max_len, getattr(text_config, "max_position_embeddings", 1 << 30))
+        vision = {}
+        if processor is not None:
+            processor.save_pretrained(model_dir)
+            vision = dict(limit_mm_per_prompt=args.limit_mm_image_per_prompt, blocked_token_ids=vision_token_ids(tokenizer),
+                          static_prefix=args.freeze_prefix)  # a frozen vision tower is synced once
+        if args.enable_engine_sleep and args.disable_engine_sleep:
+            raise ValueError("--enable_engine_sleep or --disable_engine_sleep: pick one")
         sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        requests = max(1, args.rollout_batch_size * args.n_samples_per_prompt // world) * args.engine_tp_size  # one generate call's
+        kv_bytes = kv_cache_bytes(model.config, requests, max_len, args.engine_mem_util * torch.cuda.mem_get_info()[1])
         engine = VLLMEngine(model_dir, tokenizer.eos_token_id, args.engine_tp_size, args.engine_mem_util, sleep, args.engine_sleep_level,
-                            args.seed, args.prompt_max_len + args.generate_max_len, args.engine_enforce_eager)
+                            args.seed, max_len, args.engine_enforce_eager, kv_bytes=kv_bytes, **vision)
         engine.update_weights(model)
         return engine
     raise ValueError(f"unknown --engine_type {engine_type!r}; choose auto, hf or vllm")

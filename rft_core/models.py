@@ -75,17 +75,57 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
     # logits_to_keep: the LM head runs on the last R + 1 positions only, not on the prompt's
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=num_actions + 1, **(mm_inputs or {})).logits[:, :-1]  # (B, R, V): position t predicts t+1
-    # Each line below is a pass over a (B, R, vocab) fp32 tensor, the update's main cost after the
-    # matmuls (H100 profile): skip the division at temperature 1 and reuse logsumexp for the entropy.
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
     targets = input_ids[:, -num_actions:].unsqueeze(-1)  # (B, R, 1)
-    lse = torch.logsumexp(logits, -1)  # (B, R)
-    logprobs = logits.gather(-1, targets).squeeze(-1) - lse  # (B, R)
-    if not with_entropy:
-        return logprobs, None
-    with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
-        entropy = entropy_from_logits(logits, lse)  # (B, R)
-    return logprobs, entropy
+    if with_entropy != "grad" or not torch.is_grad_enabled():
+        return TokenLogprobs.apply(logits, targets, temperature, bool(with_entropy))
+    z = logits.float() / temperature  # the entropy bonus needs autograd through the whole distribution
+    lse = torch.logsumexp(z, -1)  # (B, R)
+    return z.gather(-1, targets).squeeze(-1) - lse, entropy_from_logits(z, lse)
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """(log softmax(logits / T) at targets, its entropy or None), both (B, R), computed in fp32.
+
+    Each pass over the (B, R, vocab) logits is the update's main cost after the matmuls (H100 profile);
+    autograd would keep an fp32 copy of them and take about seven passes in backward. This keeps the
+    logits as given, recomputes z = logits / T once and writes the gradient (onehot - softmax(z)) g / T
+    in place. The entropy (lse - sum softmax(z) z) is for logging: no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy):
+        z = logits.float() if temperature == 1.0 else logits.float() / temperature  # (B, R, V)
+        lse = torch.logsumexp(z, -1)  # (B, R)
+        logprobs = z.gather(-1, targets).squeeze(-1) - lse  # (B, R)
+        entropy = entropy_from_logits(z, lse) if with_entropy else None
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, targets, lse = ctx.saved_tensors
+        t = ctx.temperature
+        z = logits.float() if t == 1.0 else logits.float() / t  # (B, R, V); may be `logits` itself: not modified
+        grad = (z - lse.unsqueeze(-1)).exp_()  # softmax(z), a fresh tensor
+        g = grad_logprobs.unsqueeze(-1)  # (B, R, 1)
+        grad.mul_(-g).scatter_add_(-1, targets, g)  # (onehot - softmax) g
+        if t != 1.0:
+            grad.div_(t)
+        return grad.to(logits.dtype), None, None, None
+
+
+def compile_blocks(model, backend="inductor"):
+    """torch.compile every repeated block (each ModuleList element: a decoder layer) in place, parameter names
+    unchanged, with dynamic shapes (lengths change every step). It fuses the fp32 element-wise ops (norms,
+    rotary, activations, residual adds) that cost a small model's update more than its matmuls (H100 profile)."""
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                block.compile(backend=backend, dynamic=True)
+    return model
 
 
 def _position_ids(attention_mask):

@@ -4,6 +4,11 @@ word-level tokenizer and tiny Qwen2-VL, and image-token accounting.
 Qwen2-VL turns an image into a t x h x w grid of 14-pixel patches and merges 2 x 2 of them into one
 language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tokens per image;
 `expand_image_tokens` writes them and `check_image_tokens` refuses any mismatch, naming the sample.
+vLLM expands the placeholders itself: it gets one per image (`vllm_prompt`) and the images.
+
+The policy never emits the vision placeholders (in a response they would be taken for image slots):
+`block_tokens` sets their logits to -1e4 at the LM head, so sampling, the trainer's logprobs and the
+reference model all use the one distribution without them; vLLM applies the same as a logit bias.
 """
 
 import copy
@@ -56,6 +61,21 @@ def shapes_task(num_train=2048, num_eval=64, seed=0):
                             "label": NUMBERS[count - 1]})
         return out
     return rows(num_train, random.Random(seed)), rows(num_eval, random.Random(10**6 + 7))
+
+
+def load_image_rows(path, input_key, label_key, images_key, flag, log=print):
+    """Prompt rows of a data file or directory ({"prompt", "label", "images": [PIL images]}): the images_key
+    column holds a path or a list of paths, relative to the data file; empty or missing: a text-only prompt."""
+    from PIL import Image
+
+    from rft_core.data import load_prompt_rows
+
+    rows, _ = load_prompt_rows(path, input_key, label_key, flag, (images_key,), log=log)
+    base = path if os.path.isdir(path) else os.path.dirname(path)
+    for row in rows:
+        paths = row.pop(images_key, None) or []
+        row["images"] = [Image.open(os.path.join(base, p)).convert("RGB") for p in ([paths] if isinstance(paths, str) else paths)]
+    return rows
 
 
 def word_tokenizer():
@@ -113,6 +133,42 @@ def check_image_tokens(input_ids, image_grid_thw, image_token_id, merge_size=2, 
                          f"image(s) need {want} (grids {[list(map(int, g)) for g in image_grid_thw]})")
 
 
+def vllm_prompt(ids, mm, sample=None):
+    """A vLLM request for an encoded prompt: each image's run of placeholders collapsed back to one token
+    (vLLM expands it from the image it processes) and the images as multi_modal_data."""
+    if mm is None:
+        return {"prompt_token_ids": list(ids)}
+    counts = [int(thw.prod()) // 4 for thw in mm["image_grid_thw"]]  # merge 2 x 2 patches per token
+    out, i, image = [], 0, 0
+    while i < len(ids):
+        out.append(ids[i])
+        if ids[i] == mm["image_token_id"]:
+            if image == len(counts) or ids[i:i + counts[image]] != [ids[i]] * counts[image]:
+                raise ValueError(f"sample {sample!r}: its image tokens do not match its {len(counts)} image(s)")
+            i, image = i + counts[image], image + 1
+        else:
+            i += 1
+    return {"prompt_token_ids": out, "multi_modal_data": {"image": mm["images"]}}
+
+
+def vision_token_ids(tokenizer):
+    return tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()])
+
+
+def block_tokens(model, token_ids, value=-1e4):
+    """Make `model` never emit token_ids: its LM head's output for them becomes `value` (finite, so the
+    entropy's p * logit stays 0), whatever runs the forward (generate, the trainer, the reference)."""
+    index = {}  # device -> the ids there, built once (a host-to-device copy per forward would sync)
+
+    def hook(module, inputs, logits):
+        if logits.device not in index:
+            index[logits.device] = torch.tensor(token_ids, device=logits.device)
+        return logits.index_fill(-1, index[logits.device], value)
+
+    model.get_output_embeddings().register_forward_hook(hook)
+    return model
+
+
 def mm_inputs(mm, input_ids):
     """A vision-language model's image inputs for a batch: mm holds per row None (text only) or
     {"pixel_values", "image_grid_thw", "image_token_id"}; pixels and grids are concatenated in row
@@ -138,14 +194,15 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
     processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
     if pretrain is None:
         tokenizer = word_tokenizer()
-        return tiny_qwen2_vl(tokenizer).to(dtype), tokenizer, processor
+        return block_tokens(tiny_qwen2_vl(tokenizer).to(dtype), vision_token_ids(tokenizer)), tokenizer, processor
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     if not os.path.isdir(pretrain):
         raise FileNotFoundError(f"--pretrain {pretrain!r}: not a model directory")
     tokenizer = AutoTokenizer.from_pretrained(pretrain)
     tokenizer.padding_side = "left"
-    return AutoModelForImageTextToText.from_pretrained(pretrain, dtype=dtype), tokenizer, processor
+    model = AutoModelForImageTextToText.from_pretrained(pretrain, dtype=dtype)
+    return block_tokens(model, vision_token_ids(tokenizer)), tokenizer, processor
 
 
 def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sample=None):
@@ -159,7 +216,7 @@ def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sampl
     ids = tokenizer(expand_image_tokens(text, pixels["image_grid_thw"]), add_special_tokens=False)["input_ids"]
     check_image_tokens(ids, pixels["image_grid_thw"], image_token_id, sample=sample)
     return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"],
-                 "image_token_id": image_token_id}
+                 "image_token_id": image_token_id, "images": images}  # images: for vLLM, which processes its own
 
 
 class VisionValueModel(torch.nn.Module):

@@ -15,6 +15,10 @@ short of what the trainer needs.
 
 The engine starts from `load_format="dummy"` (random weights): the first `update_weights`, before
 step 0, is what gives it the trained model, so the sync path runs from the start.
+
+Images (vision-language models): a request carries one placeholder per image and the images; vLLM
+expands the placeholders from its own processing, and the prompt it ends up with must be the
+trainer's, token for token, or generate raises naming the prompt.
 """
 
 import os
@@ -24,6 +28,7 @@ import torch
 
 from rft_core.engine import Generation
 from rft_core.distributed import full_weights
+from rft_core.vision import vllm_prompt
 
 WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # torch.compile, FSDP, ckpt
 
@@ -78,6 +83,20 @@ def buckets(weights, bucket_bytes):
         yield bucket
 
 
+def kv_cache_bytes(config, requests, max_len, budget_bytes):
+    """The KV cache that `requests` sequences of max_len tokens take (bf16 K and V of every layer), twice over,
+    if that is under a quarter of budget_bytes; else None (vLLM's default: the whole --engine_mem_util share).
+    A small model would otherwise get millions of cache blocks, and vLLM's prefix-cache reset after every weight
+    sync walks them all (0.28 s per step for the tiny Qwen2-VL, measured on an H100); it also leaves training
+    the memory the engine does not need."""
+    c = config.get_text_config()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    per_token = 2 * c.num_hidden_layers * (getattr(c, "num_key_value_heads", None) or heads) * head_dim * 2
+    need = 2 * requests * max_len * per_token
+    return need if need < budget_bytes / 4 else None
+
+
 def _ensure_dist_env():
     """external_launcher reads RANK / LOCAL_RANK and a rendezvous; plain `python` sets none."""
     os.environ.setdefault("RANK", "0")
@@ -92,7 +111,8 @@ def _ensure_dist_env():
 
 class VLLMEngine:
     def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
-                 max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256):
+                 max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256, limit_mm_per_prompt=None,
+                 blocked_token_ids=(), static_prefix=None, kv_bytes=None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
         _ensure_dist_env()
@@ -108,39 +128,50 @@ class VLLMEngine:
         self.bucket_bytes = bucket_mb << 20
         self.seed, self.calls, self.sleeping = seed + rank // tp_size, 0, set()  # sleeping: tags asleep
         self.eos_token_id = eos_token_id  # the trainer's, so both engines stop on the same token
+        # never sampled; -100 is vLLM's largest bias, e^-100 is as good as 0 (processed logprobs renormalise)
+        self.logit_bias = {int(t): -100.0 for t in blocked_token_ids} or None
+        self.static_prefix, self.synced = static_prefix, False  # weights synced once (a frozen vision tower)
+        self.multimodal = bool(limit_mm_per_prompt)
+        extra = {"limit_mm_per_prompt": {"image": limit_mm_per_prompt, "video": 0}} if limit_mm_per_prompt else {}
+        if kv_bytes:  # takes precedence over mem_util for the KV cache
+            extra["kv_cache_memory_bytes"] = kv_bytes
         self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=tp_size, dtype=dtype,
                        distributed_executor_backend="external_launcher", gpu_memory_utilization=mem_util,
                        enable_sleep_mode=sleep != "never", seed=self.seed, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs")
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **extra)
         if tp_size > 1:  # created on every rank, as torch.distributed requires
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups)
 
     def _runner_model(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
-    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0):
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
         from vllm import SamplingParams
 
+        rows = [(list(p), vllm_prompt(p, m, sample=i)) for i, (p, m) in enumerate(zip(prompt_token_ids, mm or [None] * len(prompt_token_ids)))]
         sizes = None
         if self.tp_group is not None:  # every rank of the group must submit the same requests
             per_rank = [None] * len(self.group_ranks)
-            torch.distributed.all_gather_object(per_rank, list(prompt_token_ids), group=self.tp_group)
-            prompt_token_ids, sizes = flatten_group(per_rank)
+            torch.distributed.all_gather_object(per_rank, rows, group=self.tp_group)
+            rows, sizes = flatten_group(per_rank)
         self.calls += 1
         params = SamplingParams(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
                                 max_tokens=max_new_tokens, logprobs=0, detokenize=False,
-                                stop_token_ids=[self.eos_token_id])
+                                stop_token_ids=[self.eos_token_id], logit_bias=self.logit_bias)
         if self.tp_group is not None:  # per-request seeds, identical across the group, keep its ranks in step
             base = self.seed * 1_000_003 + self.calls * 10_007
-            params = [params.clone() for _ in prompt_token_ids]
+            params = [params.clone() for _ in rows]
             for i, p in enumerate(params):
                 p.seed = (base + i) % (2**31)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([request for _, request in rows], params, use_tqdm=False)
         gens = []
-        for out in outputs:
+        for i, ((ids, request), out) in enumerate(zip(rows, outputs)):
+            if "multi_modal_data" in request and list(out.prompt_token_ids) != ids:  # image-token accounting
+                raise ValueError(f"prompt {i}: vLLM expanded it to {len(out.prompt_token_ids)} tokens, the trainer's has "
+                                 f"{len(ids)}: is the engine's image processor (min / max pixels) the trainer's?")
             c = out.outputs[0]
-            ids = list(c.token_ids)
-            gens.append(Generation(ids, [lp[t].logprob for lp, t in zip(c.logprobs, ids)]))
+            token_ids = list(c.token_ids)
+            gens.append(Generation(token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, token_ids)]))
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def sleep(self, needed_bytes=None):
@@ -166,7 +197,12 @@ class VLLMEngine:
     def update_weights(self, model):
         """Load the trainer's weights into the engine, bucket by bucket, cast to the engine's dtype."""
         self.wake_up(["weights"])  # the KV cache stays asleep until wake_up()
-        target = self._runner_model()
-        for bucket in buckets(iter_weights(model, self.dtype), self.bucket_bytes):
+        target, weights = self._runner_model(), iter_weights(model, self.dtype)
+        if self.synced and self.static_prefix:  # after the first sync, only what trains
+            weights = ((name, t) for name, t in weights if not name.startswith(self.static_prefix))
+        for bucket in buckets(weights, self.bucket_bytes):
             target.load_weights(bucket)
+        self.synced = True
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        if self.multimodal:  # and cached image embeddings by the old vision tower
+            self.llm.llm_engine.reset_encoder_cache()

@@ -85,3 +85,51 @@ def test_response_logprobs_against_full_log_softmax(tiny_model_dir, temperature)
         want_entropy = [-(logp[t - 1].exp() * logp[t - 1]).sum().item() for t in range(real.sum() - 3, real.sum())]
         assert logprobs[b].tolist() == pytest.approx(want, abs=1e-5)
         assert entropy[b].tolist() == pytest.approx(want_entropy, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype, temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.0),
+                                                (torch.bfloat16, 0.6)])
+def test_token_logprobs_gradient_against_autograd(dtype, temperature):
+    """TokenLogprobs' hand-written backward ((onehot - softmax) g / T) == autograd through a naive
+    log_softmax, for fp32 and bf16 logits (a sliced, non-contiguous view as the model gives), with the entropy
+    returned but not differentiated; and its inputs are left untouched."""
+    from rft_core.models import TokenLogprobs
+
+    g = torch.Generator().manual_seed(0)
+    full = (torch.randn(3, 6, 50, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, 50, (3, 5, 1), generator=g)
+    weights = torch.randn(3, 5, generator=g)  # an arbitrary upstream gradient
+    before = full.clone()
+    ours_in = full.clone().requires_grad_()
+    logprobs, entropy = TokenLogprobs.apply(ours_in[:, :-1], targets, temperature, True)
+    (logprobs * weights).sum().backward()
+    ref_in = full.clone().requires_grad_()
+    logp = torch.log_softmax(ref_in[:, :-1].float() / temperature, -1)  # (3, 5, 50)
+    want = logp.gather(-1, targets).squeeze(-1)
+    (want * weights).sum().backward()
+    assert torch.allclose(logprobs, want, atol=1e-5) and not entropy.requires_grad
+    assert torch.allclose(entropy, -(logp.exp() * logp).sum(-1).detach(), atol=1e-4)
+    assert ours_in.grad.dtype == dtype
+    assert torch.allclose(ours_in.grad.float(), ref_in.grad.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert torch.equal(full, before)
+    none_logprobs, no_entropy = TokenLogprobs.apply(full[:, :-1], targets, temperature, False)
+    assert no_entropy is None and torch.allclose(none_logprobs, want.detach(), atol=1e-5)
+
+
+def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir):
+    """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight sync),
+    the same logits and gradients (the eager backend here; inductor on the GPU machine)."""
+    from rft_core.models import compile_blocks
+
+    torch._dynamo.reset()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    compiled = compile_blocks(AutoModelForCausalLM.from_pretrained(tiny_model_dir), backend="eager")
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in compiled.named_parameters()]
+    assert compiled.model.layers[0]._compiled_call_impl is not None
+    ids = torch.tensor([[3, 4, 5, 6, 7], [0, 0, 5, 6, 7]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    outs = [m(input_ids=ids, attention_mask=mask).logits for m in (plain, compiled)]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    for out in outs:
+        out.sum().backward()
+    assert torch.allclose(plain.model.layers[1].mlp.up_proj.weight.grad, compiled.model.layers[1].mlp.up_proj.weight.grad, atol=1e-6)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from rft_core.vision import (COLOURS, IMAGE_SIZE, NUMBERS, VISION_TOKENS, check_image_tokens, draw_shapes, expand_image_tokens,
-                             shapes_task, tiny_qwen2_vl, word_tokenizer)
+from rft_core.vision import (COLOURS, IMAGE_SIZE, NUMBERS, VISION_TOKENS, block_tokens, check_image_tokens, draw_shapes,
+                             encode_vl_prompt, expand_image_tokens, load_vl_model, shapes_task, tiny_qwen2_vl, vllm_prompt,
+                             word_tokenizer)
 
 
 def quadrants_with(image, colour):
@@ -111,7 +112,8 @@ def test_engine_and_trainer_logprobs_agree_with_images():
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
     torch.manual_seed(0)
     vision_ids = tok.convert_tokens_to_ids(list(VISION_TOKENS))
-    gens = HFEngine(model, tok, micro_batch_size=3, suppress_token_ids=vision_ids).generate(prompts, 6, temperature=1.0, mm=mm)
+    block_tokens(model, vision_ids)  # as load_vl_model does: the placeholders are never sampled
+    gens = HFEngine(model, tok, micro_batch_size=3).generate(prompts, 6, temperature=1.0, mm=mm)
     assert not any(t in vision_ids for g in gens for t in g.token_ids)
     exp = build_experience(prompts, gens, tok.pad_token_id, mm=mm)
     for micro_batch_size in (1, 2, 3):
@@ -132,3 +134,60 @@ def test_engine_and_trainer_logprobs_agree_with_images():
     with_image = response_values(critic, row.input_ids, row.attention_mask, r, mm_inputs=row.mm_inputs())
     blank = {**row.mm_inputs(), "pixel_values": torch.zeros_like(row.mm_inputs()["pixel_values"])}
     assert not torch.allclose(with_image, response_values(critic, row.input_ids, row.attention_mask, r, mm_inputs=blank))
+
+
+def test_vllm_prompt_collapses_each_image_to_one_placeholder():
+    """vLLM expands one placeholder per image itself: the request must carry exactly one per image, the rest kept."""
+    import random
+
+    _, tok, processor = load_vl_model(max_pixels=112**2)
+    images = [draw_shapes("red", 1, random.Random(0)), draw_shapes("blue", 2, random.Random(1), size=112)]
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids, mm = encode_vl_prompt(tok, processor, "how many shapes are there ?", images, image_id)
+    request = vllm_prompt(ids, mm)
+    assert request["multi_modal_data"] == {"image": images} and request["prompt_token_ids"].count(image_id) == 2
+    want = [t for i, t in enumerate(ids) if t != image_id or ids[i - 1] != image_id]  # runs of 9 and 16 -> 1 each
+    assert request["prompt_token_ids"] == want and len(ids) - len(want) == 8 + 15
+    assert vllm_prompt(ids[:5], None) == {"prompt_token_ids": ids[:5]}  # text only
+    short = ids[:ids.index(image_id)] + ids[ids.index(image_id) + 1:]  # the first image one token short
+    with pytest.raises(ValueError, match="sample 4: its image tokens do not match its 2 image"):
+        vllm_prompt(short, mm, sample=4)
+
+
+def test_blocked_tokens_leave_a_normalised_distribution():
+    """block_tokens: the vision placeholders get logit -1e4 in every forward, so they are never sampled and the
+    remaining tokens' probabilities sum to 1, with the entropy finite; other logits are untouched."""
+    from rft_core.models import response_logprobs
+
+    tok = word_tokenizer()
+    plain = tiny_qwen2_vl(tok).eval()
+    blocked, _, _ = load_vl_model()  # the same seed, blocked by the loader
+    ids = torch.tensor([tok("<|im_start|> user what colour is the shape ? <|im_end|> <|im_start|> assistant red",
+                            add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        a, b = plain(input_ids=ids).logits, blocked.eval()(input_ids=ids).logits  # (1, L, V)
+    vision = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    keep = [i for i in range(len(tok)) if i not in vision]
+    assert torch.equal(a[..., keep], b[..., keep]) and (b[..., vision] == -1e4).all()
+    assert torch.allclose(torch.log_softmax(b, -1).exp()[..., keep].sum(-1), torch.ones(1, ids.shape[1]))
+    logprobs, entropy = response_logprobs(blocked, ids, torch.ones_like(ids), 3, with_entropy=True)
+    want = torch.log_softmax(a[0, -4:-1, keep], -1)  # the distribution over the allowed tokens alone
+    targets = [keep.index(t) for t in ids[0, -3:].tolist()]
+    assert torch.allclose(logprobs[0], want[torch.arange(3), targets], atol=1e-5)
+    assert torch.allclose(entropy[0], -(want.exp() * want).sum(-1), atol=1e-5)
+
+
+def test_engine_processor_config_gives_the_trainers_grids(tmp_path):
+    """vLLM builds its image processor from the engine directory: saved from the trainer's, it must give the
+    same grids (a resized, non-square image included)."""
+    import random
+
+    from transformers import AutoImageProcessor
+
+    _, _, processor = load_vl_model(max_pixels=112**2)
+    processor.save_pretrained(tmp_path)
+    reloaded = AutoImageProcessor.from_pretrained(tmp_path)
+    image = draw_shapes("red", 3, random.Random(0), size=300).crop((0, 0, 300, 170))
+    assert reloaded.size == processor.size  # min / max pixels as shortest / longest edge
+    assert torch.equal(reloaded(images=[image], return_tensors="pt")["image_grid_thw"],
+                       processor(images=[image], return_tensors="pt")["image_grid_thw"])

@@ -68,7 +68,7 @@ def engine_and_model():
     class A:  # the flags create_engine reads
         bf16, micro_rollout_batch_size, engine_tp_size, engine_mem_util = True, 32, 1, 0.3
         enable_engine_sleep, disable_engine_sleep, engine_sleep_level, engine_enforce_eager = True, False, 1, True
-        seed, prompt_max_len, generate_max_len = 0, 512, 64
+        seed, prompt_max_len, generate_max_len, rollout_batch_size, n_samples_per_prompt = 0, 512, 64, 8, 4
 
     return create_engine("vllm", model, tokenizer, A), model, tokenizer
 

@@ -1,0 +1,113 @@
+"""vLLM image rollouts (GPU, marked, skipped elsewhere): the tiny Qwen2-VL served by vLLM with its images,
+prompts expanded by vLLM exactly as the trainer's, weight sync of the language model and the vision tower,
+sampling logprobs that match the trainer's, and an accounting mismatch that names the prompt."""
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("vllm")),
+                                reason="needs a CUDA GPU and vllm")
+
+
+class Flags:  # the flags create_engine reads
+    bf16, micro_rollout_batch_size, engine_tp_size, engine_mem_util = True, 64, 1, 0.2
+    enable_engine_sleep, disable_engine_sleep, engine_sleep_level, engine_enforce_eager = False, True, 1, True
+    seed, prompt_max_len, generate_max_len, limit_mm_image_per_prompt, freeze_prefix = 0, 256, 16, 2, None
+    rollout_batch_size, n_samples_per_prompt = 12, 8
+
+
+@pytest.fixture(scope="module")
+def vl():
+    from rft_core.engine import create_engine
+    from rft_core.vision import encode_vl_prompt, load_vl_model, shapes_task
+
+    model, tokenizer, processor = load_vl_model()
+    model = model.cuda()
+    image_id = model.config.image_token_id
+    _, rows = shapes_task(num_eval=12)
+    rows[1]["images"].append(rows[2]["images"][0])  # two images in one prompt
+    rows[3]["images"] = []  # a text-only prompt among them
+    encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_id, sample=i) for i, r in enumerate(rows)]
+    engine = create_engine("vllm", model, tokenizer, Flags, processor)
+    return engine, model, tokenizer, [ids for ids, _ in encoded], [mm for _, mm in encoded]
+
+
+def _logprob_diff(engine, model, tokenizer, prompts, mm):
+    """Mean |vLLM sampling logprob - trainer logprob| over the response tokens of 4 samples per prompt."""
+    from rft_core.experience import batched_logprobs, build_experience
+
+    prompts, mm = [p for p in prompts for _ in range(4)], [m for m in mm for _ in range(4)]
+    gens = engine.generate(prompts, Flags.generate_max_len, temperature=1.0, mm=mm)
+    exp = build_experience(prompts, gens, tokenizer.pad_token_id, "cuda", mm=mm)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        trainer = batched_logprobs(model, exp, 16)
+    return (((trainer - exp.rollout_logprobs).abs() * exp.action_mask).sum() / exp.action_mask.sum()).item()
+
+
+def test_vllm_prompts_are_the_trainers_and_placeholders_never_sampled(vl):
+    from rft_core.vision import VISION_TOKENS
+
+    engine, model, tokenizer, prompts, mm = vl
+    gens = engine.generate(prompts * 8, 16, temperature=1.0, mm=mm * 8)  # raises if a prompt was expanded otherwise
+    vision = set(tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)))
+    assert len(gens) == 8 * len(prompts) and not any(t in vision for g in gens for t in g.token_ids)
+
+
+def test_greedy_equals_transformers_with_images(vl):
+    import copy
+
+    from rft_core.engine import HFEngine
+
+    engine, model, tokenizer, prompts, mm = vl
+    ours = [g.token_ids for g in engine.generate(prompts, 12, temperature=0.0, mm=mm)]
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    theirs = [g.token_ids for g in HFEngine(bf16, tokenizer).generate(prompts, 12, 0.0, mm=mm)]
+    assert sum(a == b for a, b in zip(ours, theirs)) >= len(prompts) - 2, (ours, theirs)
+
+
+def test_sync_covers_the_vision_tower(vl):
+    """Move the vision tower's weights: vLLM's copy changes only with a sync, which then makes it the trainer's (in
+    bf16) under vLLM's names; with the tower declared frozen (--freeze_prefix) later syncs leave it alone."""
+    engine, model, tokenizer, prompts, mm = vl
+    theirs = lambda: engine._runner_model().visual.merger.ln_q.weight.float()  # noqa: E731
+    ours = lambda: model.model.visual.merger.ln_q.weight.detach().to(torch.bfloat16).float()  # noqa: E731
+    before = _logprob_diff(engine, model, tokenizer, prompts, mm)
+    assert torch.equal(theirs(), ours()) and before < 0.02
+
+    def move():
+        with torch.no_grad():
+            for p in model.model.visual.parameters():
+                p.add_(torch.randn_like(p) * 0.1 * p.std().clamp(min=0.02))
+
+    move()
+    assert not torch.equal(theirs(), ours())
+    stale = _logprob_diff(engine, model, tokenizer, prompts, mm)
+    engine.update_weights(model)
+    synced = _logprob_diff(engine, model, tokenizer, prompts, mm)
+    print(f"logprob diff: before {before:.4f} | vision moved, not synced {stale:.4f} | synced {synced:.4f}")
+    assert torch.equal(theirs(), ours()) and synced < 0.02 and synced < stale / 3  # no stale image embeddings
+    engine.static_prefix = "model.visual"  # what --freeze_prefix model.visual sets
+    try:
+        move()
+        engine.update_weights(model)
+        assert not torch.equal(theirs(), ours())
+    finally:
+        engine.static_prefix = None
+        engine.update_weights(model)
+    assert torch.equal(theirs(), ours())
+
+
+def test_image_token_mismatch_names_the_prompt(vl):
+    """A prompt encoded with another processor (112 px images kept whole: 16 tokens) than the engine's (84 x 84 at
+    most: 9 tokens) is refused, naming it, instead of generating from a corrupted prompt."""
+    from rft_core.vision import draw_shapes, encode_vl_prompt, load_vl_model
+
+    engine, model, tokenizer, prompts, mm = vl
+    _, _, big = load_vl_model(max_pixels=112**2)
+    ids, m = encode_vl_prompt(tokenizer, big, "what colour is the shape ?", [draw_shapes("red", 1, random.Random(0), size=112)],
+                              model.config.image_token_id)
+    with pytest.raises(ValueError, match="prompt 1: vLLM expanded it to .* tokens, the trainer's has"):
+        engine.generate([prompts[0], ids], 4, temperature=1.0, mm=[mm[0], m])
