@@ -137,3 +137,18 @@ def test_sampling_logprobs_match_trainer(engine_and_model):
         trainer = batched_logprobs(model, exp, 32, temperature=1.0)
     diff = ((trainer - exp.rollout_logprobs).abs() * exp.action_mask).sum() / exp.action_mask.sum()
     assert diff.item() < 0.05, diff.item()
+
+
+def test_kv_cache_bytes():
+    """The KV cache is capped to what one generate call can use (twice over) only when that is small next to the
+    memory share: bf16 K and V of every layer, per token, for every request at full length."""
+    from transformers import LlamaConfig
+
+    from rft_core.vllm_engine import kv_cache_bytes
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    per_token = 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x bf16 bytes
+    assert kv_cache_bytes(config, 64, 1000, 80e9) == 2 * 64 * 1000 * per_token
+    assert kv_cache_bytes(config, 64, 1000, 4 * 2 * 64 * 1000 * per_token) is None  # not small: vLLM's default
+    config.head_dim = 32  # an explicit head_dim wins over hidden / heads
+    assert kv_cache_bytes(config, 1, 10, 80e9) == 2 * 10 * 2 * 2 * 2 * 32 * 2
