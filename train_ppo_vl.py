@@ -60,7 +60,7 @@ class Args:
     prompt_data: str = "shapes"
     """built-in task name (shapes) or a local JSONL / JSON / parquet file or directory"""
     images_key: str = "images"
-    """column holding each prompt's image path(s), relative to the data file; empty or missing: a text-only prompt"""
+    """column of each prompt's image paths (relative to the data file; a list of frame paths is a video); empty: text only"""
     limit_mm_image_per_prompt: int = 4
     """prompts with more images are skipped and counted"""
     mixed_mm_data: bool = False

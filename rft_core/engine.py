@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rft_core.distributed import sharding
-from rft_core.vision import mm_inputs, vision_token_ids
+from rft_core.vision import mm_inputs, video_processor_like, vision_token_ids
 
 
 @dataclass
@@ -121,8 +121,9 @@ def create_engine(engine_type, model, tokenizer, args, processor=None):
         tokenizer.save_pretrained(model_dir)
         max_len = min(args.prompt_max_len + args.generate_max_len, getattr(text_config, "max_position_embeddings", 1 << 30))
         vision = {}
-        if processor is not None:
+        if processor is not None:  # the trainer's image and video processing settings
             processor.save_pretrained(model_dir)
+            video_processor_like(processor).save_pretrained(model_dir)  # vLLM's Qwen2-VL processor needs torchvision too
             vision = dict(limit_mm_per_prompt=args.limit_mm_image_per_prompt, blocked_token_ids=vision_token_ids(tokenizer),
                           static_prefix=args.freeze_prefix)  # a frozen vision tower is synced once
         if args.enable_engine_sleep and args.disable_engine_sleep:

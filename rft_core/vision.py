@@ -4,7 +4,8 @@ word-level tokenizer and tiny Qwen2-VL, and image-token accounting.
 Qwen2-VL turns an image into a t x h x w grid of 14-pixel patches and merges 2 x 2 of them into one
 language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tokens per image;
 `expand_image_tokens` writes them and `check_image_tokens` refuses any mismatch, naming the sample.
-vLLM expands the placeholders itself: it gets one per image (`vllm_prompt`) and the images.
+A video (a list of frames) is the same with `<|video_pad|>`, its frames paired into temporal patches.
+vLLM expands the placeholders itself: it gets one per image or video (`vllm_prompt`) and the pixels.
 
 The policy never emits the vision placeholders (in a response they would be taken for image slots):
 `block_tokens` sets their logits to -1e4 at the LM head, so sampling, the trainer's logprobs and the
@@ -64,17 +65,19 @@ def shapes_task(num_train=2048, num_eval=64, seed=0):
 
 
 def load_image_rows(path, input_key, label_key, images_key, flag, log=print):
-    """Prompt rows of a data file or directory ({"prompt", "label", "images": [PIL images]}): the images_key
-    column holds a path or a list of paths, relative to the data file; empty or missing: a text-only prompt."""
+    """Prompt rows of a data file or directory ({"prompt", "label", "images": [...]}): the images_key column holds
+    a path or a list of paths, relative to the data file, each an image, or itself a list of frame paths: a video
+    (a list of PIL images). Empty or missing: a text-only prompt."""
     from PIL import Image
 
     from rft_core.data import load_prompt_rows
 
     rows, _ = load_prompt_rows(path, input_key, label_key, flag, (images_key,), log=log)
     base = path if os.path.isdir(path) else os.path.dirname(path)
+    load = lambda p: Image.open(os.path.join(base, p)).convert("RGB")  # noqa: E731
     for row in rows:
         paths = row.pop(images_key, None) or []
-        row["images"] = [Image.open(os.path.join(base, p)).convert("RGB") for p in ([paths] if isinstance(paths, str) else paths)]
+        row["images"] = [load(p) if isinstance(p, str) else [load(f) for f in p] for p in ([paths] if isinstance(paths, str) else paths)]
     return rows
 
 
@@ -92,6 +95,7 @@ def word_tokenizer():
     tokenizer.padding_side = "left"
     tokenizer.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {% for c in m['content'] %}"
                                "{% if c['type'] == 'image' %}<|vision_start|> <|image_pad|> <|vision_end|> "
+                               "{% elif c['type'] == 'video' %}<|vision_start|> <|video_pad|> <|vision_end|> "
                                "{% else %}{{ c['text'] }} {% endif %}{% endfor %}<|im_end|> {% endfor %}"
                                "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
     return tokenizer
@@ -124,31 +128,37 @@ def expand_image_tokens(text, image_grid_thw, merge_size=2, image_token="<|image
     return parts[0] + "".join(image_token * n + part for n, part in zip(counts, parts[1:]))
 
 
-def check_image_tokens(input_ids, image_grid_thw, image_token_id, merge_size=2, sample=None):
-    """Raise, naming the sample, unless input_ids hold exactly the image tokens the images need."""
+def check_image_tokens(input_ids, image_grid_thw, image_token_id, merge_size=2, sample=None, kind="image"):
+    """Raise, naming the sample, unless input_ids hold exactly the image (or video) tokens the images need."""
     want = sum(int(torch.as_tensor(thw).prod()) // merge_size**2 for thw in image_grid_thw)
     have = int((torch.as_tensor(input_ids) == image_token_id).sum())
     if have != want:
-        raise ValueError(f"sample {sample!r}: {have} image tokens in the prompt but its {len(image_grid_thw)} "
-                         f"image(s) need {want} (grids {[list(map(int, g)) for g in image_grid_thw]})")
+        raise ValueError(f"sample {sample!r}: {have} {kind} tokens in the prompt but its {len(image_grid_thw)} "
+                         f"{kind}(s) need {want} (grids {[list(map(int, g)) for g in image_grid_thw]})")
 
 
 def vllm_prompt(ids, mm, sample=None):
-    """A vLLM request for an encoded prompt: each image's run of placeholders collapsed back to one token
-    (vLLM expands it from the image it processes) and the images as multi_modal_data."""
+    """A vLLM request for an encoded prompt: each image's and video's run of placeholders collapsed back to one
+    token (vLLM expands it from the pixels it processes), and the images and videos as multi_modal_data."""
     if mm is None:
         return {"prompt_token_ids": list(ids)}
-    counts = [int(thw.prod()) // 4 for thw in mm["image_grid_thw"]]  # merge 2 x 2 patches per token
-    out, i, image = [], 0, 0
+    runs = {}  # placeholder id -> the run length of each of its images / videos, in order
+    for kind in ("image", "video"):
+        if f"{kind}_grid_thw" in mm:
+            runs[mm[f"{kind}_token_id"]] = [int(thw.prod()) // 4 for thw in mm[f"{kind}_grid_thw"]]  # 2 x 2 patches a token
+    out, i, seen = [], 0, {t: 0 for t in runs}
     while i < len(ids):
         out.append(ids[i])
-        if ids[i] == mm["image_token_id"]:
-            if image == len(counts) or ids[i:i + counts[image]] != [ids[i]] * counts[image]:
-                raise ValueError(f"sample {sample!r}: its image tokens do not match its {len(counts)} image(s)")
-            i, image = i + counts[image], image + 1
+        t = ids[i]
+        if t in runs:
+            k = seen[t]
+            if k == len(runs[t]) or ids[i:i + runs[t][k]] != [t] * runs[t][k]:
+                raise ValueError(f"sample {sample!r}: its image / video tokens do not match its images and videos")
+            i, seen[t] = i + runs[t][k], k + 1
         else:
             i += 1
-    return {"prompt_token_ids": out, "multi_modal_data": {"image": mm["images"]}}
+    data = {kind: mm[f"{kind}s"] for kind in ("image", "video") if f"{kind}s" in mm}
+    return {"prompt_token_ids": out, "multi_modal_data": data}
 
 
 def vision_token_ids(tokenizer):
@@ -170,15 +180,21 @@ def block_tokens(model, token_ids, value=-1e4):
 
 
 def mm_inputs(mm, input_ids):
-    """A vision-language model's image inputs for a batch: mm holds per row None (text only) or
-    {"pixel_values", "image_grid_thw", "image_token_id"}; pixels and grids are concatenated in row
-    order, as Qwen2-VL expects, and mm_token_type_ids marks the image tokens. None if no row has images."""
+    """A vision-language model's image and video inputs for a batch: mm holds per row None (text only) or a dict
+    from encode_vl_prompt; pixels and grids are concatenated in row order, as Qwen2-VL expects, and
+    mm_token_type_ids marks image tokens 1 and video tokens 2. None if no row has any."""
     rows = [m for m in mm or [] if m is not None]
     if not rows:
         return None
-    return {"pixel_values": torch.cat([m["pixel_values"] for m in rows]).to(input_ids.device),
-            "image_grid_thw": torch.cat([m["image_grid_thw"] for m in rows]).to(input_ids.device),
-            "mm_token_type_ids": (input_ids == rows[0]["image_token_id"]).long()}
+    out = {}
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if any(grid in m for m in rows):
+            out[pixels] = torch.cat([m[pixels] for m in rows if grid in m]).to(input_ids.device)
+            out[grid] = torch.cat([m[grid] for m in rows if grid in m]).to(input_ids.device)
+    image_id = rows[0]["image_token_id"]
+    video_id = next((m["video_token_id"] for m in rows if "video_token_id" in m), -1)
+    out["mm_token_type_ids"] = (input_ids == image_id).long() + 2 * (input_ids == video_id).long()
+    return out
 
 
 def first_word_reward(prompts, completions, labels, **kwargs):
@@ -205,18 +221,41 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
     return block_tokens(model, vision_token_ids(tokenizer)), tokenizer, processor
 
 
+def video_processor_like(processor):
+    """Qwen2-VL's video processor with the image processor's pixel limits and patching (transformers' needs
+    torchvision)."""
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        raise ImportError("video inputs need torchvision (transformers' Qwen2-VL video processor uses it)")
+    from transformers import Qwen2VLVideoProcessor
+
+    return Qwen2VLVideoProcessor(min_pixels=processor.size.shortest_edge, max_pixels=processor.size.longest_edge,
+                                 patch_size=processor.patch_size, temporal_patch_size=processor.temporal_patch_size,
+                                 merge_size=processor.merge_size, image_mean=processor.image_mean, image_std=processor.image_std)
+
+
 def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sample=None):
-    """(prompt ids, image inputs or None) for a text prompt and its images (PIL): one image slot per image
-    before the text, each expanded to the tokens its image takes, the count checked."""
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": prompt}]
+    """(prompt ids, image / video inputs or None) for a text prompt and its images (PIL) and videos (lists of PIL
+    frames), in that order before the text: each placeholder expanded to the tokens its pixels take, the counts
+    checked."""
+    content = [{"type": "video" if isinstance(x, list) else "image"} for x in images] + [{"type": "text", "text": prompt}]
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
     if not images:
         return tokenizer(text, add_special_tokens=False)["input_ids"], None
-    pixels = processor(images=images, return_tensors="pt")
-    ids = tokenizer(expand_image_tokens(text, pixels["image_grid_thw"]), add_special_tokens=False)["input_ids"]
-    check_image_tokens(ids, pixels["image_grid_thw"], image_token_id, sample=sample)
-    return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"],
-                 "image_token_id": image_token_id, "images": images}  # images: for vLLM, which processes its own
+    video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    mm = {"image_token_id": image_token_id, "video_token_id": video_token_id}
+    stills, videos = [x for x in images if not isinstance(x, list)], [x for x in images if isinstance(x, list)]
+    if stills:  # images: for vLLM, which processes its own
+        mm.update(processor(images=stills, return_tensors="pt"), images=stills)
+    if videos:
+        mm.update(video_processor_like(processor)(videos=videos, return_tensors="pt"), videos=videos)
+    for kind in ("image", "video"):
+        text = expand_image_tokens(text, mm.get(f"{kind}_grid_thw", []), image_token=f"<|{kind}_pad|>")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for kind in ("image", "video"):
+        check_image_tokens(ids, mm.get(f"{kind}_grid_thw", []), mm[f"{kind}_token_id"], sample=sample, kind=kind)
+    return ids, mm
 
 
 class VisionValueModel(torch.nn.Module):

@@ -132,7 +132,7 @@ class VLLMEngine:
         self.logit_bias = {int(t): -100.0 for t in blocked_token_ids} or None
         self.static_prefix, self.synced = static_prefix, False  # weights synced once (a frozen vision tower)
         self.multimodal = bool(limit_mm_per_prompt)
-        extra = {"limit_mm_per_prompt": {"image": limit_mm_per_prompt, "video": 0}} if limit_mm_per_prompt else {}
+        extra = {"limit_mm_per_prompt": {"image": limit_mm_per_prompt, "video": limit_mm_per_prompt}} if limit_mm_per_prompt else {}
         if kv_bytes:  # takes precedence over mem_util for the KV cache
             extra["kv_cache_memory_bytes"] = kv_bytes
         self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=tp_size, dtype=dtype,

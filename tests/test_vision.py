@@ -1,5 +1,7 @@
 """The vision-language groundwork: the shapes task, the word tokenizer, the tiny Qwen2-VL, image-token accounting."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -85,6 +87,7 @@ def test_engine_and_trainer_logprobs_agree_with_images():
     trainer's logprobs of those samples, through Experience micro-batches, equal the engine's; and the VL
     critic's values are batching-invariant, see the image, and are its backbone's hidden states under its head."""
     import random
+    from dataclasses import replace
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -109,16 +112,27 @@ def test_engine_and_trainer_logprobs_agree_with_images():
         else:
             mm.append(None)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    # a video row: 4 frames -> 2 temporal patches of 6 x 6 (synthetic pixels: the video processor needs torchvision)
+    video_id = tok.convert_tokens_to_ids("<|video_pad|>")
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour is the shape ?"}]}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompts.append(tok(expand_image_tokens(text, [[2, 6, 6]], image_token="<|video_pad|>"), add_special_tokens=False)["input_ids"])
+    mm.append({"pixel_values_videos": torch.randn(72, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0)),
+               "video_grid_thw": torch.tensor([[2, 6, 6]]), "image_token_id": image_id, "video_token_id": video_id})
+    assert prompts[-1].count(video_id) == 18
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
     torch.manual_seed(0)
     vision_ids = tok.convert_tokens_to_ids(list(VISION_TOKENS))
     block_tokens(model, vision_ids)  # as load_vl_model does: the placeholders are never sampled
-    gens = HFEngine(model, tok, micro_batch_size=3).generate(prompts, 6, temperature=1.0, mm=mm)
+    gens = HFEngine(model, tok, micro_batch_size=4).generate(prompts, 6, temperature=1.0, mm=mm)
     assert not any(t in vision_ids for g in gens for t in g.token_ids)
     exp = build_experience(prompts, gens, tok.pad_token_id, mm=mm)
-    for micro_batch_size in (1, 2, 3):
+    for micro_batch_size in (1, 2, 3, 4):
         logprobs = batched_logprobs(model, exp, micro_batch_size)
         assert torch.allclose(logprobs * exp.action_mask, exp.rollout_logprobs * exp.action_mask, atol=1e-4)
+    video_row = exp.select([3])  # the video's pixels reach the model
+    blank = [{**video_row.mm[0], "pixel_values_videos": torch.zeros(72, 3 * 2 * 14 * 14)}]
+    assert not torch.allclose(batched_logprobs(model, video_row, 1), batched_logprobs(model, replace(video_row, mm=blank), 1))
 
     # the VL critic: zero at the start; then, with a random head, the same values however the rows are batched,
     # and those of the policy's own backbone (its copy) under that head, with the images seen
@@ -150,8 +164,17 @@ def test_vllm_prompt_collapses_each_image_to_one_placeholder():
     assert request["prompt_token_ids"] == want and len(ids) - len(want) == 8 + 15
     assert vllm_prompt(ids[:5], None) == {"prompt_token_ids": ids[:5]}  # text only
     short = ids[:ids.index(image_id)] + ids[ids.index(image_id) + 1:]  # the first image one token short
-    with pytest.raises(ValueError, match="sample 4: its image tokens do not match its 2 image"):
+    with pytest.raises(ValueError, match="sample 4: its image / video tokens do not match"):
         vllm_prompt(short, mm, sample=4)
+    # a video (2 temporal patches of 6 x 6: 18 tokens) after an image (9): each run collapsed, both kinds passed on
+    video_id, frames = tok.convert_tokens_to_ids("<|video_pad|>"), images[:1] * 4
+    mm = {"image_grid_thw": torch.tensor([[1, 6, 6]]), "video_grid_thw": torch.tensor([[2, 6, 6]]), "images": images[:1],
+          "videos": [frames], "image_token_id": image_id, "video_token_id": video_id}
+    ids = [1, image_id] + [image_id] * 8 + [2, video_id] + [video_id] * 17 + [3]
+    assert vllm_prompt(ids, mm) == {"prompt_token_ids": [1, image_id, 2, video_id, 3],
+                                    "multi_modal_data": {"image": images[:1], "video": [frames]}}
+    with pytest.raises(ValueError, match="sample 5"):
+        vllm_prompt(ids[:-3] + [3], mm, sample=5)  # the video one token short
 
 
 def test_blocked_tokens_leave_a_normalised_distribution():
@@ -191,3 +214,39 @@ def test_engine_processor_config_gives_the_trainers_grids(tmp_path):
     assert reloaded.size == processor.size  # min / max pixels as shortest / longest edge
     assert torch.equal(reloaded(images=[image], return_tensors="pt")["image_grid_thw"],
                        processor(images=[image], return_tensors="pt")["image_grid_thw"])
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("torchvision"), reason="transformers' Qwen2-VL video processor needs torchvision")
+def test_encode_vl_prompt_with_an_image_and_a_video():
+    """A video (a list of frames) goes through the video processor with the image processor's limits: 4 frames of
+    84 x 84 -> 2 temporal patches of 6 x 6 -> 18 <|video_pad|> tokens, after the image's 9 <|image_pad|>."""
+    import random
+
+    _, tok, processor = load_vl_model()
+    image = draw_shapes("red", 1, random.Random(0))
+    frames = [draw_shapes("blue", 2, random.Random(i)) for i in range(4)]
+    ids, mm = encode_vl_prompt(tok, processor, "what colour is the shape ?", [image, frames], tok.convert_tokens_to_ids("<|image_pad|>"))
+    assert mm["video_grid_thw"].tolist() == [[2, 6, 6]] and mm["image_grid_thw"].tolist() == [[1, 6, 6]]
+    assert ids.count(mm["video_token_id"]) == 18 and ids.count(mm["image_token_id"]) == 9
+    assert ids.index(mm["image_token_id"]) < ids.index(mm["video_token_id"])  # in the order given
+    assert mm["pixel_values_videos"].shape == (72, 3 * 2 * 14 * 14) and mm["videos"] == [frames]
+
+
+def test_load_image_rows_reads_videos_as_frame_lists(tmp_path):
+    """images_key entries: a path is an image, a list of paths a video (its frames, in order); none: text only."""
+    import json
+    import random
+
+    from rft_core.vision import load_image_rows
+
+    for i, colour in enumerate(("red", "blue", "green")):
+        draw_shapes(colour, 1, random.Random(i)).save(tmp_path / f"{colour}.png")
+    rows = [{"prompt": "a", "label": "x", "images": "red.png"},
+            {"prompt": "b", "label": "y", "images": ["red.png", ["blue.png", "green.png", "blue.png"]]},
+            {"prompt": "c", "label": "z"}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    got = load_image_rows(str(tmp_path / "d.jsonl"), "prompt", "label", "images", "--prompt_data", log=lambda *a: None)
+    assert [len(r["images"]) for r in got] == [1, 2, 0]
+    video = got[1]["images"][1]
+    assert isinstance(video, list) and len(video) == 3 and not isinstance(got[1]["images"][0], list)
+    assert video[0].tobytes() == video[2].tobytes() != video[1].tobytes()  # blue, green, blue

@@ -1,4 +1,4 @@
-"""vLLM image rollouts (GPU, marked, skipped elsewhere): the tiny Qwen2-VL served by vLLM with its images,
+"""vLLM image rollouts (GPU, marked, skipped elsewhere): the tiny Qwen2-VL served by vLLM with its images and a video,
 prompts expanded by vLLM exactly as the trainer's, weight sync of the language model and the vision tower,
 sampling logprobs that match the trainer's, and an accounting mismatch that names the prompt."""
 
@@ -30,6 +30,7 @@ def vl():
     _, rows = shapes_task(num_eval=12)
     rows[1]["images"].append(rows[2]["images"][0])  # two images in one prompt
     rows[3]["images"] = []  # a text-only prompt among them
+    rows[4]["images"] = [[rows[4]["images"][0], rows[5]["images"][0]] * 2]  # a video of 4 frames
     encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_id, sample=i) for i, r in enumerate(rows)]
     engine = create_engine("vllm", model, tokenizer, Flags, processor)
     return engine, model, tokenizer, [ids for ids, _ in encoded], [mm for _, mm in encoded]
