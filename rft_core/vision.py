@@ -101,21 +101,30 @@ def word_tokenizer():
     return tokenizer
 
 
-def tiny_qwen2_vl(tokenizer, seed=0):
-    """A random-initialised Qwen2-VL (about 1 M parameters) whose vocabulary is the tokenizer's."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def tiny_qwen2_vl(tokenizer, seed=0, arch="qwen2_vl"):
+    """A random-initialised Qwen2-VL (about 1 M parameters; arch "qwen2_5_vl": a Qwen2.5-VL, whose vision tower
+    has windowed attention and a gated MLP) whose vocabulary is the tokenizer's."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
 
     ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, in_chans=3),
-        image_token_id=ids[2], video_token_id=ids[3], vision_start_token_id=ids[0], vision_end_token_id=ids[1])
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
+    if arch == "qwen2_vl":
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision.update(embed_dim=32, hidden_size=64)
+    elif arch == "qwen2_5_vl":
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}: qwen2_vl or qwen2_5_vl")
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids[2], video_token_id=ids[3],
+                        vision_start_token_id=ids[0], vision_end_token_id=ids[1])
     torch.manual_seed(seed)
-    return Qwen2VLForConditionalGeneration(config)
+    return model_cls(config)
 
 
 def expand_image_tokens(text, image_grid_thw, merge_size=2, image_token="<|image_pad|>"):
@@ -202,7 +211,7 @@ def first_word_reward(prompts, completions, labels, **kwargs):
     return {"correct": [float(c.split()[:1] == [str(label)]) for c, label in zip(completions, labels)]}
 
 
-def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2, dtype=torch.float32):
+def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2, dtype=torch.float32, tiny="qwen2_vl"):
     """(model, tokenizer, image processor): a Qwen2-VL-family checkpoint directory, or (None) the built-in tiny
     Qwen2-VL with the word tokenizer. The image processor is the PIL one: it needs no torchvision."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -210,7 +219,7 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
     processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
     if pretrain is None:
         tokenizer = word_tokenizer()
-        return block_tokens(tiny_qwen2_vl(tokenizer).to(dtype), vision_token_ids(tokenizer)), tokenizer, processor
+        return block_tokens(tiny_qwen2_vl(tokenizer, arch=tiny).to(dtype), vision_token_ids(tokenizer)), tokenizer, processor
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     if not os.path.isdir(pretrain):

@@ -82,7 +82,8 @@ def test_tiny_qwen2_vl_sees_the_image():
     assert logits[0].shape == (len(tok),) and not torch.allclose(logits[0], logits[1])  # the answer depends on the pixels
 
 
-def test_engine_and_trainer_logprobs_agree_with_images():
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_engine_and_trainer_logprobs_agree_with_images(arch):
     """The HF engine samples with images (rows of different lengths, left-padded, one text-only row); the
     trainer's logprobs of those samples, through Experience micro-batches, equal the engine's; and the VL
     critic's values are batching-invariant, see the image, and are its backbone's hidden states under its head."""
@@ -97,7 +98,7 @@ def test_engine_and_trainer_logprobs_agree_with_images():
     from rft_core.vision import VisionValueModel
 
     tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2)
-    model = tiny_qwen2_vl(tok)
+    model = tiny_qwen2_vl(tok, arch=arch)
     image_id = tok.convert_tokens_to_ids("<|image_pad|>")
     prompts, mm = [], []
     for i, question in enumerate(["what colour is the shape ?", "how many shapes are there ?", "what is the colour ?"]):

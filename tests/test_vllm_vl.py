@@ -1,8 +1,10 @@
-"""vLLM image rollouts (GPU, marked, skipped elsewhere): the tiny Qwen2-VL served by vLLM with its images and a video,
-prompts expanded by vLLM exactly as the trainer's, weight sync of the language model and the vision tower,
-sampling logprobs that match the trainer's, and an accounting mismatch that names the prompt."""
+"""vLLM image rollouts (GPU, marked, skipped elsewhere): the tiny Qwen2-VL served by vLLM with its images and a
+video, prompts expanded by vLLM exactly as the trainer's, weight sync of the language model and the vision tower,
+sampling logprobs that match the trainer's, and an accounting mismatch that names the prompt.
+RFT_TEST_VL_ARCH=qwen2_5_vl runs the same on a tiny Qwen2.5-VL."""
 
 import importlib.util
+import os
 import random
 
 import pytest
@@ -24,7 +26,7 @@ def vl():
     from rft_core.engine import create_engine
     from rft_core.vision import encode_vl_prompt, load_vl_model, shapes_task
 
-    model, tokenizer, processor = load_vl_model()
+    model, tokenizer, processor = load_vl_model(tiny=os.environ.get("RFT_TEST_VL_ARCH", "qwen2_vl"))  # or qwen2_5_vl
     model = model.cuda()
     image_id = model.config.image_token_id
     _, rows = shapes_task(num_eval=12)
