@@ -59,3 +59,28 @@ rs = [json.loads(l) for l in open("$d/metrics.jsonl") if "perf/step_time_s" in l
 print({k: round(st.median(r[k] for r in rs), 4) for k in ("perf/step_time_s", "perf/weight_sync_s", "rollout/logprob_diff_mean", "rollout/reward_mean")})
 PY
 done
+
+# ---- session 4, call V: video inputs: the video processor test, the VL vLLM tests (a video among the prompts), a video task run
+timeout 100 python -m pytest -q tests/test_vision.py -p no:cacheprovider 2>&1 | tail -2
+timeout 200 python -m pytest -q -x -s tests/test_vllm_vl.py -p no:cacheprovider > $OUT/vl_tests.log 2>&1; echo "vl tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl_tests.log | tail -8
+python bench/make_video_task.py /tmp/vid
+timeout 240 python train_ppo_vl.py --engine_type vllm --engine_enforce_eager --prompt_data /tmp/vid/train.jsonl --eval_data /tmp/vid/eval.jsonl \
+  --max_steps 30 --output_dir /tmp/vid_run > $OUT/vid.log 2>&1; echo "video run rc=$?"; grep -E "\[done\]|\[data\]|Error" $OUT/vid.log | tail -4
+cp /tmp/vid_run/metrics.jsonl $OUT/vid.metrics.jsonl 2>/dev/null
+python - <<'PY'
+import json, statistics as st
+rs = [json.loads(l) for l in open("/tmp/vid_run/metrics.jsonl") if "perf/step_time_s" in l]
+print("reward by 10 steps", [round(st.mean(r["rollout/reward_mean"] for r in rs[i:i + 10]), 3) for i in range(0, len(rs), 10)])
+print({k: round(st.median(r[k] for r in rs[5:]), 4) for k in ("perf/step_time_s", "perf/generate_s", "perf/weight_sync_s", "rollout/logprob_diff_mean", "rollout/logprob_diff_max")})
+PY
+
+# ---- session 4, call Q: Qwen2.5-VL: the VL vLLM tests on a tiny Qwen2.5-VL, and train_ppo_vl.py --pretrain on a saved one
+RFT_TEST_VL_ARCH=qwen2_5_vl timeout 200 python -m pytest -q -x -s tests/test_vllm_vl.py -p no:cacheprovider > $OUT/vl25_tests.log 2>&1; echo "vl 2.5 tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl25_tests.log | tail -8
+python bench/save_tiny_vl.py /tmp/tiny25 --arch qwen2_5_vl > /dev/null 2>&1
+timeout 200 python train_ppo_vl.py --pretrain /tmp/tiny25 --actor_learning_rate 3e-3 --engine_type vllm --engine_enforce_eager --max_steps 60 \
+  --output_dir /tmp/r25 > $OUT/r25.log 2>&1; echo "qwen2.5-vl --pretrain run rc=$?"; grep -E "\[done\]|Error" $OUT/r25.log | tail -3
+python - <<'PY'
+import json, statistics as st
+rs = [json.loads(l) for l in open("/tmp/r25/metrics.jsonl") if "perf/step_time_s" in l]
+print({k: round(st.median(r[k] for r in rs[5:]), 4) for k in ("perf/step_time_s", "perf/weight_sync_s", "rollout/logprob_diff_mean", "rollout/logprob_diff_max")})
+PY
