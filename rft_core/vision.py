@@ -166,11 +166,14 @@ def vllm_prompt(ids, mm, sample=None):
             i, seen[t] = i + runs[t][k], k + 1
         else:
             i += 1
+    if any(seen[t] != len(runs[t]) for t in runs):  # an image or video without its placeholders
+        raise ValueError(f"sample {sample!r}: its image / video tokens do not match its images and videos")
     data = {kind: mm[f"{kind}s"] for kind in ("image", "video") if f"{kind}s" in mm}
     return {"prompt_token_ids": out, "multi_modal_data": data}
 
 
 def vision_token_ids(tokenizer):
+    """The ids of the vision special tokens the tokenizer has (placeholders, start / end markers)."""
     return tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()])
 
 

@@ -176,6 +176,8 @@ def test_vllm_prompt_collapses_each_image_to_one_placeholder():
                                     "multi_modal_data": {"image": images[:1], "video": [frames]}}
     with pytest.raises(ValueError, match="sample 5"):
         vllm_prompt(ids[:-3] + [3], mm, sample=5)  # the video one token short
+    with pytest.raises(ValueError, match="sample 6"):
+        vllm_prompt(ids[:11] + [3], mm, sample=6)  # the video's placeholders missing altogether
 
 
 def test_blocked_tokens_leave_a_normalised_distribution():
