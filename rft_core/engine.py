@@ -108,6 +108,8 @@ def create_engine(engine_type, model, tokenizer, args, processor=None):
             raise ImportError("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use --engine_type hf")
         if not torch.cuda.is_available():
             raise RuntimeError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
+        if args.enable_engine_sleep and args.disable_engine_sleep:
+            raise ValueError("--enable_engine_sleep or --disable_engine_sleep: pick one")
         text_config = model.config.get_text_config()
         heads = getattr(text_config, "num_attention_heads", None)
         if heads and heads % args.engine_tp_size:  # SmolLM2-135M has 9 heads: TP 1 only
@@ -126,8 +128,6 @@ def create_engine(engine_type, model, tokenizer, args, processor=None):
             video_processor_like(processor).save_pretrained(model_dir)  # vLLM's Qwen2-VL processor needs torchvision too
             vision = dict(limit_mm_per_prompt=args.limit_mm_image_per_prompt, blocked_token_ids=vision_token_ids(tokenizer),
                           static_prefix=args.freeze_prefix)  # a frozen vision tower is synced once
-        if args.enable_engine_sleep and args.disable_engine_sleep:
-            raise ValueError("--enable_engine_sleep or --disable_engine_sleep: pick one")
         sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         requests = max(1, args.rollout_batch_size * args.n_samples_per_prompt // world) * args.engine_tp_size  # one generate call's
