@@ -13,6 +13,7 @@ reference model all use the one distribution without them; vLLM applies the same
 """
 
 import copy
+import functools
 import os
 import random
 
@@ -233,6 +234,7 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
     return block_tokens(model, vision_token_ids(tokenizer)), tokenizer, processor
 
 
+@functools.lru_cache(maxsize=None)  # one per image processor: encoding calls it for every video prompt
 def video_processor_like(processor):
     """Qwen2-VL's video processor with the image processor's pixel limits and patching (transformers' needs
     torchvision)."""

@@ -148,7 +148,8 @@ class VLLMEngine:
     def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
         from vllm import SamplingParams
 
-        rows = [(list(p), vllm_prompt(p, m, sample=i)) for i, (p, m) in enumerate(zip(prompt_token_ids, mm or [None] * len(prompt_token_ids)))]
+        mm = mm or [None] * len(prompt_token_ids)
+        rows = [(list(p), vllm_prompt(p, m, sample=i)) for i, (p, m) in enumerate(zip(prompt_token_ids, mm))]
         sizes = None
         if self.tp_group is not None:  # every rank of the group must submit the same requests
             per_rank = [None] * len(self.group_ranks)
