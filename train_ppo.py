@@ -5,11 +5,15 @@ built-in, seeded arithmetic task; held-out greedy accuracy is printed before and
 
     python train_ppo.py                                   # CPU or one GPU
     accelerate launch train_ppo.py --max_steps 2          # same, through accelerate
-    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml train_ppo.py \
-        --pretrain /models/Qwen2.5-7B-Instruct --prompt_data data/train.jsonl --label_key answer  # any config there
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml train_ppo.py \\
+        --pretrain /models/Qwen2.5-7B-Instruct --prompt_data data/train.jsonl --label_key answer
 
-With --save_steps N, running the same command again resumes from the last complete checkpoint.
-The loop per step: rollout -> rewards/advantages -> logprobs -> update -> weight sync -> log ->
+Any config in accelerate_configs/ works the same way. With --save_steps N, running the same command
+again resumes from the last complete checkpoint. train_ppo_vl.py is this file with images; the lines
+marked `# VL` (and the `# VL begin` ... `# VL end` blocks) are where the two differ, and
+tests/test_scripts_in_step.py fails on any other difference.
+
+The loop per step: rollout -> rewards -> logprobs -> advantages -> update -> weight sync -> log ->
 eval/checkpoint. Where it departs from the papers:
 - KL: none by default for the per-sequence estimators (as DAPO and Dr.GRPO); the token-level ones
   (gae, reinforce, reinforce_baseline) put a k1 penalty into the per-token reward (InstructGPT,
@@ -23,61 +27,69 @@ eval/checkpoint. Where it departs from the papers:
   the same when --micro_train_batch_size covers the optimizer step).
 """
 
-import contextlib
-import json
 import math
 import os
-import time
-from dataclasses import asdict, dataclass
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Tuple
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from rft_core.advantages import (ADVANTAGE_ESTIMATORS, TOKEN_LEVEL, adaptive_kl_coef, compute_advantages,
-                                  token_level_advantages)
-from rft_core.cli import MetricsLog, gather_metrics, parse_args, phase_peak_gb, timed
-from rft_core.data import BUILTIN_TASKS, arithmetic_task, batches, encode_rows, load_prompt_rows, text_batches
+from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, token_level_advantages
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rft_core.cli import check_args, parse_args
+from rft_core.data import arithmetic_task, batches, encode_rows, load_prompt_rows, text_batches  # VL
 from rft_core.distributed import (configure_deepspeed, grad_norm_value, move_optimizer_state, prepare_frozen,
                                   process_group_kwargs)
 from rft_core.engine import create_engine
-from rft_core.evaluation import evaluate
-from rft_core.experience import batched_logprobs, batched_values, build_experience
-from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, high_entropy_mask, kl_estimate, masked_mean, policy_loss,
+from rft_core.evaluation import eval_line, eval_summary, evaluate
+from rft_core.experience import batched_logprobs, batched_values, build_experience, optimizer_chunks
+from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
                              value_loss)
-from rft_core.models import (compile_blocks, export_hf, lm_loss, load_model_and_tokenizer, load_value_model,
-                             response_logprobs, response_values)
+from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics, update_metrics
+from rft_core.models import compile_blocks, export_hf, lm_loss, lora_model, response_logprobs, response_values
+from rft_core.models import load_model_and_tokenizer, load_value_model  # VL
 from rft_core.plots import write_plots
 from rft_core.rewards import RunningMoments, overlong_penalty, reward_sources, weighted_rewards
 
 
 @dataclass
 class Args:
-    # ---- model and data ----
+    # VL begin: the task (model, data, reward) and the defaults that suit it
     pretrain: Optional[str] = None
     """HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"""
     prompt_data: str = "arithmetic"
     """built-in task name (arithmetic) or a local JSONL / JSON / parquet file or directory"""
+    reward_fn: Optional[str] = None
+    """answer (exact match in <answer> tags, the default) | math (math-verify equivalence; GSM8K/MATH
+    labels) | path/to/file.py:function, called as fn(prompts, completions, labels) -> list of floats or dict
+    of named lists (summed; each logged as rollout/reward/<name>)"""
+    generate_max_len: int = 32
+    """maximum new tokens per response (also Dr.GRPO's normalising constant)"""
+    n_samples_per_prompt: int = 4
+    """responses sampled per prompt (the group size)"""
+    max_steps: int = 15
+    """stop after this many rollout steps (or fewer, when the episodes run out)"""
+    actor_learning_rate: float = 1e-5
+    """AdamW learning rate"""
+    # VL end
+    # ---- model and data ----
     input_key: str = "prompt"
     """column holding the prompt: a string or a list of chat messages"""
     label_key: str = "label"
     """column holding the reference answer"""
-    reward_fn: Optional[str] = None
-    """answer (exact match in <answer> tags, the default) | math (math-verify equivalence; GSM8K/MATH labels) |
-    path/to/file.py:function, called as fn(prompts, completions, labels) -> list of floats or dict of named
-    lists (summed; each logged as rollout/reward/<name>)"""
     remote_rm_url: Optional[str] = None
     """HTTP endpoint of a reward model: POST {prompts, completions, labels} -> {"rewards": [...]}"""
     reward_pretrain: Optional[str] = None
-    """reward model(s): comma-separated sequence-classification checkpoints scoring prompt + response (each logged
-    as rollout/reward/rm<i>); with --reward_fn / --remote_rm_url as well, all are summed with --reward_weights"""
+    """reward model(s): comma-separated sequence-classification checkpoints scoring prompt + response (each
+    logged as rollout/reward/rm<i>); with --reward_fn / --remote_rm_url as well, all are summed with
+    --reward_weights"""
     reward_weights: Optional[Tuple[float, ...]] = None
-    """one weight per reward source, in the order: --reward_fn or --remote_rm_url (if given), then each reward model"""
+    """one weight per reward source: --reward_fn or --remote_rm_url (if given), then each reward model"""
     reward_clip: Optional[float] = None
     """clip the (normalised) reward to [-C, C]"""
     normalize_reward: bool = False
@@ -87,7 +99,7 @@ class Args:
     overlong_penalty_factor: float = 1.0
     """the penalty at generate_max_len tokens"""
     reward_fallback: float = 0.0
-    """reward given to a sample whose reward raises, is not finite or is missing (counted in rollout/reward_errors)"""
+    """reward of a sample whose reward raises, is not finite or is missing (rollout/reward_errors)"""
     strict_rewards: bool = False
     """make any reward failure fatal, showing the offending sample"""
     apply_chat_template: bool = True
@@ -97,16 +109,15 @@ class Args:
     eval_data: Optional[str] = None
     """held-out prompts (a file or directory like --prompt_data; default: the built-in task's eval split)"""
     eval_n_samples: int = 1
-    """with N > 1, eval also samples N completions per problem at --temperature and reports pass@1 and pass@N"""
+    """with N > 1, eval also samples N responses per problem at --temperature: pass@1 and pass@N"""
+    eval_reward_threshold: Optional[float] = None
+    """eval counts a response correct when its reward is at least this (default: by the reward's `correct`
+    component; a reward without one reports eval/reward_mean and no accuracy)"""
     prompt_max_len: int = 1024
     """prompts longer than this (in tokens) are skipped and counted"""
-    generate_max_len: int = 32
-    """maximum new tokens per response (also Dr.GRPO's normalising constant)"""
     # ---- algorithm ----
     advantage_estimator: str = "group_norm"
-    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO with a critic)"""
-    n_samples_per_prompt: int = 4
-    """responses sampled per prompt (the group size)"""
+    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO)"""
     eps_clip: float = 0.2
     """PPO ratio clip range"""
     eps_clip_low_high: Optional[Tuple[float, float]] = None
@@ -118,17 +129,17 @@ class Args:
     entropy_coef: float = 0.0
     """entropy bonus: subtract entropy_coef * entropy (aggregated like the loss) from the loss"""
     tis_cap: Optional[float] = None
-    """truncated importance sampling against the rollout engine: weight tokens by min(pi_old / pi_rollout, cap)"""
+    """truncated importance sampling (TIS): weight tokens by min(pi_old / pi_rollout_engine, cap)"""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     use_kl_loss: bool = False
     """add init_kl_coef * KL(policy || reference) to the loss (GRPO); loads a frozen reference model"""
     init_kl_coef: float = 0.001
-    """weight of the KL loss, or of the per-token KL penalty in the reward (gae, reinforce*; 0: no reference model)"""
+    """weight of the KL loss, or of the KL penalty in the token rewards (gae, reinforce*; 0: no reference)"""
     kl_estimator: str = "k3"
     """k1 | k2 | k3 (Schulman's estimators) for the KL loss"""
     kl_target: Optional[float] = None
-    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for (None: fixed)"""
+    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for"""
     kl_horizon: int = 10000
     """the adaptive controller's horizon, in samples"""
     gamma: float = 1.0
@@ -136,9 +147,9 @@ class Args:
     lambd: float = 0.95
     """GAE lambda"""
     critic_pretrain: Optional[str] = None
-    """gae: the critic, a sequence/token-classification checkpoint (default: the actor's weights, zero value head)"""
+    """gae: the critic, a sequence/token-classification checkpoint (default: the actor + a zero head)"""
     critic_learning_rate: float = 5e-5
-    """AdamW learning rate of the critic"""
+    """gae: AdamW learning rate of the critic"""
     value_clip: Optional[float] = 0.2
     """clip the critic's new values to within this of the old ones in its loss (None: unclipped)"""
     freezing_actor_steps: int = 0
@@ -152,11 +163,11 @@ class Args:
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill from fresh prompts"""
     max_num_gen_batches: int = 3
-    """with --dynamic_sampling, at most this many generation rounds per step; the rest is filled with dropped groups"""
+    """with --dynamic_sampling, generation rounds per step at most; then dropped groups fill the batch"""
     ema_beta: Optional[float] = None
     """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
     pretrain_data: Optional[str] = None
-    """text data (a file or directory like --prompt_data) for a pretraining loss mixed into the update (ptx)"""
+    """text data (a file or directory) for a pretraining loss mixed into the update (ptx)"""
     pretrain_key: str = "text"
     """column of --pretrain_data holding the text"""
     ptx_coef: float = 0.05
@@ -178,10 +189,6 @@ class Args:
     """passes of the optimizer over each rollout batch"""
     num_episodes: int = 1
     """passes over the prompt data"""
-    max_steps: int = 15
-    """stop after this many rollout steps (or fewer, when the episodes run out)"""
-    actor_learning_rate: float = 1e-5
-    """AdamW learning rate"""
     lr_warmup_ratio: float = 0.0
     """fraction of optimizer steps spent warming the learning rate up linearly"""
     max_norm: float = 1.0
@@ -206,12 +213,12 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
     torch_compile: bool = False
-    """torch.compile each decoder layer of the trained model (dynamic shapes; the first steps pay the compile)"""
+    """torch.compile each decoder layer of the trained model (dynamic shapes; the first steps compile)"""
     optimizer_offload: bool = False
-    """keep the optimizer state in CPU memory outside the update, so it never shares the GPU with the rollout's KV cache
-    (DDP, FSDP2; with DeepSpeed use a *_offload config)"""
+    """keep the optimizer state on the CPU outside the update, away from the rollout's KV cache (DDP,
+    FSDP2; with DeepSpeed use a *_offload config)"""
     lora_rank: int = 0
-    """train LoRA adapters of this rank instead of every weight (0: full fine-tuning); vLLM gets the merged weights"""
+    """train LoRA adapters of this rank (0: every weight); vLLM gets the merged weights"""
     lora_alpha: int = 16
     """LoRA scaling numerator (the update is alpha / rank * B A)"""
     target_modules: str = "all-linear"
@@ -226,13 +233,13 @@ class Args:
     eval_steps: int = 0
     """greedy held-out eval every this many steps (always at step 0 and at the end; 0: only those)"""
     save_steps: int = 0
-    """checkpoint every this many steps (0: never): models, optimizers, schedulers, RNG states, data position"""
+    """checkpoint every this many steps (0: never): models, optimizers, schedulers, RNG, data position"""
     max_ckpt_num: int = 3
     """keep only the newest this many checkpoints"""
     no_resume: bool = False
     """start afresh even when output_dir holds a checkpoint (default: resume from the latest one)"""
     save_hf_steps: int = 0
-    """also export the model with save_pretrained to output_dir/hf-step-N every this many steps (0: only at the end)"""
+    """also save_pretrained the model to output_dir/hf-step-N every this many steps (0: only at the end)"""
     use_wandb: bool = False
     """log to Weights & Biases through accelerate (WANDB_MODE=offline works without a network)"""
     wandb_project: str = "rft"
@@ -240,9 +247,54 @@ class Args:
     use_tensorboard: Optional[str] = None
     """TensorBoard log directory (through accelerate)"""
     log_samples_steps: int = 0
-    """every this many steps, print a few prompt / completion / reward rows and append them to samples.jsonl"""
+    """every this many steps, print a few prompt / completion / reward rows, appended to samples.jsonl"""
     plot_every: int = 0
     """every this many steps and at the end, write curves.png and gen_len.png to output_dir (0: never)"""
+
+
+# VL begin: loading the model and the prompts
+def load_models(args, accelerator, needs_reference):
+    """(policy, tokenizer, image processor (None: text), frozen reference model or None, critic or None)."""
+    model, tokenizer = load_model_and_tokenizer(args.pretrain)
+    if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
+        model = lora_model(model, args.lora_rank, args.lora_alpha, args.target_modules)
+    ref_model = None
+    if needs_reference and not args.lora_rank:  # sharded like the actor
+        ref_model = prepare_frozen(accelerator, load_model_and_tokenizer(args.pretrain)[0])
+    critic = None
+    if args.advantage_estimator == "gae":  # default: the actor's weights with a zero value head
+        critic = load_value_model(args.critic_pretrain, actor=model)
+    return model, tokenizer, None, ref_model, critic
+
+
+def load_prompts(args, tokenizer, processor, model, log):
+    """{"train": [Sample], "eval": [Sample]}: the built-in task's splits, or --prompt_data and
+    --eval_data."""
+    def load(path, flag):
+        return load_prompt_rows(path, args.input_key, args.label_key, flag, log=log)[0]
+
+    if args.prompt_data == "arithmetic":
+        train_rows, eval_rows = arithmetic_task(seed=args.seed)
+    else:
+        train_rows, eval_rows = load(args.prompt_data, "--prompt_data"), []
+    eval_rows = load(args.eval_data, "--eval_data") if args.eval_data else eval_rows
+    prompts = {}
+    for split, rows in (("train", train_rows), ("eval", eval_rows)):
+        prompts[split], skipped = encode_rows(tokenizer, rows, args.prompt_max_len, args.apply_chat_template,
+                                              args.system_prompt)
+        if skipped:
+            log(f"[data] skipped {skipped} {split} prompts longer than --prompt_max_len "
+                f"{args.prompt_max_len}")
+    return prompts
+# VL end
+
+
+def check_finite(grad_norms, keys, step):
+    """Stop before an optimizer step whose gradients are not finite (a finite loss can have NaN gradients)."""
+    for key in keys:
+        if not math.isfinite(grad_norms[key]):
+            raise FloatingPointError(f"non-finite loss or gradients ({key}) at step {step}: lower "
+                                     "--actor_learning_rate or use --bf16 false")
 
 
 def main():
@@ -251,97 +303,64 @@ def main():
     trackers = (["wandb"] if args.use_wandb else []) + (["tensorboard"] if args.use_tensorboard else [])
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", log_with=trackers or None,
                               project_dir=args.use_tensorboard, kwargs_handlers=process_group_kwargs())
-    world = accelerator.num_processes
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
 
     # ---- derived values and checks ----
-    def check(ok, message):
-        if not ok:
-            raise ValueError(message)
-
     samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     args.train_batch_size = args.train_batch_size or samples_per_step
-    check(args.rollout_batch_size % world == 0, f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
-    check(samples_per_step % args.train_batch_size == 0, f"rollout_batch_size * n_samples_per_prompt = {samples_per_step} "
-          f"must be a multiple of --train_batch_size {args.train_batch_size}")
-    check(args.train_batch_size % (args.micro_train_batch_size * world) == 0, f"--train_batch_size {args.train_batch_size} "
-          f"must be a multiple of --micro_train_batch_size {args.micro_train_batch_size} x {world} processes")
+    deepspeed = accelerator.state.deepspeed_plugin
+    sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed and deepspeed.zero_stage == 3)
+    check_args(args, world, deepspeed, sharded)
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
-    deepspeed = accelerator.state.deepspeed_plugin
-    sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed is not None and deepspeed.zero_stage == 3)
-    check(not (args.ema_beta and (args.lora_rank or sharded)), "--ema_beta is not supported with --lora_rank (the export "
-          "would merge the live adapter) nor under ZeRO-3 / FSDP2 (it averages whole parameters)")
-    check(not (deepspeed and args.advantage_estimator == "gae"), "gae trains a critic beside the actor, which one "
-          "DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
-    check(not (deepspeed and args.optimizer_offload), "--optimizer_offload moves a torch optimizer's state; under "
-          "DeepSpeed use accelerate_configs/deepspeed_zero3_offload.yaml")
-    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
-    check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
-    check(args.advantage_estimator in ADVANTAGE_ESTIMATORS and args.loss_agg_mode in LOSS_AGG_MODES,
-          f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, --loss_agg_mode one of {LOSS_AGG_MODES}")
     token_level = args.advantage_estimator in TOKEN_LEVEL
-    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the token rewards
-    use_cpg_loss = args.use_cpg_loss or args.advantage_estimator == "cpgd"
-    drift_coef = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 * (args.advantage_estimator == "cpgd")
+    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards
+    kl_coef = args.init_kl_coef
     # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
-    reuse_old_logprobs = args.max_epochs == 1 and args.train_batch_size == samples_per_step and not kl_in_reward
-    check(not args.freezing_actor_steps or args.advantage_estimator == "gae",
-          "--freezing_actor_steps trains the critic alone: it needs --advantage_estimator gae")
-    check(args.kl_target is None or kl_in_reward, "--kl_target adapts the KL penalty in the reward: use gae / reinforce / "
-          "reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss")
-    check(0.0 <= args.high_entropy_token_ratio <= 1.0, f"--high_entropy_token_ratio must be in [0, 1], got {args.high_entropy_token_ratio}")
-    check(0 <= args.overlong_buffer_len < args.generate_max_len,
-          f"--overlong_buffer_len must be in [0, --generate_max_len {args.generate_max_len})")
+    one_update = args.max_epochs == 1 and args.train_batch_size == samples_per_step
+    reuse_old_logprobs = one_update and not kl_in_reward
+    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+    drift_coef = args.policy_drift_coef
+    if drift_coef is None:
+        drift_coef = 0.01 if args.advantage_estimator == "cpgd" else 0.0
+    loss_settings = LossSettings(
+        args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
+        args.use_cpg_loss or args.advantage_estimator == "cpgd", args.tis_cap, args.high_entropy_token_ratio,
+        args.entropy_coef, drift_coef, args.use_kl_loss, kl_estimator=args.kl_estimator,
+        max_len=args.generate_max_len, num_seqs=args.train_batch_size,
+        micro_batches_per_step=grad_accum * world)
 
     accelerator.gradient_accumulation_steps = grad_accum  # before prepare(): DeepSpeed reads it there
     configure_deepspeed(accelerator, args.micro_train_batch_size, grad_accum, args.max_norm)
     set_seed(args.seed, device_specific=True)
-    os.makedirs(args.output_dir, exist_ok=True)
-    if accelerator.is_main_process:
-        with open(os.path.join(args.output_dir, "config.json"), "w") as f:
-            json.dump({**asdict(args), "world_size": world, "grad_accum": grad_accum}, f, indent=2)
-    if trackers:  # scalars and strings only: TensorBoard's hparams refuse None
-        accelerator.init_trackers(args.wandb_project, config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                                              for k, v in asdict(args).items()})
     resume_from = None if args.no_resume else latest_checkpoint(args.output_dir)
-    log = MetricsLog(args.output_dir, enabled=accelerator.is_main_process, accelerator=accelerator,
+    config = {**asdict(args), "world_size": world, "grad_accum": grad_accum}
+    log = MetricsLog(args.output_dir, config, accelerator, args.wandb_project if trackers else None,
                      keep_until=int(resume_from.rsplit("-", 1)[1]) if resume_from else None)
 
     # ---- model, data, reward, optimizer, engine ----
-    sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, accelerator.device,
-                             torch.bfloat16 if args.bf16 else None, place=lambda m: prepare_frozen(accelerator, m))
-    score_all = weighted_rewards(sources, args.reward_weights, args.reward_fallback)  # (prompts, completions, labels)
+    sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, device,
+                             torch.bfloat16 if args.bf16 else None,
+                             place=lambda m: prepare_frozen(accelerator, m),
+                             default_rule="answer")  # VL
+    score_all = weighted_rewards(sources, args.reward_weights, args.reward_fallback)  # score_all(samples)
     moments = RunningMoments() if args.normalize_reward else None
-
-    model, tokenizer = load_model_and_tokenizer(args.pretrain)
-    if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
-        from peft import LoraConfig, get_peft_model
-        targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
-        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets))
-    ref_model = None
-    if (args.use_kl_loss or kl_in_reward) and not args.lora_rank:
-        ref_model = prepare_frozen(accelerator, load_model_and_tokenizer(args.pretrain)[0])  # sharded like the actor
-    critic = load_value_model(args.critic_pretrain, actor=model) if args.advantage_estimator == "gae" else None
-    for net in [m for m in (model, critic) if m is not None] if args.gradient_checkpointing else []:
+    model, tokenizer, processor, ref_model, critic = load_models(args, accelerator,
+                                                                 args.use_kl_loss or kl_in_reward)
+    trained_nets = [net for net in (model, critic) if net is not None]
+    for net in trained_nets if args.gradient_checkpointing else []:
         net.gradient_checkpointing_enable()
-    for net in [m for m in (model, critic) if m is not None] if args.torch_compile else []:
+    for net in trained_nets if args.torch_compile else []:
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
-
-    load_rows = lambda path, flag: load_prompt_rows(path, args.input_key, args.label_key, flag, log=accelerator.print)[0]  # noqa: E731
-    train_rows, eval_rows = (arithmetic_task(seed=args.seed) if args.prompt_data in BUILTIN_TASKS
-                             else (load_rows(args.prompt_data, "--prompt_data"), []))
-    eval_rows = load_rows(args.eval_data, "--eval_data") if args.eval_data else eval_rows
-    ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size,
-                               accelerator.process_index, world) if args.pretrain_data else None
-    encoded = {}  # split -> [(prompt ids, label, prompt)]
-    for split, rows in (("train", train_rows), ("eval", eval_rows)):
-        encoded[split], skipped = encode_rows(tokenizer, rows, args.prompt_max_len, args.apply_chat_template, args.system_prompt)
-        if skipped:
-            accelerator.print(f"[data] skipped {skipped} {split} prompts longer than --prompt_max_len {args.prompt_max_len}")
-    check(len(encoded["train"]) >= args.rollout_batch_size, f"{len(encoded['train'])} usable training prompts, fewer than --rollout_batch_size")
-    num_steps = min(args.max_steps, args.num_episodes * (len(encoded["train"]) // args.rollout_batch_size))
+    prompts = load_prompts(args, tokenizer, processor, model, accelerator.print)
+    ptx_batches = None
+    if args.pretrain_data:
+        ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size, rank,
+                                   world)
+    if len(prompts["train"]) < args.rollout_batch_size:
+        raise ValueError(f"{len(prompts['train'])} usable training prompts, fewer than --rollout_batch_size")
+    num_steps = min(args.max_steps, args.num_episodes * (len(prompts["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
 
     def optimizer_and_scheduler(net, lr):
@@ -349,34 +368,43 @@ def main():
         return optimizer, get_scheduler("constant_with_warmup", optimizer,
                                         num_warmup_steps=math.ceil(args.lr_warmup_ratio * num_updates))
 
-    model, optimizer, scheduler = accelerator.prepare(model, *optimizer_and_scheduler(model, args.actor_learning_rate))
-    trained = [(model, optimizer, scheduler, "grad_norm")]  # what each update steps: (model, optimizer, scheduler, log key)
+    # what one optimizer step updates, by the name its gradient norm is logged under
+    actor_optim = optimizer_and_scheduler(model, args.actor_learning_rate)
+    model, optimizer, scheduler = accelerator.prepare(model, *actor_optim)
+    trained = {"grad_norm": (model, optimizer, scheduler)}
     if critic is not None:
-        trained.append((*accelerator.prepare(critic, *optimizer_and_scheduler(critic, args.critic_learning_rate)), "critic_grad_norm"))
-        critic = trained[-1][0]
-    engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, args)
-    rank, device, kl_coef = accelerator.process_index, accelerator.device, args.init_kl_coef
+        critic_optim = optimizer_and_scheduler(critic, args.critic_learning_rate)
+        trained["critic_grad_norm"] = accelerator.prepare(critic, *critic_optim)
+        critic = trained["critic_grad_norm"][0]
+    trained_nets = [net for net, _, _ in trained.values()]  # as prepared (DDP- or DeepSpeed-wrapped)
+    optimizers = [opt for _, opt, _ in trained.values()]
+    engine = create_engine(
+        args.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
+        micro_batch_size=args.micro_rollout_batch_size, bf16=args.bf16, tp_size=args.engine_tp_size,
+        mem_util=args.engine_mem_util, sleep_level=args.engine_sleep_level,
+        sleep="always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto",
+        enforce_eager=args.engine_enforce_eager,
+        max_model_len=args.prompt_max_len + args.generate_max_len, requests=samples_per_step // world,
+        seed=args.seed)
 
     def run_eval(step):
-        metrics = evaluate(engine, tokenizer, encoded["eval"], score_all, accelerator, args.generate_max_len,
-                           args.eval_n_samples, args.temperature)
+        metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,
+                           args.eval_n_samples, args.temperature, args.eval_reward_threshold)
         log.write(step, metrics)
-        n = args.eval_n_samples
-        accelerator.print(f"[eval] step {step} | greedy accuracy {metrics['eval/accuracy']:.3f} on "
-                          f"{metrics['eval/num_problems']} held-out problems" +
-                          (f" | pass@1 {metrics['eval/pass@1']:.3f} | pass@{n} {metrics[f'eval/pass@{n}']:.3f}" if n > 1 else ""))
+        accelerator.print(eval_line(step, metrics, args.eval_n_samples))
         return metrics
 
-    def export(path):
-        state_dict = accelerator.get_state_dict(model)  # collective: gathers sharded weights
+    def export(path, state_dict=None):
+        state_dict = state_dict or accelerator.get_state_dict(model)  # collective: gathers sharded weights
         if accelerator.is_main_process:
-            export_hf(accelerator.unwrap_model(model), tokenizer, path, state_dict)
+            export_hf(accelerator.unwrap_model(model), tokenizer, path, state_dict, processor)
 
     # ---- resume ----
-    data, drawn, start, first_eval = batches(encoded["train"], args.rollout_batch_size, args.seed), 0, 0, None
+    data, drawn, start, first_eval = batches(prompts["train"], args.rollout_batch_size, args.seed), 0, 0, None
     if resume_from:
         state, tensors = load_checkpoint(accelerator, resume_from)  # models, optimizers, schedulers, RNG
-        start, drawn, kl_coef, first_eval = state["step"], state["batches_drawn"], state["kl_coef"], state["first_eval"]
+        start, drawn, kl_coef = state["step"], state["batches_drawn"], state["kl_coef"]
+        first_eval = state["first_eval"]
         for _ in range(drawn):  # the data stream where it stopped
             next(data)
         if moments is not None:
@@ -386,212 +414,183 @@ def main():
         accelerator.print(f"[resume] from {resume_from}: step {start}")
     accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "
                       f"grad_accum {grad_accum} | engine {type(engine).__name__} | bf16 {args.bf16}")
-    if encoded["eval"] and not resume_from:
+    if prompts["eval"] and not resume_from:
         first_eval = run_eval(0)
 
-    k, n = args.rollout_batch_size // world, args.n_samples_per_prompt
+    k, n = args.rollout_batch_size // world, args.n_samples_per_prompt  # this rank's prompts, group size
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
-    train_bytes = None  # extra GPU memory one update takes, measured each step
+    perf = StepTimer()
     for step in tqdm(range(start + 1, num_steps + 1), desc="steps", initial=start, total=num_steps,
                      disable=not accelerator.is_main_process):
-        t0 = time.time()
-        phase_peak_gb()
         # ---- rollout ----
-        _, t_wake = timed(engine.wake_up)  # the KV cache, if the engine slept
+        perf.phase("wake")
+        engine.wake_up()  # the KV cache, if the engine slept
+        perf.phase("generate")
         kept, dropped, reward_errors = [], [], 0
         for gen_round in range(1, args.max_num_gen_batches + 1):
-            batch, drawn = next(data)[rank * k:(rank + 1) * k], drawn + 1  # this rank's prompts: whole groups stay together
-            ids, labels, prompts = ([row[j] for row in batch for _ in range(n)] for j in range(3))
-            generations = engine.generate(ids, args.generate_max_len, args.temperature, args.top_p)
+            batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay together
+            drawn += 1
+            batch = [p for p in batch for _ in range(n)]
+            generations = engine.generate([p.prompt_ids for p in batch], args.generate_max_len,
+                                          args.temperature, args.top_p, mm=[p.mm for p in batch])
             completions = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
-            rewards, components, errors = score_all(prompts, completions, labels, args.strict_rewards)
-            if args.overlong_buffer_len:  # DAPO's soft overlong punishment
-                components["overlong"] = overlong_penalty([len(g.token_ids) for g in generations], args.generate_max_len,
-                                                          args.overlong_buffer_len, args.overlong_penalty_factor)
-                rewards = [r + p for r, p in zip(rewards, components["overlong"])]
-            reward_errors += errors
-            comps = [dict(zip(components, values)) for values in zip(*components.values())] or [{}] * len(rewards)
-            samples = list(zip(ids, labels, prompts, generations, completions, rewards, comps))
+            samples = [replace(p, generation=g, completion=c)
+                       for p, g, c in zip(batch, generations, completions)]
+            reward_errors += score_all(samples, args.strict_rewards)  # sets their reward and components
+            for s in samples if args.overlong_buffer_len else []:  # DAPO's soft overlong punishment
+                s.components["overlong"] = overlong_penalty(
+                    len(s.generation.token_ids), args.generate_max_len, args.overlong_buffer_len,
+                    args.overlong_penalty_factor)
+                s.reward += s.components["overlong"]
             for i in range(0, len(samples), n):  # DAPO dynamic sampling keeps the groups whose rewards differ
-                informative = not args.dynamic_sampling or len({x[5] for x in samples[i:i + n]}) > 1
-                (kept if informative else dropped).append(samples[i:i + n])
+                group = samples[i:i + n]
+                informative = not args.dynamic_sampling or len({s.reward for s in group}) > 1
+                (kept if informative else dropped).append(group)
             if not args.dynamic_sampling or not reduce_sum(torch.tensor(float(len(kept) < k), device=device)):
                 break  # every rank has its k groups
         num_filled = max(0, k - len(kept))  # generation rounds ran out: zero-variance groups fill the batch
-        samples = [x for group in kept[:k] + dropped[:num_filled] for x in group]
-        prompt_ids, labels, prompts, generations, completions, rewards, comps = map(list, zip(*samples))
-        components, t_gen = {name: [c.get(name, math.nan) for c in comps] for name in comps[0]}, time.time() - t0 - t_wake
-        mem = {"perf/mem_generate_gb": phase_peak_gb()}
-        slept, t_sleep = timed(engine.sleep, needed_bytes=train_bytes)  # auto mode: only if training needs the memory
+        samples = [s for group in kept[:k] + dropped[:num_filled] for s in group]
+        perf.phase("sleep")
+        slept = engine.sleep(needed_bytes=perf.extra_bytes("update"))  # auto: if training needs the memory
 
         # ---- rewards ----
-        exp = build_experience(prompt_ids, generations, tokenizer.pad_token_id, device)
-        exp.rewards = torch.tensor(rewards, device=device, dtype=torch.float32)  # (B,)
+        exp = build_experience([s.prompt_ids for s in samples], [s.generation for s in samples],
+                               tokenizer.pad_token_id, device, mm=[s.mm for s in samples])
+        exp.rewards = torch.tensor([s.reward for s in samples], device=device, dtype=torch.float32)  # (B,)
         if moments is not None:  # running normalisation over every rank's rewards
             moments.update(accelerator.gather(exp.rewards).tolist())
             exp.rewards = (exp.rewards - moments.mean) / (moments.std + 1e-8)
         if args.reward_clip is not None:
             exp.rewards = exp.rewards.clamp(-args.reward_clip, args.reward_clip)
-        scores = compute_advantages(exp.rewards, n, args.advantage_estimator)  # (B,) per sequence
 
-        # ---- logprobs (old, reference), values, advantages ----
-        t1 = time.time()
+        # ---- logprobs (old, reference) and values ----
+        perf.phase("logprob")
         with accelerator.autocast():
+            micro = args.micro_rollout_batch_size
             if not reuse_old_logprobs:
-                exp.old_logprobs = batched_logprobs(model, exp, args.micro_rollout_batch_size, args.temperature)
-            if args.use_kl_loss or kl_in_reward:  # with LoRA the reference is the base: the adapters switched off
-                with accelerator.unwrap_model(model).disable_adapter() if args.lora_rank else contextlib.nullcontext():
-                    exp.ref_logprobs = batched_logprobs(ref_model or model, exp, args.micro_rollout_batch_size, args.temperature)
+                exp.old_logprobs = batched_logprobs(model, exp, micro, args.temperature)  # (B, T)
+            if args.use_kl_loss or kl_in_reward:
+                # with LoRA the reference is the base model: the actor with its adapters switched off
+                base = accelerator.unwrap_model(model).disable_adapter() if args.lora_rank else nullcontext()
+                with base:
+                    exp.ref_logprobs = batched_logprobs(ref_model or model, exp, micro, args.temperature)
             if critic is not None:
-                exp.values = batched_values(critic, exp, args.micro_rollout_batch_size)  # (B, R)
-        t_lp = time.time() - t1
-        mem["perf/mem_logprob_gb"] = phase_peak_gb()
-        reward_kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_in_reward else None  # (B, R)
-        exp.advantages = scores  # (B,), or per token (B, R): score on the last token, KL penalty on all, returns or GAE
-        if token_level:
-            exp.advantages, exp.returns = token_level_advantages(scores, exp.action_mask, reward_kl, kl_coef, exp.values,
-                                                                 args.gamma, args.lambd, reduce_sum)
+                exp.values = batched_values(critic, exp, micro)  # (B, T)
+
+        # ---- advantages ----
+        scores = outcome_scores(exp.rewards, n, args.advantage_estimator)  # (B,) per sequence
+        reward_kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_in_reward else None  # (B, T)
+        exp.advantages = scores  # (B,)
+        if token_level:  # (B, T): the score on the last token, the KL penalty on all, then GAE or returns
+            exp.advantages, exp.returns = token_level_advantages(
+                scores, exp.action_mask, reward_kl, kl_coef, exp.values, args.gamma, args.lambd, reduce_sum)
 
         # ---- update ----
-        t2 = time.time()
-        move_optimizer_state([t[1] for t in trained], device) if args.optimizer_offload else None  # AdamW moments back
+        perf.phase("update")
+        if args.optimizer_offload:
+            move_optimizer_state(optimizers, device)  # the AdamW moments back on the GPU
         model.train()
-        mem_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0  # the peak was just reset
         frozen = step <= args.freezing_actor_steps  # PPO warm-up: only the critic learns
-        ratio = args.high_entropy_token_ratio
-        sums, count, grad_norms = {}, 0, {"grad_norm": [], "critic_grad_norm": []}
-        for epoch in range(args.max_epochs):
-            order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(args.seed * 100003 + step * 101 + epoch))
-            for start in range(0, len(exp), rows_per_update):
-                chunk = exp.select(order[start:start + rows_per_update])  # one optimizer step's rows
-                micro_batches = chunk.split(args.micro_train_batch_size)
-                num_tokens = reduce_sum(chunk.action_mask.sum().float())  # the whole step's tokens
-                pg_tokens = num_tokens if not ratio else reduce_sum(torch.tensor(  # the tokens high_entropy_mask keeps
-                    float(sum(max(1, round(ratio * int(mb.action_mask.sum()))) for mb in micro_batches)), device=device))
-                for mb in micro_batches:
-                    with accelerator.accumulate(*[m for m in (model, critic) if m is not None]), accelerator.autocast():
-                        with torch.set_grad_enabled(not frozen):
-                            logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask,
-                                                                  mb.action_mask.shape[1], args.temperature,
-                                                                  with_entropy="grad" if args.entropy_coef else True)
-                        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
-                        agg = dict(num_tokens=num_tokens, num_seqs=args.train_batch_size, max_len=args.generate_max_len)
-                        # TIS: correct for the engine sampling from other numerics
-                        is_weights = (old - mb.rollout_logprobs).exp().clamp(max=args.tis_cap) if args.tis_cap else None
-                        pg_mask = high_entropy_mask(entropy, mb.action_mask, ratio) if ratio else mb.action_mask  # (B, T)
-                        pg_loss, m = policy_loss(logprobs, old, mb.advantages, pg_mask, eps_low, args.loss_agg_mode,
-                                                 **{**agg, "num_tokens": pg_tokens}, eps_clip_high=eps_high,
-                                                 dual_clip=args.dual_clip, use_gspo=args.use_gspo, is_weights=is_weights,
-                                                 use_cpg_loss=use_cpg_loss)
-                        loss = pg_loss
-                        if args.entropy_coef:
-                            loss = loss - args.entropy_coef * aggregate_loss(entropy, mb.action_mask, args.loss_agg_mode, **agg)
-                        if drift_coef:  # CPGD policy drift: KL(pi_old || pi) = E_old[r - 1 - log r], r = pi / pi_old
-                            drift = kl_estimate(old, logprobs, "k3")  # (B, T)
-                            loss = loss + drift_coef * aggregate_loss(drift, mb.action_mask, args.loss_agg_mode, **agg)
-                        if args.use_kl_loss:
-                            kl = kl_estimate(logprobs, mb.ref_logprobs, args.kl_estimator)  # (B, T)
-                            loss = loss + kl_coef * aggregate_loss(kl, mb.action_mask, args.loss_agg_mode, **agg)
-                            m["kl"] = masked_mean(kl, mb.action_mask).detach()
-                        if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
-                            enc = tokenizer(next(ptx_batches), return_tensors="pt", padding=True, truncation=True,
-                                            max_length=args.prompt_max_len).to(device)
-                            ptx_loss = lm_loss(model, enc["input_ids"], enc["attention_mask"])
-                            loss = loss + args.ptx_coef * ptx_loss / (grad_accum * world)
-                            m["ptx_loss"] = ptx_loss.detach()
-                        if critic is not None:
-                            values = response_values(critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1])
-                            v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
-                                                args.loss_agg_mode, **agg)
-                            m["value_loss"] = v_loss.detach() * grad_accum
-                            m["values"] = masked_mean(values.detach(), mb.action_mask)
-                            loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward serves both
-                        # Losses are normalised by the whole step's totals, so undo the mean that
-                        # gradient accumulation and DDP each apply.
-                        accelerator.backward(loss * grad_accum * world)
-                        for net, opt, sched, key in trained[frozen:]:  # the actor unless frozen, the critic
-                            if accelerator.sync_gradients:
-                                grad_norms[key].append(grad_norm_value(accelerator.clip_grad_norm_(net.parameters(), args.max_norm)))
-                                if not math.isfinite(grad_norms[key][-1]):  # checked here, the one host sync per step
-                                    raise FloatingPointError(f"non-finite loss or gradients ({key}) at step {step}: lower "
-                                                             "--actor_learning_rate or use --bf16 false")
-                            opt.step()
-                            sched.step()
-                            opt.zero_grad()
-                        if ema is not None and accelerator.sync_gradients and not frozen:
-                            torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1.0 - args.ema_beta)
-                    # metrics stay on the device until the update ends: an .item() here would stall the GPU
-                    m["policy_loss"] = pg_loss.detach() * grad_accum  # mean over micro-batches -> step loss
-                    m["entropy"] = masked_mean(entropy.detach(), mb.action_mask)
-                    if epoch == 0:
-                        diff = (mb.rollout_logprobs - old).abs() * mb.action_mask  # (B, T)
-                        m["logprob_diff_mean"] = diff.sum() / mb.action_mask.sum()
-                        m["logprob_diff_max"] = diff.max()
-                    for key, v in m.items():
-                        sums[key] = sums.get(key, 0.0) + v
-                    count += 1
-        if torch.cuda.is_available():
-            train_bytes = torch.cuda.max_memory_allocated() - mem_before  # what the next update will need
-            mem["perf/mem_update_gb"] = phase_peak_gb()
-        move_optimizer_state([t[1] for t in trained], "cpu") if args.optimizer_offload else None
-        t_upd = time.time() - t2
+        stepped = {key: parts for key, parts in trained.items() if not (frozen and parts[0] is model)}
+        stats = Means()
+        for chunk in optimizer_chunks(exp, rows_per_update, args.max_epochs, args.seed * 100003 + step * 101):
+            micro_batches = chunk.split(args.micro_train_batch_size)
+            # the losses are normalised by the whole optimizer step's totals, over every micro-batch and rank
+            masks = [mb.action_mask for mb in micro_batches]
+            totals = policy_token_counts(masks, args.high_entropy_token_ratio)
+            totals = reduce_sum(torch.tensor(totals, device=device))  # (2,): tokens, policy-loss tokens
+            settings = replace(loss_settings, kl_coef=kl_coef, num_tokens=totals[0], num_pg_tokens=totals[1])
+            for mb in micro_batches:
+                with accelerator.accumulate(*trained_nets), accelerator.autocast():
+                    with torch.set_grad_enabled(not frozen):
+                        logprobs, entropy = response_logprobs(
+                            model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], args.temperature,
+                            with_entropy="grad" if args.entropy_coef else True, mm_inputs=mb.mm_inputs())
+                    loss, m = actor_loss(logprobs, entropy, mb, settings)  # (B, T) each -> scalar
+                    if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
+                        enc = tokenizer(next(ptx_batches), return_tensors="pt", padding=True, truncation=True,
+                                        max_length=args.prompt_max_len).to(device)
+                        ptx_loss = lm_loss(model, enc["input_ids"], enc["attention_mask"])
+                        loss = loss + args.ptx_coef * ptx_loss / (grad_accum * world)
+                        m["ptx_loss"] = ptx_loss.detach()
+                    if critic is not None:
+                        values = response_values(critic, mb.input_ids, mb.attention_mask,
+                                                 mb.action_mask.shape[1], mm_inputs=mb.mm_inputs())  # (B, T)
+                        v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
+                                            args.loss_agg_mode, settings.num_tokens, settings.num_seqs,
+                                            settings.max_len)
+                        m["value_loss"] = v_loss.detach() * grad_accum * world  # the step's, as policy_loss
+                        m["values"] = masked_mean(values.detach(), mb.action_mask)
+                        loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward
+                    # undo the mean that gradient accumulation and DDP each apply: the losses are the step's
+                    accelerator.backward(loss * grad_accum * world)
+                    if accelerator.sync_gradients:  # the optimizer step's last micro-batch
+                        for key, (net, _, _) in stepped.items():
+                            norm = accelerator.clip_grad_norm_(net.parameters(), args.max_norm)
+                            m[key] = grad_norm_value(norm)
+                        check_finite(m, stepped, step)  # the one host sync per optimizer step
+                    for _, opt, sched in stepped.values():
+                        opt.step()
+                        sched.step()
+                        opt.zero_grad()
+                    if ema is not None and accelerator.sync_gradients and not frozen:
+                        weights = [p.detach() for p in model.parameters()]
+                        torch._foreach_lerp_(ema, weights, 1.0 - args.ema_beta)
+                stats.add(m)  # device tensors: read once, after the update
+        if args.optimizer_offload:
+            move_optimizer_state(optimizers, "cpu")
 
         # ---- weight sync ----
-        _, t_sync = timed(engine.update_weights, accelerator.unwrap_model(model))
+        perf.phase("weight_sync")
+        engine.update_weights(accelerator.unwrap_model(model))
 
         # ---- log ----
-        r = torch.tensor(rewards)  # as scored, before normalisation and clipping
-        local = {"rollout/reward_mean": r.mean().item(), "rollout/reward_std": r.std().item() if len(r) > 1 else 0.0,
-                 "rollout/reward_errors": reward_errors, "rollout/filled_groups": num_filled,
-                 "rollout/response_length": exp.action_mask.sum(-1).float().mean().item(),
-                 "rollout/truncated": sum(len(g.token_ids) >= args.generate_max_len for g in generations) / len(r)}
-        local.update({f"rollout/reward/{k_}": float(np.nanmean(v)) for k_, v in components.items()})
-        local.update({("rollout/" if k_.startswith("logprob") else "train/") + k_: float(v / count) for k_, v in sums.items()})
-        local.update({f"train/{k_}": sum(v) / len(v) for k_, v in grad_norms.items() if v})  # per optimizer step
+        local = {**rollout_metrics(samples, args.generate_max_len), **update_metrics(stats),
+                 "rollout/reward_errors": reward_errors, "rollout/filled_groups": num_filled}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
+        if moments is not None or args.reward_clip is not None:
+            local["rollout/shaped_reward_mean"] = exp.rewards.mean().item()
+        if args.reward_clip is not None:
+            local["rollout/reward_clip_frac"] = (exp.rewards.abs() >= args.reward_clip).float().mean().item()
         metrics = gather_metrics(local, sum_keys=("rollout/reward_errors", "rollout/filled_groups"))
-        metrics.update({"rollout/generation_rounds": gen_round, "train/kl_coef": kl_coef})
+        metrics.update({"rollout/generation_rounds": gen_round, "train/kl_coef": kl_coef,
+                        "train/lr": scheduler.get_last_lr()[0], "perf/engine_slept": float(slept),
+                        **perf.metrics()})
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["rollout/kl"], args.kl_target, args.kl_horizon, samples_per_step)
-        metrics.update({"train/lr": scheduler.get_last_lr()[0], "perf/generate_s": t_gen, "perf/logprob_s": t_lp,
-                        "perf/update_s": t_upd, "perf/weight_sync_s": t_sync, "perf/sleep_s": t_sleep,
-                        "perf/wake_s": t_wake, "perf/engine_slept": float(slept), "perf/step_time_s": time.time() - t0})
-        if torch.cuda.is_available():
-            metrics.update({**mem, "perf/mem_update_extra_gb": train_bytes / 2**30})
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["rollout/kl"], args.kl_target, args.kl_horizon,
+                                       samples_per_step)
         log.write(step, metrics)
-        if step % args.logging_steps == 0:
-            tqdm.write(MetricsLog.line(step, metrics)) if accelerator.is_main_process else None
-
+        if step % args.logging_steps == 0 and accelerator.is_main_process:
+            tqdm.write(MetricsLog.line(step, metrics))
         if args.log_samples_steps and step % args.log_samples_steps == 0:
-            log.samples(step, [{"prompt": tokenizer.decode(p), "completion": c, "label": lab, "reward": rw}
-                               for p, c, lab, rw in list(zip(prompt_ids, completions, labels, rewards))[:4]])
-        if args.plot_every and (step % args.plot_every == 0 or step == num_steps) and accelerator.is_main_process:
+            log.samples(step, [{"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion,
+                                "label": s.label, "reward": s.reward} for s in samples[:4]])
+        plot = args.plot_every and (step % args.plot_every == 0 or step == num_steps)
+        if plot and accelerator.is_main_process:
             write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
 
         # ---- eval and checkpoint ----
-        if args.eval_steps and step % args.eval_steps == 0 and step != num_steps and encoded["eval"]:
+        if args.eval_steps and step % args.eval_steps == 0 and step != num_steps and prompts["eval"]:
             run_eval(step)
-        if args.save_steps and step % args.save_steps == 0:  # atomic: `latest` names only complete checkpoints
+        if args.save_steps and step % args.save_steps == 0:  # atomic: `latest` names only whole checkpoints
             state = {"batches_drawn": drawn, "kl_coef": kl_coef, "first_eval": first_eval,
                      "moments": moments.state_dict() if moments is not None else None}
-            save_checkpoint(accelerator, args.output_dir, step, state, {"ema": ema} if ema is not None else None,
-                            args.max_ckpt_num)
+            tensors = {"ema": ema} if ema is not None else None
+            save_checkpoint(accelerator, args.output_dir, step, state, tensors, args.max_ckpt_num)
         if args.save_hf_steps and step % args.save_hf_steps == 0:
             export(os.path.join(args.output_dir, f"hf-step-{step}"))
 
-    last_eval = run_eval(num_steps) if encoded["eval"] else None
+    last_eval = run_eval(num_steps) if prompts["eval"] else None
     if args.plot_every and accelerator.is_main_process:  # the curves again, with the final eval point
         write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
     accelerator.wait_for_everyone()
     export(os.path.join(args.output_dir, "model"))
-    if accelerator.is_main_process:
-        if ema is not None:  # the same architecture with the averaged weights
-            ema_state = {name: e.cpu() for (name, _), e in zip(accelerator.unwrap_model(model).named_parameters(), ema)}
-            export_hf(accelerator.unwrap_model(model), tokenizer, os.path.join(args.output_dir, "ema_model"), ema_state)
-        if first_eval:
-            print(f"[done] greedy accuracy {first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f} "
-                  f"on {last_eval['eval/num_problems']} held-out problems; model in {args.output_dir}/model")
+    if ema is not None:  # the same architecture with the averaged weights
+        names = [name for name, _ in accelerator.unwrap_model(model).named_parameters()]
+        export(os.path.join(args.output_dir, "ema_model"), {name: e.cpu() for name, e in zip(names, ema)})
+    if first_eval:
+        accelerator.print(f"[done] {eval_summary(first_eval, last_eval)}; model in {args.output_dir}/model")
     accelerator.end_training()  # last: it also tears down the process group
 
 

@@ -19,11 +19,11 @@ def main():
     from rft_core.engine import create_engine
     from rft_core.vision import load_vl_model
     from rft_core.vllm_engine import iter_weights
-    from tests.test_vllm_vl import Flags
+    from tests.test_vllm_vl import ENGINE
 
     model, tokenizer, processor = load_vl_model()
     model = model.cuda()
-    engine = create_engine("vllm", model, tokenizer, Flags, processor)
+    engine = create_engine("vllm", model, tokenizer, processor, **ENGINE)
 
     def timed(fn):
         torch.cuda.synchronize()

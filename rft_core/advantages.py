@@ -1,7 +1,8 @@
 """Advantage estimators: per-sequence (group baselines) and per-token (returns, GAE), and whitening.
 
 rewards: (B,) with B = num_prompts * n and the n samples of a prompt contiguous.
-`compute_advantages` turns outcome rewards into per-sequence scores (B,):
+`outcome_scores` turns outcome rewards into per-sequence scores (B,): the advantage itself for the group
+estimators, the reward (or its baseline-subtracted form) that the token-level estimators start from:
 
     group_norm          (r - mean_g) / (std_g + eps)          GRPO (Shao et al. 2024)
     dr_grpo             r - mean_g                            Dr.GRPO (Liu et al. 2025): no std division
@@ -11,7 +12,9 @@ rewards: (B,) with B = num_prompts * n and the n samples of a prompt contiguous.
     reinforce_baseline  r - mean_g                            REINFORCE++-baseline
     gae                 r                                     PPO (Schulman et al. 2017), with a critic
 
-std_g is the unbiased standard deviation of the group (torch.std, as GRPO implementations use).
+std_g is the unbiased standard deviation of the group (torch.std, as GRPO implementations use). A group whose
+rewards are all equal scores exactly 0 under every baseline (its mean is not always exact in floating point,
+and dividing a one-ulp residue by a one-ulp std would give it a large advantage).
 The last three are TOKEN_LEVEL: the score becomes the reward of the last response token, a
 per-token KL penalty can join it (`token_rewards`), and the advantages are discounted returns
 (REINFORCE++) or GAE, whitened over the whole global batch at token level (`whiten`).
@@ -23,7 +26,7 @@ ADVANTAGE_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "cpgd", "reinforce", "r
 TOKEN_LEVEL = ("reinforce", "reinforce_baseline", "gae")
 
 
-def compute_advantages(rewards, n_samples_per_prompt, estimator="group_norm", eps=1e-6):
+def outcome_scores(rewards, n_samples_per_prompt, estimator="group_norm", eps=1e-6):
     """Per-sequence scores (B,) from rewards (B,), groups of n_samples_per_prompt contiguous samples."""
     n = n_samples_per_prompt
     if rewards.numel() % n:
@@ -42,10 +45,12 @@ def compute_advantages(rewards, n_samples_per_prompt, estimator="group_norm", ep
             raise ValueError("rloo needs --n_samples_per_prompt >= 2")
         adv = grouped - (grouped.sum(-1, keepdim=True) - grouped) / (n - 1)
     elif estimator in ("reinforce", "gae"):
-        adv = grouped
+        return grouped.view(-1)  # the reward itself: the advantages come per token
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
-    return adv.view(-1)
+    # (num_prompts, 1): no sample better than another
+    tied = (grouped == grouped[:, :1]).all(-1, keepdim=True)
+    return adv.masked_fill(tied, 0.0).view(-1)
 
 
 def token_rewards(scores, action_mask, kl=None, kl_coef=0.0):
@@ -101,7 +106,8 @@ def whiten(x, action_mask, reduce=None, eps=1e-8):
     return (x - mean) / (var.sqrt() + eps) * mask
 
 
-def token_level_advantages(scores, action_mask, kl=None, kl_coef=0.0, values=None, gamma=1.0, lambd=0.95, reduce=None):
+def token_level_advantages(scores, action_mask, kl=None, kl_coef=0.0, values=None, gamma=1.0, lambd=0.95,
+                           reduce=None):
     """(advantages, returns) (B, T) of the token-level estimators: per-token rewards, then GAE with the
     critic's values (returns: its targets) or discounted returns (REINFORCE++; returns None), the
     advantages whitened over the global batch."""

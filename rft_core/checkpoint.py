@@ -54,7 +54,8 @@ def list_checkpoints(output_dir):
     """Complete checkpoint directories in output_dir, oldest first."""
     if not os.path.isdir(output_dir):
         return []
-    steps = [int(m.group(1)) for name in os.listdir(output_dir) if (m := re.fullmatch(r"checkpoint-(\d+)", name))]
+    steps = [int(m.group(1)) for name in os.listdir(output_dir)
+             if (m := re.fullmatch(r"checkpoint-(\d+)", name))]
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
 
 
@@ -66,7 +67,8 @@ def latest_checkpoint(output_dir):
     with open(path) as f:
         ckpt = os.path.join(output_dir, f.read().strip())
     if not os.path.isfile(os.path.join(ckpt, "trainer_state.json")):
-        raise FileNotFoundError(f"{path} names {ckpt}, which is incomplete or missing: pass --no_resume to start fresh")
+        raise FileNotFoundError(f"{path} names {ckpt}, which is incomplete or missing: "
+                                "pass --no_resume to start fresh")
     return ckpt
 
 

@@ -1,17 +1,14 @@
-"""Flags from a dataclass (each field's docstring is its --help), the metrics log, and timing / memory probes."""
+"""Flags from a dataclass (each field's docstring is its --help), and the checks of their values."""
 
 import argparse
 import ast
 import dataclasses
 import inspect
-import json
-import os
 import textwrap
-import time
 import typing
 
-import numpy as np
-from tqdm import tqdm
+from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
+from rft_core.losses import LOSS_AGG_MODES
 
 
 def _field_docs(cls):
@@ -19,7 +16,8 @@ def _field_docs(cls):
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body, docs = tree.body[0].body, {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 
@@ -45,90 +43,55 @@ def parse_args(cls, argv=None):
             kind = next(a for a in args if a is not type(None))
         help_text = f"{docs.get(f.name, '')} (default: {f.default})"
         if kind is bool:
-            parser.add_argument(f"--{f.name}", type=_bool, nargs="?", const=True, default=f.default, help=help_text)
-        elif typing.get_origin(kind) is tuple:  # Tuple[float, float]: --name A B; Tuple[float, ...]: one or more
+            parser.add_argument(f"--{f.name}", type=_bool, nargs="?", const=True, default=f.default,
+                                help=help_text)
+        elif typing.get_origin(kind) is tuple:
+            # Tuple[float, float]: --name A B; Tuple[float, ...]: one or more
             items = typing.get_args(kind)
-            parser.add_argument(f"--{f.name}", type=items[0], nargs="+" if items[-1] is Ellipsis else len(items),
+            parser.add_argument(f"--{f.name}", type=items[0],
+                                nargs="+" if items[-1] is Ellipsis else len(items),
                                 default=f.default, help=help_text)
         else:
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=help_text)
     return cls(**vars(parser.parse_args(argv)))
 
 
-def timed(fn, *args, **kwargs):
-    """(fn's result, seconds it took)."""
-    t = time.time()
-    return fn(*args, **kwargs), time.time() - t
+def check_args(args, world, deepspeed=None, sharded=False):
+    """Refuse the flag values and combinations of a training script's Args that cannot work, naming the flag
+    and the fix, before anything loads. world: processes; deepspeed: accelerate's DeepSpeed plugin or None;
+    sharded: ZeRO-3 or FSDP2."""
+    def check(ok, message):
+        if not ok:
+            raise ValueError(message)
 
-
-def phase_peak_gb():
-    """Peak GPU memory allocated since the previous call, in GiB; resets the peak (0 without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0.0
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    torch.cuda.reset_peak_memory_stats()
-    return peak
-
-
-def gather_metrics(local, sum_keys=()):
-    """Every rank's metrics dict merged: the mean over the ranks that have a key (NaN-aware), or the sum for sum_keys."""
-    from accelerate.utils import gather_object
-
-    per_rank = gather_object([local])  # dicts, so ranks may differ in keys (reward components)
-    keys = dict.fromkeys(k for m in per_rank for k in m)
-    return {k: sum(m[k] for m in per_rank if k in m) if k in sum_keys else float(np.nanmean([m[k] for m in per_rank if k in m]))
-            for k in keys}
-
-
-STEP_LINE = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"), ("acc", "rollout/reward/correct"),
-             ("errors", "rollout/reward_errors"), ("len", "rollout/response_length"), ("pg_loss", "train/policy_loss"),
-             ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"), ("clip", "train/clip_frac"), ("ent", "train/entropy"),
-             ("gnorm", "train/grad_norm"), ("vloss", "train/value_loss"), ("lp_diff", "rollout/logprob_diff_mean"),
-             ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
-             ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]  # the step line's (label, metric)
-
-
-class MetricsLog:
-    """Appends one JSON object per row to OUTPUT_DIR/metrics.jsonl (and to the accelerate trackers)
-    and formats the console line."""
-
-    def __init__(self, output_dir, enabled=True, accelerator=None, keep_until=None):
-        """keep_until: a resumed run's checkpoint step; rows up to it are kept, later ones (logged
-        after that checkpoint by the run that died) dropped. None: start a new file."""
-        self.enabled = enabled
-        self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
-        self.path = os.path.join(output_dir, "metrics.jsonl")
-        if enabled:
-            kept = []
-            if keep_until is not None and os.path.exists(self.path):
-                kept = [line for line in open(self.path) if line.strip() and json.loads(line)["step"] <= keep_until]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-
-    def write(self, step, metrics):
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self.accelerator is not None and self.accelerator.trackers:
-            self.accelerator.log(metrics, step=step)
-
-    def samples(self, step, rows):
-        """Append sample rows (dicts) to samples.jsonl, print two, and log them as a wandb table if wandb is on."""
-        if not self.enabled or not rows:
-            return
-        with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "a") as f:
-            f.writelines(json.dumps({"step": step, **x}) + "\n" for x in rows)
-        for x in rows[:2]:
-            tqdm.write(f"[sample] reward {x['reward']:.3g} | label {x['label']!r} | {x['completion'][:200]!r}")
-        if self.accelerator is not None and any(t.name == "wandb" for t in self.accelerator.trackers):
-            self.accelerator.get_tracker("wandb").log_table("samples", columns=["step", *rows[0]],
-                                                            data=[[step, *x.values()] for x in rows], step=step)
-
-    @staticmethod
-    def line(step, metrics, keys=None):
-        """`step 3 | reward 0.512 | ...` for the (label, key) pairs (default STEP_LINE) present in metrics."""
-        keys = keys or STEP_LINE
-        parts = [f"step {step}"] + [f"{label} {metrics[key]:.4g}" for label, key in keys if key in metrics]
-        return " | ".join(parts)
+    samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
+    check(args.rollout_batch_size % world == 0,
+          f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
+    check(samples_per_step % args.train_batch_size == 0, f"rollout_batch_size * n_samples_per_prompt = "
+          f"{samples_per_step} must be a multiple of --train_batch_size {args.train_batch_size}")
+    check(args.train_batch_size % (args.micro_train_batch_size * world) == 0,
+          f"--train_batch_size {args.train_batch_size} must be a multiple of --micro_train_batch_size "
+          f"{args.micro_train_batch_size} x {world} processes")
+    check(not (args.ema_beta and (args.lora_rank or sharded)), "--ema_beta is not supported with --lora_rank "
+          "(the export would merge the live adapter) nor under ZeRO-3 / FSDP2 (it averages whole parameters)")
+    check(not (deepspeed and args.advantage_estimator == "gae"), "gae trains a critic beside the actor, "
+          "which one DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
+    check(not (deepspeed and args.optimizer_offload), "--optimizer_offload moves a torch optimizer's state; "
+          "under DeepSpeed use accelerate_configs/deepspeed_zero3_offload.yaml")
+    check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
+    check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
+    check(args.advantage_estimator in ADVANTAGE_ESTIMATORS,
+          f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {args.advantage_estimator!r}")
+    check(args.loss_agg_mode in LOSS_AGG_MODES,
+          f"--loss_agg_mode must be one of {LOSS_AGG_MODES}, got {args.loss_agg_mode!r}")
+    check(not args.freezing_actor_steps or args.advantage_estimator == "gae",
+          "--freezing_actor_steps trains the critic alone: it needs --advantage_estimator gae")
+    kl_in_reward = args.advantage_estimator in TOKEN_LEVEL and not args.use_kl_loss and args.init_kl_coef > 0
+    check(args.kl_target is None or kl_in_reward, "--kl_target adapts the KL penalty in the reward: use "
+          "gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss")
+    check(0.0 <= args.high_entropy_token_ratio <= 1.0,
+          f"--high_entropy_token_ratio must be in [0, 1], got {args.high_entropy_token_ratio}")
+    check(0 <= args.overlong_buffer_len < args.generate_max_len,
+          f"--overlong_buffer_len must be in [0, --generate_max_len {args.generate_max_len})")
+    check(not (args.enable_engine_sleep and args.disable_engine_sleep),
+          "--enable_engine_sleep or --disable_engine_sleep: pick one")

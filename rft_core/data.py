@@ -1,18 +1,18 @@
-"""Prompt data: the built-in arithmetic task, local files through `datasets`, and prompt encoding.
+"""Prompt data: the built-in tasks (arithmetic for text, shapes for images), local files through `datasets`,
+and prompt encoding.
 
-A prompt row is {"prompt": str | list of chat messages, "label": str}.
+A prompt row is {"prompt": str | list of chat messages, "label": str} (and "images" for the shapes task).
 """
 
 import itertools
 import os
 import random
 
-BUILTIN_TASKS = ("arithmetic",)
-
 # Few-shot turns: SmolLM2-135M never emits <answer> tags unprompted (0 of 2,560 samples measured),
 # but copies the format from two worked examples and gets easy problems right. The worked form
 # "a + b = c" lets the model use the arithmetic it knows before committing to the tagged answer.
-ARITHMETIC_SYSTEM = "Solve the arithmetic problem. Write the equation, then the final answer in <answer></answer> tags."
+ARITHMETIC_SYSTEM = ("Solve the arithmetic problem. Write the equation, then the final answer in "
+                     "<answer></answer> tags.")
 ARITHMETIC_SHOTS = (("2 + 3", 5), ("4 * 2", 8))
 
 
@@ -54,12 +54,59 @@ def arithmetic_task(num_train=4096, num_eval=96, seed=0):
     return train_rows, eval_rows
 
 
-def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(), log=None):
+# The shapes task (train_ppo_vl.py's default): drawn shapes, a colour or a count to name in one word.
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
+NUMBERS = ("one", "two", "three")
+IMAGE_SIZE = 84  # 6 x 6 patches of 14 px -> 9 language-model tokens per image
+
+
+def draw_shapes(colour, count, rng, size=IMAGE_SIZE):
+    """A white image with `count` non-overlapping filled shapes (circle, square or triangle) of one colour."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), "white")
+    draw, cell = ImageDraw.Draw(image), size // 2
+    for i in rng.sample(range(4), count):  # one shape per quadrant
+        x0, y0 = (i % 2) * cell + rng.randint(2, 8), (i // 2) * cell + rng.randint(2, 8)
+        side = rng.randint(cell // 2, cell - 12)
+        box, kind = (x0, y0, x0 + side, y0 + side), rng.choice(("circle", "square", "triangle"))
+        if kind == "circle":
+            draw.ellipse(box, fill=COLOURS[colour])
+        elif kind == "square":
+            draw.rectangle(box, fill=COLOURS[colour])
+        else:
+            draw.polygon([(x0, y0 + side), (x0 + side, y0 + side), (x0 + side // 2, y0)],
+                         fill=COLOURS[colour])
+    return image
+
+
+def shapes_task(num_train=2048, num_eval=64, seed=0):
+    """(train rows, eval rows) of {"images": [PIL image], "prompt": str, "label": str}: "what colour is the
+    shape?" (one shape, 4 colours) and "how many shapes are there?" (1-3 shapes). The eval split comes from
+    its own fixed seed, whatever `seed` is."""
+    def rows(n, rng):
+        out = []
+        for i in range(n):
+            colour = rng.choice(list(COLOURS))
+            if i % 2 == 0:
+                out.append({"images": [draw_shapes(colour, 1, rng)],
+                            "prompt": "what colour is the shape ?", "label": colour})
+            else:
+                count = rng.randint(1, 3)
+                out.append({"images": [draw_shapes(colour, count, rng)],
+                            "prompt": "how many shapes are there ?", "label": NUMBERS[count - 1]})
+        return out
+    return rows(num_train, random.Random(seed)), rows(num_eval, random.Random(10**6 + 7))
+
+
+def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(),
+                     log=None):
     """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a
     directory of them, or a `save_to_disk` directory; errors name `flag`. extra_keys: columns copied
     into the rows as they are, where present. log(message): told the skipped count, if any."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{flag} {path!r}: no such file or directory (built-in tasks: {BUILTIN_TASKS})")
+        raise FileNotFoundError(f"{flag} {path!r}: no such file or directory (built-in tasks: arithmetic in "
+                                "train_ppo.py, shapes in train_ppo_vl.py)")
     import datasets  # heavy; only needed for files
 
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
@@ -70,12 +117,17 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
         kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
         found = {kinds[os.path.splitext(f)[1]] for f in files if os.path.splitext(f)[1] in kinds}
         if len(found) != 1:
-            raise ValueError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, found {found or 'none'}")
-        ds = datasets.load_dataset(found.pop(), data_files=[f for f in files if kinds.get(os.path.splitext(f)[1])], split="train")
+            raise ValueError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, "
+                             f"found {found or 'none'}")
+        ds = datasets.load_dataset(found.pop(),
+                                   data_files=[f for f in files if kinds.get(os.path.splitext(f)[1])],
+                                   split="train")
     for key in (input_key, label_key):
         if key is not None and key not in ds.column_names:
-            raise KeyError(f"{flag} {path!r} has no column {key!r} (columns: {ds.column_names}); set --input_key / --label_key / --pretrain_key")
-    rows = [{"prompt": row[input_key], "label": "" if label_key is None or row[label_key] is None else str(row[label_key]),
+            raise KeyError(f"{flag} {path!r} has no column {key!r} (columns: {ds.column_names}); "
+                           "set --input_key / --label_key / --pretrain_key")
+    rows = [{"prompt": row[input_key],
+             "label": "" if label_key is None or row[label_key] is None else str(row[label_key]),
              **{k: row[k] for k in extra_keys if k in row}} for row in ds if _usable(row[input_key])]
     if not rows:
         raise ValueError(f"{flag} {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
@@ -96,7 +148,8 @@ def batches(rows, rollout_batch_size, seed):
 
 def text_batches(path, key, batch_size, rank=0, world=1):
     """Endless batches of this rank's texts from the column `key` of a data file (the ptx loss's data)."""
-    texts = [r["prompt"] for r in load_prompt_rows(path, key, None, "--pretrain_data")[0] if isinstance(r["prompt"], str)]
+    texts = [r["prompt"] for r in load_prompt_rows(path, key, None, "--pretrain_data")[0]
+             if isinstance(r["prompt"], str)]
     if not texts:
         raise ValueError(f"{path!r}: no text rows in column {key!r}")
     texts = texts[rank::world] if len(texts) >= world else texts
@@ -109,14 +162,18 @@ def _usable(prompt):
     if isinstance(prompt, str):
         return bool(prompt.strip())
     return (isinstance(prompt, list) and len(prompt) > 0
-            and all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in prompt))
+            and all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
+                    for m in prompt))
 
 
 def encode_rows(tokenizer, rows, max_len, apply_chat_template=True, system_prompt=None):
-    """([(prompt ids, label, prompt)], number skipped for being longer than max_len tokens)."""
-    encoded = [(encode_prompt(tokenizer, r["prompt"], apply_chat_template, system_prompt), r["label"], r["prompt"]) for r in rows]
-    kept = [row for row in encoded if len(row[0]) <= max_len]
-    return kept, len(encoded) - len(kept)
+    """([Sample] of the rows' prompts encoded, number skipped for being longer than max_len tokens)."""
+    from rft_core.experience import Sample
+
+    samples = [Sample(encode_prompt(tokenizer, r["prompt"], apply_chat_template, system_prompt), r["label"],
+                      r["prompt"]) for r in rows]
+    kept = [s for s in samples if len(s.prompt_ids) <= max_len]
+    return kept, len(samples) - len(kept)
 
 
 def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):

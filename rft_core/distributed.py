@@ -54,8 +54,8 @@ def gathered(tensors):
             stack.enter_context(deepspeed.zero.GatheredParameters(zero3, modifier_rank=None))
         # CPU-offloaded FSDP2 shards gather through the GPU (NCCL), far faster than gloo on CPU tensors
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        yield [(t.to(device) if device and t.device.type == "cpu" else t).full_tensor() if isinstance(t, DTensor)
-               else t.data for t in tensors]
+        yield [(t.to(device) if device and t.device.type == "cpu" else t).full_tensor()
+               if isinstance(t, DTensor) else t.data for t in tensors]
 
 
 def units(model):
@@ -98,11 +98,13 @@ def configure_deepspeed(accelerator, micro_batch_size, grad_accum, max_norm):
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
-    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro_batch_size, gradient_accumulation_steps=grad_accum,
+    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro_batch_size,
+                                   gradient_accumulation_steps=grad_accum,
                                    train_batch_size=micro_batch_size * grad_accum * accelerator.num_processes,
                                    gradient_clipping=max_norm,
-                                   # with optimizer offload, keep our AdamW (stepping on the CPU): accelerate would
-                                   # swap in DeepSpeedCPUAdam with only lr and weight decay carried over, not betas
+                                   # with optimizer offload, keep our AdamW (stepping on the CPU):
+                                   # accelerate would swap in DeepSpeedCPUAdam with only lr and weight
+                                   # decay carried over, not betas
                                    zero_force_ds_cpu_optimizer=False)
     if plugin.zero_stage == 3 and not plugin.zero3_init_flag:
         # accelerate registers its config with transformers all the same, which then builds every model
@@ -130,7 +132,8 @@ def prepare_frozen(accelerator, model):
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()  # returns None, unlike nn.Module.eval
         return engine
-    if accelerator.distributed_type.name == "FSDP":  # accelerate's prepare() wants an optimizer with the model
+    # accelerate's prepare() wants an optimizer with the model
+    if accelerator.distributed_type.name == "FSDP":
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         return fsdp2_prepare_model(accelerator, model).eval()
@@ -138,7 +141,8 @@ def prepare_frozen(accelerator, model):
 
 
 def grad_norm_value(norm):
-    """accelerator.clip_grad_norm_'s result as a float: a tensor, an FSDP2 DTensor, or DeepSpeed's float / None."""
+    """accelerator.clip_grad_norm_'s result as a float: a tensor, an FSDP2 DTensor, or DeepSpeed's
+    float / None."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(norm, DTensor):

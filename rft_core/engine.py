@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rft_core.distributed import sharding
-from rft_core.vision import mm_inputs, video_processor_like, vision_token_ids
+from rft_core.multimodal import mm_inputs, video_processor_like, vision_token_ids
 
 
 @dataclass
@@ -33,7 +33,8 @@ class Generation:
 class HFEngine:
     def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, synced_gpus=False):
         self.model = model  # the unwrapped training model: always the current weights
-        # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks keep stepping until all are done
+        # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks keep stepping until all
+        # are done
         self.synced_gpus = synced_gpus
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
@@ -54,8 +55,8 @@ class HFEngine:
         self.model.eval()  # also turns gradient checkpointing off, which `generate` cannot use
         out, mm = [], mm or [None] * len(prompt_token_ids)
         for i in range(0, len(prompt_token_ids), self.micro_batch_size):
-            out += self._generate_batch(prompt_token_ids[i:i + self.micro_batch_size], max_new_tokens, temperature, top_p,
-                                        mm[i:i + self.micro_batch_size])
+            out += self._generate_batch(prompt_token_ids[i:i + self.micro_batch_size], max_new_tokens,
+                                        temperature, top_p, mm[i:i + self.micro_batch_size])
         self.model.train(was_training)
         return out
 
@@ -63,19 +64,26 @@ class HFEngine:
         device = next(self.model.parameters()).device
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)  # (B, P)
+        # (B, P)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        images = mm_inputs(mm, input_ids) or {}  # a vision-language model's image inputs, as the trainer builds them
+        # a vision-language model's image inputs, as the trainer builds them
+        images = mm_inputs(mm, input_ids) or {}
         greedy = temperature == 0
-        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext())
+        sampling = ({"do_sample": False} if greedy
+                    else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0})
+        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                    else nullcontext())
         with autocast:
-            res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                      pad_token_id=pad, eos_token_id=eos, output_logits=True,
-                                      return_dict_in_generate=True, synced_gpus=self.synced_gpus, **sampling, **images)
+            res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                                      output_logits=True, return_dict_in_generate=True,
+                                      synced_gpus=self.synced_gpus, **sampling, **images)
         responses = res.sequences[:, width:]  # (B, L)
-        logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)  # (B, L, V) raw model logits
-        logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)  # (B, L)
+        # (B, L, V) raw model logits
+        logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)
+        # (B, L)
+        logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
         gens = []
         for ids, lps in zip(responses.tolist(), logprobs.tolist()):
             end = ids.index(eos) + 1 if eos in ids else len(ids)  # keep the EOS: it is an action too
@@ -87,53 +95,57 @@ def hf_architecture(model):
     """The transformers class name vLLM looks the model up by: a LoRA model's base, and under FSDP2 the
     class it swapped out (fully_shard subclasses it as FSDP<class>)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))  # remote code too
+    # remote code too
+    return next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
 
 
-def create_engine(engine_type, model, tokenizer, args, processor=None):
-    """The engine named by --engine_type ("auto": vllm with a GPU and vllm installed, else hf).
+def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_size=32, bf16=False,
+                  tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, enforce_eager=False,
+                  max_model_len=2048, requests=None, limit_mm_per_prompt=None, static_prefix=None, seed=0):
+    """The engine named by engine_type ("auto": vllm with a GPU and vllm installed, else hf).
 
-    processor: a vision-language model's image processor. vLLM processes the images itself, with
-    this processor's settings (so its image grids are the trainer's), and never samples the vision
-    placeholders (the trainer's model blocks them at its LM head: rft_core/vision.py).
+    micro_batch_size, bf16: the HF engine's generate batch and autocast. The rest is vLLM's: tp_size ranks per
+    engine, mem_util of the GPU for weights and KV cache, sleep "auto" | "always" | "never" at sleep_level,
+    max_model_len (prompt + response), requests (one generate call's, per rank: sizes the KV cache of a small
+    model), seed. processor: a vision-language model's image processor. vLLM processes the images itself,
+    with this processor's settings (so its image grids are the trainer's), at most limit_mm_per_prompt images
+    per prompt, never samples the vision placeholders (the trainer's model blocks them at its LM head:
+    vision.py), and syncs the parameters under static_prefix (a frozen vision tower) once.
     """
     has_vllm = importlib.util.find_spec("vllm") is not None
     if engine_type == "auto":
         engine_type = "vllm" if has_vllm and torch.cuda.is_available() else "hf"
     if engine_type == "hf":
-        dtype = torch.bfloat16 if args.bf16 else None
-        return HFEngine(model, tokenizer, args.micro_rollout_batch_size, dtype, synced_gpus=sharding(model) is not None)
-    if engine_type == "vllm":
-        if not has_vllm:
-            raise ImportError("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use --engine_type hf")
-        if not torch.cuda.is_available():
-            raise RuntimeError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
-        if args.enable_engine_sleep and args.disable_engine_sleep:
-            raise ValueError("--enable_engine_sleep or --disable_engine_sleep: pick one")
-        text_config = model.config.get_text_config()
-        heads = getattr(text_config, "num_attention_heads", None)
-        if heads and heads % args.engine_tp_size:  # SmolLM2-135M has 9 heads: TP 1 only
-            raise ValueError(f"--engine_tp_size {args.engine_tp_size} must divide the model's {heads} attention heads")
-        from rft_core.vllm_engine import VLLMEngine, kv_cache_bytes
+        dtype = torch.bfloat16 if bf16 else None
+        return HFEngine(model, tokenizer, micro_batch_size, dtype, synced_gpus=sharding(model) is not None)
+    if engine_type != "vllm":
+        raise ValueError(f"unknown --engine_type {engine_type!r}; choose auto, hf or vllm")
+    if not has_vllm:
+        raise ImportError("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use --engine_type hf")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
+    text_config = model.config.get_text_config()
+    heads = getattr(text_config, "num_attention_heads", None)
+    if heads and heads % tp_size:  # SmolLM2-135M has 9 heads: TP 1 only
+        raise ValueError(f"--engine_tp_size {tp_size} must divide the model's {heads} attention heads")
+    from rft_core.vllm_engine import VLLMEngine, kv_cache_bytes
 
-        # vLLM reads the architecture and tokenizer from a directory; weights come by sync below.
-        model_dir = tempfile.mkdtemp(prefix="rft_engine_")
-        model.config.architectures = [hf_architecture(model)]
-        model.config.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        max_len = min(args.prompt_max_len + args.generate_max_len, getattr(text_config, "max_position_embeddings", 1 << 30))
-        vision = {}
-        if processor is not None:  # the trainer's image and video processing settings
-            processor.save_pretrained(model_dir)
-            video_processor_like(processor).save_pretrained(model_dir)  # vLLM's Qwen2-VL processor needs torchvision too
-            vision = dict(limit_mm_per_prompt=args.limit_mm_image_per_prompt, blocked_token_ids=vision_token_ids(tokenizer),
-                          static_prefix=args.freeze_prefix)  # a frozen vision tower is synced once
-        sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        requests = max(1, args.rollout_batch_size * args.n_samples_per_prompt // world) * args.engine_tp_size  # one generate call's
-        kv_bytes = kv_cache_bytes(model.config, requests, max_len, args.engine_mem_util * torch.cuda.mem_get_info()[1])
-        engine = VLLMEngine(model_dir, tokenizer.eos_token_id, args.engine_tp_size, args.engine_mem_util, sleep, args.engine_sleep_level,
-                            args.seed, max_len, args.engine_enforce_eager, kv_bytes=kv_bytes, **vision)
-        engine.update_weights(model)
-        return engine
-    raise ValueError(f"unknown --engine_type {engine_type!r}; choose auto, hf or vllm")
+    # vLLM reads the architecture and tokenizer from a directory; weights come by sync below.
+    model_dir = tempfile.mkdtemp(prefix="rft_engine_")
+    model.config.architectures = [hf_architecture(model)]
+    model.config.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    max_len = min(max_model_len, getattr(text_config, "max_position_embeddings", 1 << 30))
+    vision = {}
+    if processor is not None:  # the trainer's image and video processing settings
+        processor.save_pretrained(model_dir)
+        # vLLM's Qwen2-VL processor needs torchvision too
+        video_processor_like(processor).save_pretrained(model_dir)
+        vision = dict(limit_mm_per_prompt=limit_mm_per_prompt, blocked_token_ids=vision_token_ids(tokenizer),
+                      static_prefix=static_prefix)  # a frozen vision tower is synced once
+    budget = mem_util * torch.cuda.mem_get_info()[1]
+    kv_bytes = kv_cache_bytes(model.config, max(1, requests or 1) * tp_size, max_len, budget)
+    engine = VLLMEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
+                        max_len, enforce_eager, kv_bytes=kv_bytes, **vision)
+    engine.update_weights(model)
+    return engine

@@ -1,7 +1,8 @@
-"""The experience batch: rollouts as padded tensors, their logprobs, and micro-batches of it.
+"""The rollout as records (`Sample`, one per response) and as one padded batch (`Experience`), its logprobs,
+and micro-batches of it.
 
-Layout of one row: [pad ... prompt | response ... pad], prompts left-padded to P and responses
-right-padded to R, so the response always occupies the last R columns.
+Layout of one Experience row: [pad ... prompt | response ... pad], prompts left-padded to P and responses
+right-padded to T, so the response always occupies the last T columns.
 """
 
 from dataclasses import dataclass, fields, replace
@@ -9,22 +10,36 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from rft_core.models import response_logprobs, response_values
-from rft_core.vision import mm_inputs
+from rft_core.multimodal import mm_inputs
+
+
+@dataclass
+class Sample:
+    """One prompt and, once rolled out, one response to it with its reward."""
+    prompt_ids: list  # the encoded prompt (chat template applied; image placeholders expanded)
+    label: str  # the reference answer the reward compares with
+    prompt: object  # the prompt as the reward sees it: a string or a list of chat messages
+    mm: dict = None  # a vision-language prompt's images and videos (multimodal.py), None for text
+    generation: object = None  # engine.Generation: the response's token ids and sampling logprobs
+    completion: str = None  # the response decoded
+    reward: float = None  # as scored: the weighted sum of the reward sources, plus shaping
+    components: dict = None  # name -> value, each logged as rollout/reward/<name>
 
 
 @dataclass
 class Experience:
-    input_ids: torch.Tensor  # (B, P + R)
-    attention_mask: torch.Tensor  # (B, P + R)
-    action_mask: torch.Tensor  # (B, R): 1 on response tokens
-    rollout_logprobs: torch.Tensor  # (B, R): the engine's sampling logprobs
-    old_logprobs: torch.Tensor = None  # (B, R): trainer logprobs before the update
-    ref_logprobs: torch.Tensor = None  # (B, R): frozen reference model
-    values: torch.Tensor = None  # (B, R): the critic's V(s_t) before the update (gae)
-    returns: torch.Tensor = None  # (B, R): the critic's regression targets (gae)
+    input_ids: torch.Tensor  # (B, P + T)
+    attention_mask: torch.Tensor  # (B, P + T)
+    action_mask: torch.Tensor  # (B, T): 1 on response tokens
+    rollout_logprobs: torch.Tensor  # (B, T): the engine's sampling logprobs
+    old_logprobs: torch.Tensor = None  # (B, T): trainer logprobs before the update
+    ref_logprobs: torch.Tensor = None  # (B, T): frozen reference model
+    values: torch.Tensor = None  # (B, T): the critic's V(s_t) before the update (gae)
+    returns: torch.Tensor = None  # (B, T): the critic's regression targets (gae)
     rewards: torch.Tensor = None  # (B,)
-    mm: list = None  # per row, for vision-language models: {"pixel_values", "image_grid_thw", "image_token_id"} or None
-    advantages: torch.Tensor = None  # (B,) per sequence, broadcast over tokens by the loss, or (B, R) per token
+    mm: list = None  # per row, for vision-language models: image inputs (multimodal.py) or None
+    # (B,) per sequence, broadcast over tokens by the loss, or (B, T) per token
+    advantages: torch.Tensor = None
 
     def __len__(self):
         return self.input_ids.shape[0]
@@ -32,7 +47,8 @@ class Experience:
     def select(self, idx):
         """The rows idx (a list or 1-D tensor of indices), untrimmed."""
         idx = torch.as_tensor(idx, device=self.input_ids.device)
-        picked = {f.name: getattr(self, f.name)[idx] for f in fields(self) if torch.is_tensor(getattr(self, f.name))}
+        picked = {f.name: getattr(self, f.name)[idx] for f in fields(self)
+                  if torch.is_tensor(getattr(self, f.name))}
         if self.mm is not None:
             picked["mm"] = [self.mm[i] for i in idx.tolist()]
         return replace(self, **picked)
@@ -43,19 +59,21 @@ class Experience:
 
     def split(self, micro_batch_size):
         """Micro-batches in order, each trimmed to its own longest prompt and response."""
-        return [self.select(range(i, min(i + micro_batch_size, len(self))))._trim() for i in range(0, len(self), micro_batch_size)]
+        return [self.select(range(i, min(i + micro_batch_size, len(self))))._trim()
+                for i in range(0, len(self), micro_batch_size)]
 
     def _trim(self):
         """Drop the padding columns that no row of this batch uses."""
-        num_actions = self.action_mask.shape[1]
-        keep_r = int(self.action_mask.sum(-1).max().clamp(min=1))  # longest response here
+        width, num_actions = self.input_ids.shape[1], self.action_mask.shape[1]
+        keep_t = int(self.action_mask.sum(-1).max().clamp(min=1))  # longest response here
         used = self.attention_mask[:, :-num_actions].any(0).nonzero()
         start = int(used[0]) if len(used) else 0  # first prompt column any row uses
-        end = self.input_ids.shape[1] - num_actions + keep_r
-        trimmed = {"input_ids": self.input_ids[:, start:end], "attention_mask": self.attention_mask[:, start:end]}
-        for key in ("action_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "returns", "advantages"):
-            if getattr(self, key) is not None and getattr(self, key).dim() == 2:
-                trimmed[key] = getattr(self, key)[:, :keep_r]
+        end = width - num_actions + keep_t
+        trimmed = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if torch.is_tensor(value) and value.dim() == 2:  # (B, P + T) or (B, T)
+                trimmed[f.name] = value[:, start:end] if value.shape[1] == width else value[:, :keep_t]
         return replace(self, **trimmed)
 
 
@@ -65,12 +83,12 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
     if len(prompt_ids) != len(generations):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(generations)} generations")
     P = max(len(p) for p in prompt_ids)
-    R = max(1, max(len(g.token_ids) for g in generations))
+    T = max(1, max(len(g.token_ids) for g in generations))
     B = len(prompt_ids)
-    input_ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + R), dtype=torch.long)
-    action_mask = torch.zeros((B, R), dtype=torch.long)
-    rollout_logprobs = torch.zeros((B, R), dtype=torch.float32)
+    input_ids = torch.full((B, P + T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
+    action_mask = torch.zeros((B, T), dtype=torch.long)
+    rollout_logprobs = torch.zeros((B, T), dtype=torch.float32)
     for i, (p, g) in enumerate(zip(prompt_ids, generations)):
         n = len(g.token_ids)
         input_ids[i, P - len(p):P] = torch.tensor(p)
@@ -78,27 +96,39 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
         attention_mask[i, P - len(p):P + n] = 1
         action_mask[i, :n] = 1
         rollout_logprobs[i, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
-    return Experience(input_ids.to(device), attention_mask.to(device), action_mask.to(device), rollout_logprobs.to(device), mm=mm)
+    mm = mm if mm is not None and any(m is not None for m in mm) else None  # None: a text-only batch
+    return Experience(input_ids.to(device), attention_mask.to(device), action_mask.to(device),
+                      rollout_logprobs.to(device), mm=mm)
 
 
 @torch.no_grad()
 def batched_forward(experience, micro_batch_size, fn):
-    """fn(micro_batch) -> (b, r) per response token, over the whole experience in micro-batches: (B, R)."""
-    out = torch.zeros_like(experience.rollout_logprobs)  # (B, R)
+    """fn(micro_batch) -> (b, t) per response token, over the whole experience in micro-batches: (B, T)."""
+    out = torch.zeros_like(experience.rollout_logprobs)  # (B, T)
     for i, mb in enumerate(experience.split(micro_batch_size)):
-        values = fn(mb)  # (b, r), r <= R after trimming
+        values = fn(mb)  # (b, t), t <= T after trimming
         lo = i * micro_batch_size
         out[lo:lo + len(mb), :values.shape[1]] = values * mb.action_mask
     return out
 
 
 def batched_logprobs(model, experience, micro_batch_size, temperature=1.0):
-    """Response logprobs (B, R) of `model` over the whole experience, in micro-batches."""
+    """Response logprobs (B, T) of `model` over the whole experience, in micro-batches."""
     return batched_forward(experience, micro_batch_size, lambda mb: response_logprobs(
-        model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature, mm_inputs=mb.mm_inputs())[0])
+        model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature,
+        mm_inputs=mb.mm_inputs())[0])
 
 
 def batched_values(critic, experience, micro_batch_size):
-    """The critic's values (B, R) over the whole experience, in micro-batches."""
+    """The critic's values (B, T) over the whole experience, in micro-batches."""
     return batched_forward(experience, micro_batch_size, lambda mb: response_values(
         critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], mm_inputs=mb.mm_inputs()))
+
+
+def optimizer_chunks(experience, rows_per_step, max_epochs, seed):
+    """The rows of each optimizer step: every epoch a new permutation of the batch (seeded: a resumed run
+    draws the same), cut into chunks of rows_per_step."""
+    for epoch in range(max_epochs):
+        order = torch.randperm(len(experience), generator=torch.Generator().manual_seed(seed + epoch))
+        for first in range(0, len(experience), rows_per_step):
+            yield experience.select(order[first:first + rows_per_step])

@@ -14,6 +14,8 @@ totals over every micro-batch and data-parallel rank, so the per-micro-batch val
 """
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -67,19 +69,20 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator="k3"):
     raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}")
 
 
-def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, loss_agg_mode="token-mean",
-                num_tokens=None, num_seqs=None, max_len=None, eps_clip_high=None, dual_clip=None, use_gspo=False,
-                is_weights=None, use_cpg_loss=False):
-    """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1-eps, 1+eps_high) A), with variants:
+def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.2, loss_agg_mode="token-mean",
+                num_tokens=None, num_seqs=None, max_len=None, eps_clip_high=None, dual_clip=None,
+                use_gspo=False, is_weights=None, use_cpg_loss=False):
+    """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with
+    variants:
 
-    eps_clip_high  clip-higher (DAPO): a wider upper bound than eps_clip, the lower one
+    eps_clip_high  clip-higher (DAPO): the upper bound's own range (default: eps_clip_low, the symmetric clip)
     dual_clip      dual-clip (Ye et al. 2020): for A < 0 the loss is capped at -dual_clip * A (dual_clip > 1)
     use_gspo       GSPO (Zheng et al. 2025): the sequence-level ratio exp(mean_t log r_t) replaces r_t, with
                    the gradient of GSPO-token, sg(s_i) * grad log pi(y_t), so each token gets s_i's weight
     is_weights     per-token importance weights (detached), e.g. truncated IS against the rollout engine (TIS)
-    use_cpg_loss   CPGD's clipped policy gradient (Liu et al. 2025): -A * log pi with log pi clipped to
-                   log pi_old + [log(1-eps), log(1+eps_high)] on the side A pushes it; no ratio multiplies
-                   the gradient, which stays -A grad log pi inside the range and 0 outside
+    use_cpg_loss   CPGD's clipped policy gradient (Liu et al. 2025): -A * clip(log r, log(1 - eps_low),
+                   log(1 + eps_high)), clipped only on the side A pushes it; no ratio multiplies the gradient,
+                   which stays -A grad log pi inside the range and 0 outside
 
     logprobs, old_logprobs, action_mask: (B, T); advantages: (B, T) or (B,) broadcast over tokens.
     Returns (loss, metrics): clip fraction and the k1 policy-vs-old KL as detached 0-d tensors (no host sync).
@@ -89,16 +92,21 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip=0.2, l
     log_ratio = logprobs - old_logprobs  # (B, T)
     if use_gspo:
         seq_log_ratio = masked_mean(log_ratio, action_mask, -1)  # (B,): log s_i
-        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()  # value log s_i, grad of log pi
+        # value log s_i, grad of log pi
+        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
     ratio = torch.exp(log_ratio)
-    high = eps_clip if eps_clip_high is None else eps_clip_high
+    high = eps_clip_low if eps_clip_high is None else eps_clip_high
     surr1 = ratio * advantages
-    surr2 = ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
+    surr2 = ratio.clamp(1.0 - eps_clip_low, 1.0 + high) * advantages
     loss_mat = -torch.minimum(surr1, surr2)  # (B, T)
     if use_cpg_loss:
-        upper = old_logprobs + math.log1p(high)  # (B, T)
-        lower = old_logprobs + math.log1p(-eps_clip)
-        clipped = torch.where(advantages > 0, torch.minimum(logprobs, upper), torch.maximum(logprobs, lower))
+        upper = math.log1p(high)
+        lower = math.log1p(-eps_clip_low)
+        # the paper's objective is on the log-ratio; log pi_old is a constant, so the gradient is that of
+        # log pi
+        token_log_ratio = logprobs - old_logprobs  # (B, T), per token even under GSPO
+        clipped = torch.where(advantages > 0, token_log_ratio.clamp(max=upper),
+                              token_log_ratio.clamp(min=lower))
         loss_mat = -advantages * clipped  # (B, T)
     if dual_clip is not None:
         loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, -dual_clip * advantages), loss_mat)
@@ -141,3 +149,80 @@ def entropy_from_logits(logits, lse=None):
     logits = logits.float()
     lse = torch.logsumexp(logits, -1) if lse is None else lse
     return lse - (torch.exp(logits - lse.unsqueeze(-1)) * logits).sum(-1)
+
+
+@dataclass
+class LossSettings:
+    """What `actor_loss` needs besides the tensors: the loss flags, and the optimizer step's totals."""
+    loss_agg_mode: str = "token-mean"
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    use_gspo: bool = False
+    use_cpg_loss: bool = False
+    tis_cap: Optional[float] = None  # truncated importance sampling against the rollout engine's logprobs
+    high_entropy_token_ratio: float = 0.0  # train the policy on this fraction of tokens (0: all)
+    entropy_coef: float = 0.0
+    policy_drift_coef: float = 0.0  # CPGD's KL(pi_old || pi) weight
+    use_kl_loss: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    max_len: Optional[int] = None  # Dr.GRPO's constant L
+    num_seqs: Optional[int] = None  # sequences in the optimizer step, over all ranks
+    num_tokens: Optional[torch.Tensor] = None  # response tokens in the optimizer step, over all ranks
+    num_pg_tokens: Optional[torch.Tensor] = None  # those the policy loss keeps (high_entropy_token_ratio)
+    micro_batches_per_step: int = 1  # over all ranks: the logged loss is this micro-batch's share times this
+
+
+def policy_token_counts(action_masks, ratio=0.0):
+    """(response tokens, tokens the policy loss keeps) in these micro-batches' action masks: high_entropy_mask
+    keeps round(ratio * n) of a micro-batch's n tokens, at least one."""
+    num_tokens = sum(int(mask.sum()) for mask in action_masks)
+    if not ratio:
+        return float(num_tokens), float(num_tokens)
+    return float(num_tokens), float(sum(max(1, round(ratio * int(mask.sum()))) for mask in action_masks))
+
+
+def actor_loss(logprobs, entropy, mb, s):
+    """The actor's loss on one micro-batch, normalised by the whole optimizer step's totals (LossSettings),
+    and its metrics as detached 0-d tensors.
+
+    logprobs, entropy: (B, T) under the policy being trained (entropy with a gradient if s.entropy_coef).
+    mb: the micro-batch (an Experience) with action_mask, advantages, rollout_logprobs, and old_logprobs
+    (None: the weights have not moved since the rollout, so the update's own, detached, are pi_old) and
+    ref_logprobs.
+    loss = policy loss (PPO clip and its variants, on the high-entropy tokens only if asked, TIS-weighted)
+           - entropy_coef * entropy + policy_drift_coef * KL(pi_old || pi) (CPGD)
+           + kl_coef * KL(pi || ref) (GRPO).
+    """
+    old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
+    mask = mb.action_mask
+    agg = dict(num_tokens=s.num_tokens, num_seqs=s.num_seqs, max_len=s.max_len)
+    # TIS: the engine samples with other numerics than the trainer's; weight tokens by
+    # min(pi_old / pi_rollout, cap)
+    is_weights = (old - mb.rollout_logprobs).exp().clamp(max=s.tis_cap) if s.tis_cap else None  # (B, T)
+    ratio = s.high_entropy_token_ratio
+    pg_mask = high_entropy_mask(entropy, mask, ratio) if ratio else mask  # (B, T)
+    pg_loss, metrics = policy_loss(logprobs, old, mb.advantages, pg_mask, s.eps_clip_low, s.loss_agg_mode,
+                                   s.num_pg_tokens, s.num_seqs, s.max_len, eps_clip_high=s.eps_clip_high,
+                                   dual_clip=s.dual_clip, use_gspo=s.use_gspo, is_weights=is_weights,
+                                   use_cpg_loss=s.use_cpg_loss)
+    loss = pg_loss
+    if s.entropy_coef:
+        loss = loss - s.entropy_coef * aggregate_loss(entropy, mask, s.loss_agg_mode, **agg)
+    if s.policy_drift_coef:  # CPGD policy drift: KL(pi_old || pi) = E_old[r - 1 - log r], r = pi / pi_old
+        drift = kl_estimate(old, logprobs, "k3")  # (B, T)
+        loss = loss + s.policy_drift_coef * aggregate_loss(drift, mask, s.loss_agg_mode, **agg)
+    if s.use_kl_loss:
+        kl = kl_estimate(logprobs, mb.ref_logprobs, s.kl_estimator)  # (B, T)
+        loss = loss + s.kl_coef * aggregate_loss(kl, mask, s.loss_agg_mode, **agg)
+        metrics["kl"] = masked_mean(kl, mask).detach()
+    # the mean of these over micro-batches and ranks is the step's policy loss
+    metrics["policy_loss"] = pg_loss.detach() * s.micro_batches_per_step
+    metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    if ratio:
+        metrics["pg_token_frac"] = pg_mask.sum() / mask.sum().clamp(min=1)
+    diff = (mb.rollout_logprobs - old).abs() * mask  # (B, T): engine vs trainer, the same weights
+    metrics["logprob_diff_mean"] = diff.sum() / mask.sum()
+    metrics["logprob_diff_max"] = diff.max()
+    return loss, metrics

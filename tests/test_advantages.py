@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from rft_core.advantages import (ADVANTAGE_ESTIMATORS, adaptive_kl_coef, compute_advantages, discounted_returns, gae,
+from rft_core.advantages import (ADVANTAGE_ESTIMATORS, adaptive_kl_coef, outcome_scores, discounted_returns, gae,
                                  token_rewards, whiten)
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.1, 0.1, 0.0, 0.0]  # 3 prompts x 4 samples
@@ -43,33 +43,45 @@ def naive(estimator, rewards, n, eps=1e-6):
 
 @pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS)
 def test_matches_naive(estimator):
-    got = compute_advantages(torch.tensor(REWARDS), N, estimator)
+    got = outcome_scores(torch.tensor(REWARDS), N, estimator)
     assert got.tolist() == pytest.approx(naive(estimator, REWARDS, N), rel=1e-5, abs=1e-6)
 
 
 def test_known_values():
-    adv = compute_advantages(torch.tensor([1.0, 0.0]), 2, "dr_grpo")
+    adv = outcome_scores(torch.tensor([1.0, 0.0]), 2, "dr_grpo")
     assert adv.tolist() == [0.5, -0.5]
-    adv = compute_advantages(torch.tensor([1.0, 0.0, 0.0]), 3, "rloo")
+    adv = outcome_scores(torch.tensor([1.0, 0.0, 0.0]), 3, "rloo")
     assert adv.tolist() == pytest.approx([1.0, -0.5, -0.5])
-    assert compute_advantages(torch.tensor([1.0, 0.0]), 2, "cpgd").tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert outcome_scores(torch.tensor([1.0, 0.0]), 2, "cpgd").tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
     # a group where every sample got the same reward carries no signal
-    assert compute_advantages(torch.tensor([0.5, 0.5, 0.5]), 3, "group_norm").abs().max() == 0
+    assert outcome_scores(torch.tensor([0.5, 0.5, 0.5]), 3, "group_norm").abs().max() == 0
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "cpgd", "dr_grpo", "rloo", "reinforce_baseline"])
+@pytest.mark.parametrize("group", [[0.3] * 8, [123.456] * 5, [1.1] * 3, [1e-7] * 4])
+def test_tied_group_scores_exactly_zero(estimator, group):
+    """A group whose rewards are all equal (partial credit, --normalize_reward, dynamic sampling's fillers) has
+    no better sample: every baseline estimator gives exactly 0. In float32 the mean of [0.3] * 8 is one ulp off
+    and its std one ulp, so (r - mean) / (std + eps) used to give +0.029, and [123.456] * 5 gave 0.80."""
+    mixed = torch.tensor(group + [2.0] + group[1:])  # a tied group, then one that is not
+    scores = outcome_scores(mixed, len(group), estimator)
+    assert scores[:len(group)].tolist() == [0.0] * len(group)
+    assert scores[len(group):].abs().max() > 0
 
 
 def test_rloo_is_scaled_dr_grpo():
     """RLOO's advantage is n/(n-1) times the mean-centred one."""
     r = torch.tensor(REWARDS)
-    assert torch.allclose(compute_advantages(r, N, "rloo"), compute_advantages(r, N, "dr_grpo") * N / (N - 1))
+    assert torch.allclose(outcome_scores(r, N, "rloo"), outcome_scores(r, N, "dr_grpo") * N / (N - 1))
 
 
 def test_errors():
     with pytest.raises(ValueError, match="groups of 4"):
-        compute_advantages(torch.ones(6), 4)
+        outcome_scores(torch.ones(6), 4)
     with pytest.raises(ValueError, match="unknown advantage estimator"):
-        compute_advantages(torch.ones(4), 4, "ppo")
+        outcome_scores(torch.ones(4), 4, "ppo")
     with pytest.raises(ValueError, match="rloo needs"):
-        compute_advantages(torch.ones(4), 1, "rloo")
+        outcome_scores(torch.ones(4), 1, "rloo")
 
 
 # ---- token level: rewards with a KL penalty, returns, GAE ----

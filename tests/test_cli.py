@@ -3,7 +3,8 @@ from typing import Optional, Tuple
 
 import pytest
 
-from rft_core.cli import MetricsLog, parse_args
+from rft_core.cli import parse_args
+from rft_core.metrics import MetricsLog
 
 
 @dataclass

@@ -124,6 +124,7 @@ def test_evaluate_pads_ranks_to_equal_work():
     and the padding rows are not counted."""
     from rft_core.engine import Generation
     from rft_core.evaluation import evaluate
+    from rft_core.experience import Sample
 
     class Engine:
         def __init__(self):
@@ -132,7 +133,7 @@ def test_evaluate_pads_ranks_to_equal_work():
         def wake_up(self):
             pass
 
-        def generate(self, ids, max_len, temperature=0.0):
+        def generate(self, ids, max_len, temperature=0.0, mm=None):
             self.sizes.append(len(ids))
             return [Generation([7], [0.0]) for _ in ids]
 
@@ -147,8 +148,11 @@ def test_evaluate_pads_ranks_to_equal_work():
         def batch_decode(self, ids, skip_special_tokens=True):
             return ["x" for _ in ids]
 
-    rows = [([1], str(i), "p") for i in range(5)]  # rank 0 gets 3 rows, rank 1 gets 2 (+1 padding)
-    score = lambda prompts, completions, labels: ([1.0] * len(prompts), {"correct": [1.0] * len(prompts)}, 0)  # noqa: E731
+    rows = [Sample([1], str(i), "p") for i in range(5)]  # rank 0 gets 3 rows, rank 1 gets 2 (+1 padding)
+
+    def score(samples):
+        for s in samples:
+            s.reward, s.components = 1.0, {"correct": 1.0}
     for rank, count in ((0, 3), (1, 2)):
         engine = Engine()
         metrics = evaluate(engine, Tok(), rows, score, Accel(rank), 4, n_samples=2)

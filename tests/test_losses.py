@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 
-from rft_core.losses import (LOSS_AGG_MODES, aggregate_loss, entropy_from_logits, high_entropy_mask, kl_estimate, masked_mean,
-                             policy_loss, value_loss)
+from rft_core.experience import Experience
+from rft_core.losses import (LOSS_AGG_MODES, LossSettings, actor_loss, aggregate_loss, entropy_from_logits,
+                             high_entropy_mask, kl_estimate, masked_mean, policy_loss, policy_token_counts,
+                             value_loss)
 
 # 3 sequences of lengths 4, 2, 3 (padded to 4)
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 9.0, 9.0], [-1.0, 0.5, 2.5, 7.0]])
@@ -197,8 +199,9 @@ def test_importance_weights_scale_token_losses():
 
 
 def test_cpg_loss_value_and_gradient():
-    """CPGD: per token -A * log pi, log pi clipped to log pi_old + [log(1-eps), log(1+eps_high)] on the side
-    A pushes it (up for A > 0, down for A < 0); gradient -A / n inside the range, 0 where clipped."""
+    """CPGD: per token -A * log(pi / pi_old), the log-ratio clipped to [log(1-eps), log(1+eps_high)] on the side
+    A pushes it (up for A > 0, down for A < 0): the paper's objective, whose value has no -A log pi_old term;
+    gradient -A / n inside the range, 0 where clipped."""
     lo, hi = 0.2, 0.28
     logprobs = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
     old = torch.tensor([[-1.1, -1.0, -2.0], [-0.9, -2.0, -0.1]])
@@ -213,9 +216,9 @@ def test_cpg_loss_value_and_gradient():
                 continue
             lp, o, a = logprobs[i, t].item(), old[i, t].item(), adv[i, t].item()
             if a > 0:
-                clipped, active = min(lp, o + math.log(1 + hi)), lp < o + math.log(1 + hi)
+                clipped, active = min(lp - o, math.log(1 + hi)), lp - o < math.log(1 + hi)
             else:
-                clipped, active = max(lp, o + math.log(1 - lo)), lp > o + math.log(1 - lo)
+                clipped, active = max(lp - o, math.log(1 - lo)), lp - o > math.log(1 - lo)
             expected += -a * clipped / n
             grad[i, t] = -a / n if active else 0.0
     assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -266,3 +269,78 @@ def test_policy_drift_is_reverse_k3():
     lp, old = torch.tensor([[-1.0, -0.2]]), torch.tensor([[-1.5, -0.2]])
     r = torch.exp(lp - old)
     assert torch.allclose(kl_estimate(old, lp, "k3"), r - 1 - torch.log(r))
+
+
+def _micro_batch(seed, rows=6, width=5):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(rows, width, generator=g) > 0.3).long()
+    mask[:, 0] = 1
+    old = -torch.rand(rows, width, generator=g) * mask
+    return Experience(input_ids=torch.zeros(rows, 2 + width, dtype=torch.long),
+                      attention_mask=torch.ones(rows, 2 + width, dtype=torch.long), action_mask=mask,
+                      rollout_logprobs=old + 0.01 * torch.randn(rows, width, generator=g) * mask,
+                      old_logprobs=old, ref_logprobs=old - 0.2 * torch.rand(rows, width, generator=g),
+                      advantages=torch.randn(rows, generator=g))
+
+
+def test_actor_loss_matches_its_parts():
+    """actor_loss = policy loss (on the high-entropy tokens, TIS-weighted) - entropy bonus + CPGD drift + KL loss,
+    each term checked against the pure functions it is built from."""
+    mb = _micro_batch(0)
+    logprobs = (mb.old_logprobs + 0.1 * torch.randn(6, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    entropy = torch.rand(6, 5, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    n = float(mb.action_mask.sum())
+    s = LossSettings("token-mean", 0.2, 0.28, dual_clip=3.0, tis_cap=2.0, high_entropy_token_ratio=0.5,
+                     entropy_coef=0.01, policy_drift_coef=0.1, use_kl_loss=True, kl_coef=0.05, kl_estimator="k2",
+                     num_tokens=torch.tensor(n), num_pg_tokens=torch.tensor(float(round(0.5 * n))), num_seqs=6)
+    loss, metrics = actor_loss(logprobs, entropy, mb, s)
+    keep = high_entropy_mask(entropy, mb.action_mask, 0.5)
+    weights = (mb.old_logprobs - mb.rollout_logprobs).exp().clamp(max=2.0)
+    pg, _ = policy_loss(logprobs, mb.old_logprobs, mb.advantages, keep, 0.2, "token-mean", round(0.5 * n),
+                        eps_clip_high=0.28, dual_clip=3.0, is_weights=weights)
+    mask = mb.action_mask.float()
+    want = (pg - 0.01 * (entropy * mask).sum() / n
+            + 0.1 * (kl_estimate(mb.old_logprobs, logprobs, "k3") * mask).sum() / n
+            + 0.05 * (kl_estimate(logprobs, mb.ref_logprobs, "k2") * mask).sum() / n)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    (got_grad,) = torch.autograd.grad(loss, logprobs)
+    (want_grad,) = torch.autograd.grad(want, logprobs)
+    assert torch.allclose(got_grad, want_grad, atol=1e-7)
+    assert metrics["pg_token_frac"].item() == pytest.approx(round(0.5 * n) / n)
+    # the high-entropy mask: tokens it drops get no policy-gradient (only the drift and KL terms move them)
+    s_pg = LossSettings("token-mean", 0.2, 0.2, high_entropy_token_ratio=0.5, num_tokens=torch.tensor(n),
+                        num_pg_tokens=torch.tensor(float(round(0.5 * n))))
+    pg_only, _ = actor_loss(logprobs, entropy, mb, s_pg)
+    (grad,) = torch.autograd.grad(pg_only, logprobs)
+    assert (grad[(keep == 0) & (mb.action_mask == 1)] == 0).all() and (grad[keep == 1] != 0).any()
+
+
+def test_actor_loss_logged_policy_loss_is_the_steps():
+    """Split over 2 ranks x 2 micro-batches with the step's totals, the mean of the logged policy_loss over
+    micro-batches and then over ranks (what the script logs) is the whole batch's loss, and the losses summed
+    give its gradient."""
+    mb = _micro_batch(3, rows=8)
+    logprobs = (mb.old_logprobs + 0.05).requires_grad_()
+    entropy = torch.rand(8, 5)
+    counts = policy_token_counts([mb.action_mask])
+    whole = LossSettings(num_tokens=torch.tensor(counts[0]), num_pg_tokens=torch.tensor(counts[1]), num_seqs=8)
+    full, _ = actor_loss(logprobs, entropy, mb, whole)
+    split = LossSettings(num_tokens=torch.tensor(counts[0]), num_pg_tokens=torch.tensor(counts[1]), num_seqs=8,
+                         micro_batches_per_step=4)
+    per_rank, total = [], 0.0
+    for rank in range(2):
+        logged = []
+        for i in (rank * 4, rank * 4 + 2):
+            piece = mb.select(range(i, i + 2))
+            loss, metrics = actor_loss(logprobs[i:i + 2], entropy[i:i + 2], piece, split)
+            logged.append(metrics["policy_loss"])
+            total = total + loss
+        per_rank.append(sum(logged) / len(logged))
+    assert (sum(per_rank) / 2).item() == pytest.approx(full.item(), rel=1e-6)
+    assert total.item() == pytest.approx(full.item(), rel=1e-6)
+
+
+def test_policy_token_counts():
+    masks = [torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]), torch.tensor([[1, 1, 1, 1]])]
+    assert policy_token_counts(masks) == (8.0, 8.0)
+    assert policy_token_counts(masks, 0.2) == (8.0, 2.0)  # round(0.8) = 1 and round(0.8) = 1

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rft_core.rewards import (RunningMoments, answer_reward, load_reward_fn, math_label, math_reward, overlong_penalty,
-                              parse_answer, pass_at_k, remote_reward_fn, reward_model_fn, score)
+                              parse_answer, pass_at_k, remote_reward_fn, reward_model_fn, reward_sources, score,
+                              weighted_rewards)
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [
@@ -159,7 +160,8 @@ def test_math_reward_is_equivalence_not_string_match():
 
 def test_overlong_penalty():
     # max 10 tokens, buffer 4: free up to 6, then -1/4 per token down to -factor at 10
-    assert overlong_penalty([3, 6, 7, 8, 10], 10, 4, factor=2.0) == pytest.approx([0, 0, -0.5, -1.0, -2.0])
+    got = [overlong_penalty(n, 10, 4, factor=2.0) for n in (3, 6, 7, 8, 10)]
+    assert got == pytest.approx([0, 0, -0.5, -1.0, -2.0])
 
 
 def test_running_moments_match_concatenation():
@@ -193,3 +195,33 @@ def test_reward_model_fn_scores_like_the_classifier(tiny_rm_dir):
         want = [rm(**tok(t, return_tensors="pt", add_special_tokens=False)).logits.item() for t in texts]
     assert got == pytest.approx(want, abs=1e-5)
     assert len(set(got)) == 3
+
+
+def test_weighted_rewards_sets_each_samples_reward_and_components():
+    """Sources summed with their weights; the rule's components keep their names, a model is one component;
+    a failure gives that source's fallback to the sample and is counted."""
+    from rft_core.experience import Sample
+
+    def rule(prompts, completions, labels, **kw):
+        return {"correct": [float(c == lab) for c, lab in zip(completions, labels)], "format": [0.1] * len(labels)}
+
+    def model(prompts, completions, labels, **kw):
+        if "boom" in completions:
+            raise RuntimeError("down")
+        return [len(c) for c in completions]
+
+    samples = [Sample([1], "ab", "p", completion=c) for c in ("ab", "xyz", "boom")]
+    errors = weighted_rewards([("rule", rule), ("rm0", model)], [1.0, 0.5], fallback=-1.0)(samples)
+    assert errors == 1
+    assert [s.reward for s in samples] == pytest.approx([1.1 + 1.0, 0.1 + 1.5, 0.1 - 0.5])
+    assert samples[0].components == {"correct": 1.0, "format": 0.1, "rm0": 2.0}
+    assert samples[2].components["rm0"] == -1.0
+    with pytest.raises(ValueError, match="--reward_weights has 1 values for 2 reward sources"):
+        weighted_rewards([("rule", rule), ("rm0", model)], [1.0])
+
+
+def test_default_rule_and_first_word():
+    """With no reward flag the script's default rule is the source: answer for text, first_word for images."""
+    (name, fn), = reward_sources(default_rule="first_word")
+    assert name == "rule" and fn(None, ["red circle", "a red", ""], ["red", "red", "red"]) == {"correct": [1, 0, 0]}
+    assert reward_sources()[0][1] is answer_reward

@@ -12,24 +12,14 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT, read_metrics, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
         "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "8"]
 
 
-def run(args, launcher=(sys.executable,), check=True):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run([*launcher, os.path.join(ROOT, "train_ppo.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def read_metrics(out):
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return [r for r in rows if "train/policy_loss" in r], [r for r in rows if "eval/accuracy" in r]
+def run(args, **kwargs):
+    return run_script("train_ppo.py", args, **kwargs)
 
 
 def check_outputs(out, steps=2):
@@ -117,6 +107,28 @@ def test_dapo_reward_models_ema_ptx(tiny_model_dir, tiny_rm_dir, tmp_path, chars
          "--reward_fn", f"{tmp_path / 'const.py'}:const", "--output_dir", str(tmp_path / "const")])
     rows, _ = read_metrics(str(tmp_path / "const"))
     assert rows[0]["rollout/generation_rounds"] == 3 and rows[0]["rollout/filled_groups"] == 2
+
+
+def test_reward_shaping_high_entropy_tokens_and_eval_accuracy(tiny_model_dir, tmp_path, chars_reward):
+    """--normalize_reward: the shaped rewards have the running mean subtracted (their mean is 0 at step 1, when the
+    running statistics are that batch's, and not at step 2); --reward_clip 0.1 caps them; --high_entropy_token_ratio
+    0.2 trains the policy on about a fifth of the tokens. The chars reward has no `correct` component, so eval
+    reports a reward mean and no accuracy, unless --eval_reward_threshold defines one."""
+    run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", chars_reward, "--normalize_reward",
+         "--high_entropy_token_ratio", "0.2", "--output_dir", str(tmp_path / "norm")])
+    rows, evals = read_metrics(str(tmp_path / "norm"))
+    assert rows[0]["rollout/reward_mean"] > 0 and abs(rows[0]["rollout/shaped_reward_mean"]) < 1e-5
+    assert abs(rows[1]["rollout/shaped_reward_mean"]) > 1e-3
+    assert all(0 < r["train/pg_token_frac"] <= 0.3 for r in rows)
+    assert "eval/accuracy" not in evals[0] and evals[0]["eval/reward_mean"] > 0
+
+    run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", chars_reward, "--reward_clip", "0.1",
+         "--eval_reward_threshold", "0.5", "--output_dir", str(tmp_path / "clip")])
+    rows, evals = read_metrics(str(tmp_path / "clip"))
+    assert all(r["rollout/reward_mean"] > 0.1 for r in rows)  # len / 10 of 8-token responses
+    assert all(r["rollout/shaped_reward_mean"] <= 0.1 + 1e-6 and r["rollout/reward_clip_frac"] > 0 for r in rows)
+    assert "train/pg_token_frac" not in rows[0]
+    assert 0 <= evals[0]["eval/accuracy"] <= 1
 
 
 def test_lora(tiny_model_dir, tmp_path, chars_reward):

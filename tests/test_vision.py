@@ -1,13 +1,14 @@
-"""The vision-language groundwork: the shapes task, the word tokenizer, the tiny Qwen2-VL, image-token accounting."""
+"""The vision-language pieces: the shapes task, the word tokenizer, the tiny Qwen2-VL, image-token accounting."""
 
 import importlib.util
 
 import pytest
 import torch
 
-from rft_core.vision import (COLOURS, IMAGE_SIZE, NUMBERS, VISION_TOKENS, block_tokens, check_image_tokens, draw_shapes,
-                             encode_vl_prompt, expand_image_tokens, load_vl_model, shapes_task, tiny_qwen2_vl, vllm_prompt,
-                             word_tokenizer)
+from rft_core.data import COLOURS, IMAGE_SIZE, NUMBERS, draw_shapes, shapes_task
+from rft_core.multimodal import VISION_TOKENS, vllm_prompt
+from rft_core.vision import (block_tokens, check_image_tokens, encode_vl_prompt, expand_image_tokens, load_vl_model,
+                             tiny_qwen2_vl, word_tokenizer)
 
 
 def quadrants_with(image, colour):

@@ -65,12 +65,9 @@ def engine_and_model():
     model, tokenizer = load_model_and_tokenizer()
     model = model.cuda()
 
-    class A:  # the flags create_engine reads
-        bf16, micro_rollout_batch_size, engine_tp_size, engine_mem_util = True, 32, 1, 0.3
-        enable_engine_sleep, disable_engine_sleep, engine_sleep_level, engine_enforce_eager = True, False, 1, True
-        seed, prompt_max_len, generate_max_len, rollout_batch_size, n_samples_per_prompt = 0, 512, 64, 8, 4
-
-    return create_engine("vllm", model, tokenizer, A), model, tokenizer
+    engine = create_engine("vllm", model, tokenizer, bf16=True, micro_batch_size=32, mem_util=0.3, sleep="always",
+                           enforce_eager=True, max_model_len=512 + 64, requests=32)
+    return engine, model, tokenizer
 
 
 def _prompts(tokenizer):

@@ -14,17 +14,16 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.uti
                                 reason="needs a CUDA GPU and vllm")
 
 
-class Flags:  # the flags create_engine reads
-    bf16, micro_rollout_batch_size, engine_tp_size, engine_mem_util = True, 64, 1, 0.2
-    enable_engine_sleep, disable_engine_sleep, engine_sleep_level, engine_enforce_eager = False, True, 1, True
-    seed, prompt_max_len, generate_max_len, limit_mm_image_per_prompt, freeze_prefix = 0, 256, 16, 2, None
-    rollout_batch_size, n_samples_per_prompt = 12, 8
+GENERATE_MAX_LEN = 16
+ENGINE = dict(bf16=True, micro_batch_size=64, mem_util=0.2, sleep="never", enforce_eager=True,
+              max_model_len=256 + GENERATE_MAX_LEN, requests=12 * 8, limit_mm_per_prompt=2)
 
 
 @pytest.fixture(scope="module")
 def vl():
     from rft_core.engine import create_engine
-    from rft_core.vision import encode_vl_prompt, load_vl_model, shapes_task
+    from rft_core.data import shapes_task
+    from rft_core.vision import encode_vl_prompt, load_vl_model
 
     model, tokenizer, processor = load_vl_model(tiny=os.environ.get("RFT_TEST_VL_ARCH", "qwen2_vl"))  # or qwen2_5_vl
     model = model.cuda()
@@ -34,7 +33,7 @@ def vl():
     rows[3]["images"] = []  # a text-only prompt among them
     rows[4]["images"] = [[rows[4]["images"][0], rows[5]["images"][0]] * 2]  # a video of 4 frames
     encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_id, sample=i) for i, r in enumerate(rows)]
-    engine = create_engine("vllm", model, tokenizer, Flags, processor)
+    engine = create_engine("vllm", model, tokenizer, processor, **ENGINE)
     return engine, model, tokenizer, [ids for ids, _ in encoded], [mm for _, mm in encoded]
 
 
@@ -43,7 +42,7 @@ def _logprob_diff(engine, model, tokenizer, prompts, mm):
     from rft_core.experience import batched_logprobs, build_experience
 
     prompts, mm = [p for p in prompts for _ in range(4)], [m for m in mm for _ in range(4)]
-    gens = engine.generate(prompts, Flags.generate_max_len, temperature=1.0, mm=mm)
+    gens = engine.generate(prompts, GENERATE_MAX_LEN, temperature=1.0, mm=mm)
     exp = build_experience(prompts, gens, tokenizer.pad_token_id, "cuda", mm=mm)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         trainer = batched_logprobs(model, exp, 16)
@@ -51,7 +50,7 @@ def _logprob_diff(engine, model, tokenizer, prompts, mm):
 
 
 def test_vllm_prompts_are_the_trainers_and_placeholders_never_sampled(vl):
-    from rft_core.vision import VISION_TOKENS
+    from rft_core.multimodal import VISION_TOKENS
 
     engine, model, tokenizer, prompts, mm = vl
     gens = engine.generate(prompts * 8, 16, temperature=1.0, mm=mm * 8)  # raises if a prompt was expanded otherwise
@@ -106,7 +105,8 @@ def test_sync_covers_the_vision_tower(vl):
 def test_image_token_mismatch_names_the_prompt(vl):
     """A prompt encoded with another processor (112 px images kept whole: 16 tokens) than the engine's (84 x 84 at
     most: 9 tokens) is refused, naming it, instead of generating from a corrupted prompt."""
-    from rft_core.vision import draw_shapes, encode_vl_prompt, load_vl_model
+    from rft_core.data import draw_shapes
+    from rft_core.vision import encode_vl_prompt, load_vl_model
 
     engine, model, tokenizer, prompts, mm = vl
     _, _, big = load_vl_model(max_pixels=112**2)

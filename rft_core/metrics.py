@@ -1,0 +1,172 @@
+"""The bookkeeping of a step, kept out of the algorithm's lines: phase timing and peak memory, metric
+means and the gather over ranks, the rollout's summary, the metrics log and the console line."""
+
+import json
+import os
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+class StepTimer:
+    """Wall time and peak GPU memory of each phase of a step: `phase(name)` ends the running phase and starts
+    `name`; `metrics()` ends the last one and returns perf/<name>_s, perf/step_time_s and, with CUDA,
+    perf/mem_<name>_gb (the phase's peak allocated memory) and perf/mem_<name>_extra_gb (how far that peak
+    rose above what was allocated when the phase began: the phase's transient memory)."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+        self.extra = {}  # phase -> bytes its peak rose above what was allocated when it started (last run)
+        self._reset()
+
+    def _reset(self):
+        self.name, self.step_start, self.values = None, None, {}
+
+    def phase(self, name):
+        now = time.time()
+        if self.name is not None:
+            self.values[f"perf/{self.name}_s"] = now - self.started
+            if self.cuda:
+                peak = torch.cuda.max_memory_allocated()
+                self.extra[self.name] = peak - self.allocated
+                self.values[f"perf/mem_{self.name}_gb"] = peak / 2**30
+                self.values[f"perf/mem_{self.name}_extra_gb"] = self.extra[self.name] / 2**30
+        self.step_start = self.step_start or now
+        self.name, self.started = name, now
+        if self.cuda and name is not None:
+            self.allocated = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def extra_bytes(self, name):
+        """How far the phase's last run rose above the memory allocated when it started (None: not run yet, or
+        no CUDA): what the next run of it will need free."""
+        return self.extra.get(name)
+
+    def metrics(self):
+        self.phase(None)
+        values = {**self.values, "perf/step_time_s": time.time() - self.step_start}
+        self._reset()
+        return values
+
+
+class Means:
+    """Running means of metric dicts, each key over the dicts that hold it. Values may be 0-d device tensors:
+    they are summed on the device and read once, in `result()` (an .item() per micro-batch stalls the GPU)."""
+
+    def __init__(self):
+        self.sums, self.counts = {}, {}
+
+    def add(self, metrics):
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def result(self):
+        return {key: float(total / self.counts[key]) for key, total in self.sums.items()}
+
+
+def update_metrics(means):
+    """The update's means under their namespaces: the engine-vs-trainer logprob gaps under rollout/, the rest
+    under train/."""
+    return {("rollout/" if key.startswith("logprob") else "train/") + key: v
+            for key, v in means.result().items()}
+
+
+def rollout_metrics(samples, generate_max_len):
+    """rollout/ metrics of this rank's samples (rollout records with reward, components and generation)."""
+    rewards = torch.tensor([s.reward for s in samples])  # as scored, before normalisation and clipping
+    lengths = torch.tensor([float(len(s.generation.token_ids)) for s in samples])
+    metrics = {"rollout/reward_mean": rewards.mean().item(),
+               "rollout/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+               "rollout/response_length": lengths.mean().item(),
+               "rollout/truncated": float((lengths >= generate_max_len).sum()) / len(samples)}
+    names = dict.fromkeys(name for s in samples for name in s.components)
+    for name in names:
+        values = [s.components.get(name, float("nan")) for s in samples]
+        metrics[f"rollout/reward/{name}"] = float(np.nanmean(values))
+    return metrics
+
+
+def gather_metrics(local, sum_keys=()):
+    """Every rank's metrics dict merged: the mean over the ranks that have a key (NaN-aware), or the sum for
+    sum_keys."""
+    from accelerate.utils import gather_object
+
+    per_rank = gather_object([local])  # dicts, so ranks may differ in keys (reward components)
+    merged = {}
+    for key in dict.fromkeys(k for m in per_rank for k in m):
+        values = [m[key] for m in per_rank if key in m]
+        merged[key] = sum(values) if key in sum_keys else float(np.nanmean(values))
+    return merged
+
+
+# the step line's (label, metric)
+STEP_LINE = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"),
+             ("acc", "rollout/reward/correct"), ("errors", "rollout/reward_errors"),
+             ("len", "rollout/response_length"),
+             ("pg_loss", "train/policy_loss"), ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"),
+             ("clip", "train/clip_frac"), ("ent", "train/entropy"), ("gnorm", "train/grad_norm"),
+             ("vloss", "train/value_loss"), ("lp_diff", "rollout/logprob_diff_mean"),
+             ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
+             ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]
+
+
+class MetricsLog:
+    """The run's record in its output directory: config.json, one JSON object per step in metrics.jsonl (and
+    the accelerate trackers, wandb and TensorBoard), samples.jsonl; and the console line."""
+
+    def __init__(self, output_dir, config=None, accelerator=None, project=None, keep_until=None):
+        """Writes config (a dict) to config.json and starts metrics.jsonl: a resumed run (keep_until, its
+        checkpoint's step) keeps the rows up to that step and drops those logged after it by the run that
+        died; a new run (None) starts the file empty. With a project name, the accelerator's trackers start
+        too, with the config's scalars and strings (TensorBoard's hparams refuse anything else).
+        Only the main process writes."""
+        self.enabled = accelerator is None or accelerator.is_main_process
+        self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        if self.enabled:
+            os.makedirs(output_dir, exist_ok=True)
+            if config is not None:
+                with open(os.path.join(output_dir, "config.json"), "w") as f:
+                    json.dump(config, f, indent=2)
+            kept = []
+            if keep_until is not None and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        if project is not None:
+            plain = (int, float, str, bool)
+            config = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
+            accelerator.init_trackers(project, config=config)
+
+    def write(self, step, metrics):
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.accelerator is not None and self.accelerator.trackers:
+            self.accelerator.log(metrics, step=step)
+
+    def samples(self, step, rows):
+        """Append sample rows (dicts) to samples.jsonl, print two, and log them as a wandb table if wandb is
+        on."""
+        if not self.enabled or not rows:
+            return
+        with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "a") as f:
+            f.writelines(json.dumps({"step": step, **x}) + "\n" for x in rows)
+        for x in rows[:2]:
+            tqdm.write(f"[sample] reward {x['reward']:.3g} | label {x['label']!r} | "
+                       f"{x['completion'][:200]!r}")
+        if self.accelerator is not None and any(t.name == "wandb" for t in self.accelerator.trackers):
+            self.accelerator.get_tracker("wandb").log_table("samples", columns=["step", *rows[0]],
+                                                            data=[[step, *x.values()] for x in rows],
+                                                            step=step)
+
+    @staticmethod
+    def line(step, metrics, keys=None):
+        """`step 3 | reward 0.512 | ...` for the (label, key) pairs (default STEP_LINE) present in metrics."""
+        keys = keys or STEP_LINE
+        parts = [f"step {step}"] + [f"{label} {metrics[key]:.4g}" for label, key in keys if key in metrics]
+        return " | ".join(parts)
