@@ -413,7 +413,8 @@ def main():
             export_hf(accelerator.unwrap_model(model), tokenizer, path, state_dict, processor)
 
     # ---- resume ----
-    data, drawn, start, first_eval = batches(prompts["train"], args.rollout_batch_size, args.seed), 0, 0, None
+    data = batches(prompts["train"], args.rollout_batch_size, args.seed)  # the prompt stream, endless
+    drawn, start, first_eval = 0, 0, None  # batches drawn from it, the last step done, the step-0 eval
     if resume_from:
         state, tensors = load_checkpoint(accelerator, resume_from)  # models, optimizers, schedulers, RNG
         start, drawn, kl_coef = state["step"], state["batches_drawn"], state["kl_coef"]
@@ -467,6 +468,7 @@ def main():
         slept = engine.sleep(needed_bytes=perf.extra_bytes("update"))  # auto: if training needs the memory
 
         # ---- rewards ----
+        perf.phase("rewards")
         exp = build_experience([s.prompt_ids for s in samples], [s.generation for s in samples],
                                tokenizer.pad_token_id, device, mm=[s.mm for s in samples])
         exp.rewards = torch.tensor([s.reward for s in samples], device=device, dtype=torch.float32)  # (B,)
@@ -491,6 +493,7 @@ def main():
                 exp.values = batched_values(critic, exp, micro)  # (B, T)
 
         # ---- advantages ----
+        perf.phase("advantages")
         scores = outcome_scores(exp.rewards, n, args.advantage_estimator)  # (B,) per sequence
         reward_kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_in_reward else None  # (B, T)
         exp.advantages = scores  # (B,)

@@ -79,11 +79,10 @@ class HFEngine:
                                       max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
                                       output_logits=True, return_dict_in_generate=True,
                                       synced_gpus=self.synced_gpus, **sampling, **images)
-        responses = res.sequences[:, width:]  # (B, L)
-        # (B, L, V) raw model logits
-        logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)
-        # (B, L)
-        logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+        responses = res.sequences[:, width:]  # (B, T)
+        logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)  # (B, T, V), raw
+        lse = torch.logsumexp(logits, -1)  # (B, T)
+        logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse  # (B, T)
         gens = []
         for ids, lps in zip(responses.tolist(), logprobs.tolist()):
             end = ids.index(eos) + 1 if eos in ids else len(ids)  # keep the EOS: it is an action too
