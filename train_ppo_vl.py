@@ -33,12 +33,14 @@ from transformers import get_scheduler
 
 from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, token_level_advantages
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from rft_core.cli import check_args, parse_args
+from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
 from rft_core.data import batches, shapes_task, text_batches  # VL
 from rft_core.distributed import (configure_deepspeed, grad_norm_value, move_optimizer_state, prepare_frozen,
                                   process_group_kwargs)
-from rft_core.engine import create_engine
+from rft_core.engine import create_engine, resolve_engine_type
+from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
+from rft_core.health import HealthGuard
 from rft_core.experience import batched_logprobs, batched_values, build_experience, optimizer_chunks
 from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
                              value_loss)
@@ -46,7 +48,7 @@ from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollo
 from rft_core.models import compile_blocks, export_hf, lm_loss, lora_model, response_logprobs, response_values
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
 from rft_core.plots import write_plots
-from rft_core.rewards import RunningMoments, overlong_penalty, reward_sources, weighted_rewards
+from rft_core.rewards import RewardScorer, RunningMoments, overlong_penalty, reward_sources
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Args:
     """freeze the parameters whose name starts with this (e.g. model.visual: the vision tower)"""
     image_max_pixels: int = 84 * 84
     """images are resized to at most this many pixels (Qwen2-VL: 28 x 28 pixels make one token)"""
+    strict_data: bool = False
+    """a row whose image is missing or unreadable stops the run (default: it is skipped and counted)"""
     reward_fn: Optional[str] = None
     """first_word (the response's first word is the label; the default) | answer | math | file.py:function:
     as in train_ppo.py"""
@@ -103,6 +107,10 @@ class Args:
     """reward of a sample whose reward raises, is not finite or is missing (rollout/reward_errors)"""
     strict_rewards: bool = False
     """make any reward failure fatal, showing the offending sample"""
+    reward_timeout: float = 60.0
+    """seconds a --reward_fn call (or a --remote_rm_url request) may take; then its samples fail"""
+    reward_failure_limit: float = 1.0
+    """stop when this share of a step's samples failed their reward (1: all of them; above 1: never)"""
     apply_chat_template: bool = True
     """wrap string prompts in the tokenizer's chat template"""
     system_prompt: Optional[str] = None
@@ -238,7 +246,9 @@ class Args:
     max_ckpt_num: int = 3
     """keep only the newest this many checkpoints"""
     no_resume: bool = False
-    """start afresh even when output_dir holds a checkpoint (default: resume from the latest one)"""
+    """start afresh even when output_dir holds a checkpoint (default: resume from the newest intact one)"""
+    save_on_sigterm: bool = False
+    """on SIGTERM (a cluster's pre-emption) write a checkpoint before stopping at the end of the step"""
     save_hf_steps: int = 0
     """also save_pretrained the model to output_dir/hf-step-N every this many steps (0: only at the end)"""
     use_wandb: bool = False
@@ -251,17 +261,11 @@ class Args:
     """every this many steps, print a few prompt / completion / reward rows, appended to samples.jsonl"""
     plot_every: int = 0
     """every this many steps and at the end, write curves.png and gen_len.png to output_dir (0: never)"""
+    debug: bool = False
+    """show the traceback of errors caused by flags, data or checkpoints (also: RFT_DEBUG=1)"""
 
 
-# VL begin: checking the VL-only cases, loading the model and the image prompts
-def check_vl_args(args):
-    """Refuse the text script's flags that cannot apply to a vision-language model."""
-    if args.critic_pretrain:
-        raise ValueError("--critic_pretrain: the VL critic is the policy's backbone with a new value head")
-    if not args.apply_chat_template:
-        raise ValueError("--apply_chat_template false: image prompts need the chat template; leave it on")
-
-
+# VL begin: loading the model and the image prompts
 def load_models(args, accelerator, needs_reference):
     """(policy, tokenizer, image processor, frozen reference model or None, critic or None)."""
     model, tokenizer, processor = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)
@@ -276,35 +280,31 @@ def load_models(args, accelerator, needs_reference):
     return model, tokenizer, processor, ref_model, critic
 
 
-def load_prompts(args, tokenizer, processor, model, log):
-    """{"train": [Sample], "eval": [Sample]}: the built-in task's splits, or --prompt_data and
-    --eval_data, each prompt with its images encoded."""
+def load_rows(args, log):
+    """{"train": rows, "eval": rows}: the built-in task's splits, or --prompt_data and --eval_data."""
     def load(path, flag):
-        return load_image_rows(path, args.input_key, args.label_key, args.images_key, flag, log=log)
+        return load_image_rows(path, args.input_key, args.label_key, args.images_key, flag, log=log,
+                               strict=args.strict_data)
 
     if args.prompt_data == "shapes":
         train_rows, eval_rows = shapes_task(seed=args.seed)
     else:
         train_rows, eval_rows = load(args.prompt_data, "--prompt_data"), []
-    eval_rows = load(args.eval_data, "--eval_data") if args.eval_data else eval_rows
+    return {"train": train_rows, "eval": load(args.eval_data, "--eval_data") if args.eval_data else eval_rows}
+
+
+def encode_prompts(args, rows, tokenizer, processor, model, log):
+    """{"train": [Sample], "eval": [Sample]}: the rows' prompts encoded, each with its images."""
     prompts = {}
-    for split, rows in (("train", train_rows), ("eval", eval_rows)):
-        prompts[split], skipped = encode_vl_rows(tokenizer, processor, rows, model.config.image_token_id,
-                                                 args.prompt_max_len, args.limit_mm_image_per_prompt,
-                                                 args.mixed_mm_data, args.system_prompt)
+    for split, split_rows in rows.items():
+        prompts[split], skipped = encode_vl_rows(
+            tokenizer, processor, split_rows, model.config.image_token_id, args.prompt_max_len,
+            args.limit_mm_image_per_prompt, args.mixed_mm_data, args.system_prompt)
         if skipped:
             log(f"[data] skipped {skipped} {split} prompts: no image (see --mixed_mm_data), more than "
                 "--limit_mm_image_per_prompt images, or longer than --prompt_max_len tokens")
     return prompts
 # VL end
-
-
-def check_finite(grad_norms, keys, step):
-    """Stop before an optimizer step whose gradients are not finite (a finite loss can have NaN gradients)."""
-    for key in keys:
-        if not math.isfinite(grad_norms[key]):
-            raise FloatingPointError(f"non-finite loss or gradients ({key}) at step {step}: lower "
-                                     "--actor_learning_rate or use --bf16 false")
 
 
 def main():
@@ -320,8 +320,7 @@ def main():
     args.train_batch_size = args.train_batch_size or samples_per_step
     deepspeed = accelerator.state.deepspeed_plugin
     sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed and deepspeed.zero_stage == 3)
-    check_args(args, world, deepspeed, sharded)
-    check_vl_args(args)  # VL
+    check_args(args, world, deepspeed, sharded, resolve_engine_type(args.engine_type))
     args.actor_learning_rate = args.actor_learning_rate or (1e-6 if args.pretrain else 3e-3)  # VL
     grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
@@ -345,17 +344,20 @@ def main():
     accelerator.gradient_accumulation_steps = grad_accum  # before prepare(): DeepSpeed reads it there
     configure_deepspeed(accelerator, args.micro_train_batch_size, grad_accum, args.max_norm)
     set_seed(args.seed, device_specific=True)
-    resume_from = None if args.no_resume else latest_checkpoint(args.output_dir)
-    config = {**asdict(args), "world_size": world, "grad_accum": grad_accum}
-    log = MetricsLog(args.output_dir, config, accelerator, args.wandb_project if trackers else None,
-                     keep_until=int(resume_from.rsplit("-", 1)[1]) if resume_from else None)
+    resume_from = None if args.no_resume else latest_checkpoint(args.output_dir, log=accelerator.print)
 
     # ---- model, data, reward, optimizer, engine ----
+    rows = load_rows(args, accelerator.print)  # data errors come before the model loads
+    ptx_batches = None
+    if args.pretrain_data:
+        ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size, rank,
+                                   world)
     sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, device,
                              torch.bfloat16 if args.bf16 else None,
                              place=lambda m: prepare_frozen(accelerator, m),
                              default_rule="first_word")  # VL
-    score_all = weighted_rewards(sources, args.reward_weights, args.reward_fallback)  # score_all(samples)
+    score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_timeout,
+                             args.reward_failure_limit, log=tqdm.write)  # score_all(samples)
     moments = RunningMoments() if args.normalize_reward else None
     model, tokenizer, processor, ref_model, critic = load_models(args, accelerator,
                                                                  args.use_kl_loss or kl_in_reward)
@@ -365,13 +367,9 @@ def main():
     for net in trained_nets if args.torch_compile else []:
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
-    prompts = load_prompts(args, tokenizer, processor, model, accelerator.print)
-    ptx_batches = None
-    if args.pretrain_data:
-        ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size, rank,
-                                   world)
+    prompts = encode_prompts(args, rows, tokenizer, processor, model, accelerator.print)
     if len(prompts["train"]) < args.rollout_batch_size:
-        raise ValueError(f"{len(prompts['train'])} usable training prompts, fewer than --rollout_batch_size")
+        raise DataError(f"{len(prompts['train'])} usable training prompts, fewer than --rollout_batch_size")
     num_steps = min(args.max_steps, args.num_episodes * (len(prompts["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
 
@@ -412,6 +410,12 @@ def main():
         if accelerator.is_main_process:
             export_hf(accelerator.unwrap_model(model), tokenizer, path, state_dict, processor)
 
+    # the run's record starts here, once everything has loaded: a failed start leaves output_dir as it was
+    config = {**asdict(args), "world_size": world, "grad_accum": grad_accum}
+    log = MetricsLog(args.output_dir, config, accelerator, args.wandb_project if trackers else None,
+                     keep_until=int(resume_from.rsplit("-", 1)[1]) if resume_from else None)
+    guard = HealthGuard(args.output_dir, accelerator.unwrap_model(model).config.get_text_config().vocab_size)
+
     # ---- resume ----
     data = batches(prompts["train"], args.rollout_batch_size, args.seed)  # the prompt stream, endless
     drawn, start, first_eval = 0, 0, None  # batches drawn from it, the last step done, the step-0 eval
@@ -433,14 +437,14 @@ def main():
 
     k, n = args.rollout_batch_size // world, args.n_samples_per_prompt  # this rank's prompts, group size
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
-    perf = StepTimer()
+    perf, stops = StepTimer(), StopSignals()
     for step in tqdm(range(start + 1, num_steps + 1), desc="steps", initial=start, total=num_steps,
                      disable=not accelerator.is_main_process):
         # ---- rollout ----
         perf.phase("wake")
         engine.wake_up()  # the KV cache, if the engine slept
         perf.phase("generate")
-        kept, dropped, reward_errors = [], [], 0
+        kept, dropped, reward_errors, scored = [], [], 0, 0
         for gen_round in range(1, args.max_num_gen_batches + 1):
             batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay together
             drawn += 1
@@ -451,6 +455,7 @@ def main():
             samples = [replace(p, generation=g, completion=c)
                        for p, g, c in zip(batch, generations, completions)]
             reward_errors += score_all(samples, args.strict_rewards)  # sets their reward and components
+            scored += len(samples)
             for s in samples if args.overlong_buffer_len else []:  # DAPO's soft overlong punishment
                 s.components["overlong"] = overlong_penalty(
                     len(s.generation.token_ids), args.generate_max_len, args.overlong_buffer_len,
@@ -464,6 +469,7 @@ def main():
                 break  # every rank has its k groups
         num_filled = max(0, k - len(kept))  # generation rounds ran out: zero-variance groups fill the batch
         samples = [s for group in kept[:k] + dropped[:num_filled] for s in group]
+        score_all.check(*reduce_sum(torch.tensor([reward_errors, scored], device=device)).tolist(), step)
         perf.phase("sleep")
         slept = engine.sleep(needed_bytes=perf.extra_bytes("update"))  # auto: if training needs the memory
 
@@ -544,7 +550,8 @@ def main():
                         for key, (net, _, _) in stepped.items():
                             norm = accelerator.clip_grad_norm_(net.parameters(), args.max_norm)
                             m[key] = grad_norm_value(norm)
-                        check_finite(m, stepped, step)  # the one host sync per optimizer step
+                        for key in stepped:  # finite, not exploding: the one host sync per optimizer step
+                            guard.grad_norm(key, m[key], step)
                     for _, opt, sched in stepped.values():
                         opt.step()
                         sched.step()
@@ -561,14 +568,12 @@ def main():
         engine.update_weights(accelerator.unwrap_model(model))
 
         # ---- log ----
-        local = {**rollout_metrics(samples, args.generate_max_len), **update_metrics(stats),
-                 "rollout/reward_errors": reward_errors, "rollout/filled_groups": num_filled}
+        shaped = exp.rewards if moments is not None or args.reward_clip is not None else None  # (B,)
+        local = {**rollout_metrics(samples, args.generate_max_len, shaped, args.reward_clip),
+                 **update_metrics(stats), "rollout/reward_errors": reward_errors,
+                 "rollout/filled_groups": num_filled}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
-        if moments is not None or args.reward_clip is not None:
-            local["rollout/shaped_reward_mean"] = exp.rewards.mean().item()
-        if args.reward_clip is not None:
-            local["rollout/reward_clip_frac"] = (exp.rewards.abs() >= args.reward_clip).float().mean().item()
         metrics = gather_metrics(local, sum_keys=("rollout/reward_errors", "rollout/filled_groups"))
         metrics.update({"rollout/generation_rounds": gen_round, "train/kl_coef": kl_coef,
                         "train/lr": scheduler.get_last_lr()[0], "perf/engine_slept": float(slept),
@@ -579,6 +584,7 @@ def main():
         log.write(step, metrics)
         if step % args.logging_steps == 0 and accelerator.is_main_process:
             tqdm.write(MetricsLog.line(step, metrics))
+        guard.entropy(metrics["train/entropy"], step)
         if args.log_samples_steps and step % args.log_samples_steps == 0:
             log.samples(step, [{"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion,
                                 "label": s.label, "reward": s.reward} for s in samples[:4]])
@@ -586,17 +592,25 @@ def main():
         if plot and accelerator.is_main_process:
             write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
 
-        # ---- eval and checkpoint ----
+        # ---- eval and checkpoint (and a stop asked for by SIGINT / SIGTERM) ----
+        stop = stops.requested(reduce_sum, device)
         if args.eval_steps and step % args.eval_steps == 0 and step != num_steps and prompts["eval"]:
             run_eval(step)
-        if args.save_steps and step % args.save_steps == 0:  # atomic: `latest` names only whole checkpoints
+        if args.save_steps and step % args.save_steps == 0 or stop == "SIGTERM" and args.save_on_sigterm:
+            # atomic: `latest` names only whole checkpoints, and only healthy weights are saved
+            guard.before_checkpoint(model, exp, args.micro_train_batch_size, args.temperature, accelerator,
+                                    step)
             state = {"batches_drawn": drawn, "kl_coef": kl_coef, "first_eval": first_eval,
                      "moments": moments.state_dict() if moments is not None else None}
             tensors = {"ema": ema} if ema is not None else None
             save_checkpoint(accelerator, args.output_dir, step, state, tensors, args.max_ckpt_num)
         if args.save_hf_steps and step % args.save_hf_steps == 0:
             export(os.path.join(args.output_dir, f"hf-step-{step}"))
+        if stop and step < num_steps:
+            raise stop_error(stop, step, latest_checkpoint(args.output_dir))
 
+    if start < num_steps:  # the final weights pass the checks a checkpoint's do
+        guard.before_checkpoint(model, exp, args.micro_train_batch_size, args.temperature, accelerator, step)
     last_eval = run_eval(num_steps) if prompts["eval"] else None
     if args.plot_every and accelerator.is_main_process:  # the curves again, with the final eval point
         write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
@@ -611,4 +625,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -5,8 +5,13 @@ plus `trainer_state.json` (the step counter, data position, KL controller, rewar
 and any extra tensors (the EMA weights). It is written to `checkpoint-N.tmp`, renamed to
 `checkpoint-N` once every rank has finished, and only then named in `latest`, itself replaced
 atomically; so a run killed at any moment resumes from the last complete checkpoint.
+
+Each checkpoint records in `manifest.json` the size of every file it holds and the SHA-256 of the small
+ones (states, RNG, trainer state). Resuming verifies them: a damaged or missing latest checkpoint is named
+and the newest intact one before it is used instead, never a damaged RNG state.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -14,7 +19,11 @@ import shutil
 
 import torch
 
+from rft_core.errors import CheckpointError
+
 LATEST = "latest"
+MANIFEST = "manifest.json"
+HASHED_BYTES = 64 << 20  # files up to this size get a SHA-256 too; larger ones (weights, optimizer): a size
 
 
 def _write_atomically(path, text):
@@ -38,8 +47,9 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
             json.dump({"step": step, **state}, f)
         if tensors:
             torch.save(tensors, os.path.join(tmp, "tensors.pt"))
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # every rank's files are written
     if accelerator.is_main_process:
+        _write_atomically(os.path.join(tmp, MANIFEST), json.dumps(_manifest(tmp), indent=1))
         if os.path.exists(final):  # an older save of the same step
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -59,22 +69,90 @@ def list_checkpoints(output_dir):
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
 
 
-def latest_checkpoint(output_dir):
-    """The checkpoint `latest` names (it is only written once that checkpoint is complete), or None."""
+def _files(ckpt):
+    for root, _, names in os.walk(ckpt):
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.relpath(path, ckpt) != MANIFEST:
+                yield os.path.relpath(path, ckpt), path
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest(ckpt):
+    """{file: {"bytes": size, "sha256": digest (small files only)}} of a checkpoint directory."""
+    out = {}
+    for rel, path in sorted(_files(ckpt)):
+        size = os.path.getsize(path)
+        out[rel] = {"bytes": size, **({"sha256": _sha256(path)} if size <= HASHED_BYTES else {})}
+    return out
+
+
+def verify_checkpoint(ckpt):
+    """None if the checkpoint is whole, else what is wrong with it (missing, a file missing or of another size
+    or digest than when it was written). A checkpoint from before manifests is taken as whole if its
+    trainer_state.json reads."""
+    if not os.path.isdir(ckpt):
+        return "missing"
+    path = os.path.join(ckpt, MANIFEST)
+    if not os.path.exists(path):
+        try:
+            with open(os.path.join(ckpt, "trainer_state.json")) as f:
+                json.load(f)
+            return None
+        except (OSError, ValueError) as e:
+            return f"trainer_state.json unreadable ({e})"
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} unreadable ({e})"
+    for rel, want in manifest.items():
+        file = os.path.join(ckpt, rel)
+        if not os.path.isfile(file):
+            return f"{rel} is missing"
+        if os.path.getsize(file) != want["bytes"]:
+            return f"{rel} has {os.path.getsize(file)} bytes, {want['bytes']} when written"
+        if "sha256" in want and _sha256(file) != want["sha256"]:
+            return f"{rel} changed since it was written (SHA-256)"
+    return None
+
+
+def latest_checkpoint(output_dir, log=None):
+    """The newest intact checkpoint: the one `latest` names (it is only written once that checkpoint is
+    complete) if it verifies, else the newest older one that does, saying why through log(message). None if
+    there is none at all; an error naming the fix if checkpoints exist but none is intact."""
     path = os.path.join(output_dir, LATEST)
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        ckpt = os.path.join(output_dir, f.read().strip())
-    if not os.path.isfile(os.path.join(ckpt, "trainer_state.json")):
-        raise FileNotFoundError(f"{path} names {ckpt}, which is incomplete or missing: "
-                                "pass --no_resume to start fresh")
-    return ckpt
+        named = os.path.join(output_dir, f.read().strip())
+    step = lambda c: int(c.rsplit("-", 1)[1])  # noqa: E731
+    older = [c for c in reversed(list_checkpoints(output_dir)) if step(c) < step(named)]
+    for ckpt in [named] + older:
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            return ckpt
+        if log:
+            log(f"[resume] {os.path.basename(ckpt)} is damaged ({problem}): skipping it")
+    raise CheckpointError(f"{output_dir} holds no intact checkpoint ({os.path.basename(named)} and older "
+                          "ones are damaged or missing): pass --no_resume to start afresh there, or use "
+                          "another --output_dir")
 
 
 def load_checkpoint(accelerator, ckpt):
     """Restore what save_checkpoint wrote; returns (trainer state dict, extra tensors or None)."""
-    accelerator.load_state(ckpt)
+    try:
+        accelerator.load_state(ckpt)
+    except Exception as e:  # a checkpoint from before manifests can still be damaged
+        raise CheckpointError(f"{ckpt} could not be loaded ({type(e).__name__}: {str(e)[:200]}): pass "
+                              "--no_resume to start afresh, or delete it to resume from an older one") from e
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         state = json.load(f)
     path = os.path.join(ckpt, "tensors.pt")

@@ -4,11 +4,15 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
+import signal
+import sys
 import textwrap
 import typing
 
 from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
-from rft_core.losses import LOSS_AGG_MODES
+from rft_core.errors import ConfigError, Stopped, UserError
+from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 
 
 def _field_docs(cls):
@@ -56,15 +60,77 @@ def parse_args(cls, argv=None):
     return cls(**vars(parser.parse_args(argv)))
 
 
-def check_args(args, world, deepspeed=None, sharded=False):
-    """Refuse the flag values and combinations of a training script's Args that cannot work, naming the flag
-    and the fix, before anything loads. world: processes; deepspeed: accelerate's DeepSpeed plugin or None;
-    sharded: ZeRO-3 or FSDP2."""
+# flag -> (is the value valid?, what it must be); checked on every flag the script has
+RANGES = {
+    "actor_learning_rate": (lambda v: v is None or 0 < v < 1, "in (0, 1); typical: 1e-6 to 1e-4"),
+    "critic_learning_rate": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "temperature": (lambda v: v > 0, "> 0 (0 would sample greedily: a group's samples alike, no signal)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "eps_clip": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "eps_clip_low_high": (lambda v: v is None or (0 < v[0] < 1 and v[1] > 0), "LOW in (0, 1) and HIGH > 0"),
+    "dual_clip": (lambda v: v is None or v > 1, "> 1"),
+    "value_clip": (lambda v: v is None or v > 0, "> 0"),
+    "tis_cap": (lambda v: v is None or v > 0, "> 0"),
+    "reward_clip": (lambda v: v is None or v > 0, "> 0"),
+    "ema_beta": (lambda v: v is None or 0 < v < 1, "in (0, 1)"),
+    "kl_target": (lambda v: v is None or v > 0, "> 0"),
+    "init_kl_coef": (lambda v: v >= 0, ">= 0"),
+    "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lambd": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "high_entropy_token_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lr_warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "max_norm": (lambda v: v > 0, "> 0"),
+    "engine_mem_util": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "engine_sleep_level": (lambda v: v in (1, 2), "1 or 2"),
+    "reward_timeout": (lambda v: v > 0, "> 0 seconds"),
+    "reward_failure_limit": (lambda v: v > 0, "> 0 (above 1: never stop)"),
+    "ptx_coef": (lambda v: v >= 0, ">= 0"),
+    "overlong_penalty_factor": (lambda v: v >= 0, ">= 0"),
+    "lora_alpha": (lambda v: v > 0, "> 0"),
+    "image_max_pixels": (lambda v: v >= 28 * 28, ">= 784 (28 x 28 pixels: one token)"),
+}
+AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size",
+                "n_samples_per_prompt", "micro_rollout_batch_size", "micro_train_batch_size",
+                "train_batch_size", "max_epochs", "num_episodes", "engine_tp_size", "kl_horizon",
+                "max_num_gen_batches", "eval_n_samples", "logging_steps", "max_ckpt_num",
+                "limit_mm_image_per_prompt")
+AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every", "lora_rank",
+                 "freezing_actor_steps", "overlong_buffer_len")
+
+
+def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
+    """Refuse the flag values and combinations of a training script's Args that cannot work, naming the flag,
+    the value and the fix, before anything loads: ranges, batch sizes that must divide, and flags set (away
+    from their default) that do nothing in this run. world: processes; deepspeed: accelerate's DeepSpeed
+    plugin or None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved rollout engine, "hf" or "vllm"."""
     def check(ok, message):
         if not ok:
-            raise ValueError(message)
+            raise ConfigError(message)
 
-    samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
+    names = {f.name for f in dataclasses.fields(args)}
+    for name in names & set(RANGES):
+        valid, want = RANGES[name]
+        check(valid(getattr(args, name)), f"--{name} {getattr(args, name)}: must be {want}")
+    for name in names & set(AT_LEAST_ONE + AT_LEAST_ZERO):
+        low = 1 if name in AT_LEAST_ONE else 0
+        check(getattr(args, name) >= low, f"--{name} {getattr(args, name)}: must be >= {low}")
+    check(args.advantage_estimator in ADVANTAGE_ESTIMATORS,
+          f"--advantage_estimator {args.advantage_estimator!r}: choose one of {ADVANTAGE_ESTIMATORS}")
+    check(args.loss_agg_mode in LOSS_AGG_MODES,
+          f"--loss_agg_mode {args.loss_agg_mode!r}: choose one of {LOSS_AGG_MODES}")
+    check(args.kl_estimator in KL_ESTIMATORS,
+          f"--kl_estimator {args.kl_estimator!r}: choose one of {KL_ESTIMATORS}")
+    estimator, n = args.advantage_estimator, args.n_samples_per_prompt
+    check(n > 1 or estimator in ("reinforce", "gae"), f"--n_samples_per_prompt 1 with {estimator}: the group "
+          "baseline is the sample itself, so every advantage is 0; use >= 2, or reinforce / gae")
+    check(args.overlong_buffer_len < args.generate_max_len,
+          f"--overlong_buffer_len {args.overlong_buffer_len}: must be below --generate_max_len "
+          f"{args.generate_max_len}")
+    check(not args.freezing_actor_steps or args.freezing_actor_steps < args.max_steps,
+          f"--freezing_actor_steps {args.freezing_actor_steps}: the actor would never train in --max_steps "
+          f"{args.max_steps}")
+
+    samples_per_step = args.rollout_batch_size * n
     check(args.rollout_batch_size % world == 0,
           f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
     check(samples_per_step % args.train_batch_size == 0, f"rollout_batch_size * n_samples_per_prompt = "
@@ -74,24 +140,109 @@ def check_args(args, world, deepspeed=None, sharded=False):
           f"{args.micro_train_batch_size} x {world} processes")
     check(not (args.ema_beta and (args.lora_rank or sharded)), "--ema_beta is not supported with --lora_rank "
           "(the export would merge the live adapter) nor under ZeRO-3 / FSDP2 (it averages whole parameters)")
-    check(not (deepspeed and args.advantage_estimator == "gae"), "gae trains a critic beside the actor, "
+    check(not (deepspeed and estimator == "gae"), "gae trains a critic beside the actor, "
           "which one DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
     check(not (deepspeed and args.optimizer_offload), "--optimizer_offload moves a torch optimizer's state; "
           "under DeepSpeed use accelerate_configs/deepspeed_zero3_offload.yaml")
-    check(args.dual_clip is None or args.dual_clip > 1, f"--dual_clip must be > 1, got {args.dual_clip}")
     check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
-    check(args.advantage_estimator in ADVANTAGE_ESTIMATORS,
-          f"--advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {args.advantage_estimator!r}")
-    check(args.loss_agg_mode in LOSS_AGG_MODES,
-          f"--loss_agg_mode must be one of {LOSS_AGG_MODES}, got {args.loss_agg_mode!r}")
-    check(not args.freezing_actor_steps or args.advantage_estimator == "gae",
-          "--freezing_actor_steps trains the critic alone: it needs --advantage_estimator gae")
-    kl_in_reward = args.advantage_estimator in TOKEN_LEVEL and not args.use_kl_loss and args.init_kl_coef > 0
-    check(args.kl_target is None or kl_in_reward, "--kl_target adapts the KL penalty in the reward: use "
-          "gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss")
-    check(0.0 <= args.high_entropy_token_ratio <= 1.0,
-          f"--high_entropy_token_ratio must be in [0, 1], got {args.high_entropy_token_ratio}")
-    check(0 <= args.overlong_buffer_len < args.generate_max_len,
-          f"--overlong_buffer_len must be in [0, --generate_max_len {args.generate_max_len})")
+    models = len(args.reward_pretrain.split(",")) if args.reward_pretrain else 0
+    sources = models + (1 if args.reward_fn or args.remote_rm_url or not models else 0)
+    check(args.reward_weights is None or len(args.reward_weights) == sources,
+          f"--reward_weights has {len(args.reward_weights or [])} values for {sources} reward sources "
+          "(--reward_fn or --remote_rm_url, then each --reward_pretrain model)")
     check(not (args.enable_engine_sleep and args.disable_engine_sleep),
           "--enable_engine_sleep or --disable_engine_sleep: pick one")
+    if "images_key" in names:  # train_ppo_vl.py: the text script's flags that cannot apply to images
+        check(not args.critic_pretrain, "--critic_pretrain: the VL critic is the policy's backbone with a "
+              "new value head, not a separate checkpoint; drop the flag")
+        check(args.apply_chat_template, "--apply_chat_template false: image prompts need the chat template "
+              "(it places the image tokens); leave it on")
+
+    # flags that only act in some runs: set away from their default where they do nothing, they are refused
+    token_level = estimator in TOKEN_LEVEL
+    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0
+    inert = [  # (whether they act here, the flags, why they do not)
+        (engine_type == "vllm", ("engine_tp_size", "engine_mem_util", "enable_engine_sleep",
+                                 "disable_engine_sleep", "engine_sleep_level", "engine_enforce_eager"),
+         "it sets the vLLM engine, but this run uses the transformers engine (--engine_type hf, or auto "
+         "without a GPU or without vllm)"),
+        (estimator == "gae", ("critic_pretrain", "critic_learning_rate", "value_clip", "lambd",
+                              "freezing_actor_steps"),
+         f"it is the critic's (gae), but --advantage_estimator is {estimator}"),
+        (token_level, ("gamma",), "it discounts the token-level estimators (gae, reinforce, "
+         f"reinforce_baseline), but --advantage_estimator is {estimator}"),
+        (kl_in_reward, ("kl_target", "kl_horizon"), "it adapts the KL penalty in the reward, which needs "
+         "gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss"),
+        (args.use_kl_loss, ("kl_estimator",), "it is the KL loss's estimator, but --use_kl_loss is off"),
+        (args.dynamic_sampling, ("max_num_gen_batches",), "it bounds --dynamic_sampling, which is off"),
+        (args.overlong_buffer_len > 0, ("overlong_penalty_factor",), "it scales the overlong penalty, but "
+         "--overlong_buffer_len is 0"),
+        (args.pretrain_data is not None, ("ptx_coef", "pretrain_key"),
+         "it is the ptx loss's, but there is no --pretrain_data"),
+        (args.lora_rank > 0, ("lora_alpha", "target_modules"),
+         "it shapes LoRA adapters, but --lora_rank is 0"),
+        (args.use_wandb, ("wandb_project",), "it names the wandb project, but --use_wandb is off"),
+        (args.eps_clip_low_high is None, ("eps_clip",), "--eps_clip_low_high replaces it"),
+    ]
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    for active, flags, reason in inert:
+        for name in flags if not active else ():
+            value = getattr(args, name)
+            check(value == defaults[name], f"--{name} {value}: {reason}; drop the flag")
+
+
+def run_main(main):
+    """The scripts' entry point. A UserError (a flag, path, data row, reward or checkpoint the user can fix,
+    or a diverging run) ends the process with its one line, `error: ...`, and status 2; a stop on SIGINT /
+    SIGTERM with its line and 130 / 143; RFT_DEBUG=1 or --debug shows the traceback instead. Anything else is
+    a bug and keeps its traceback."""
+    debug = os.environ.get("RFT_DEBUG", "0") not in ("", "0") or "--debug" in sys.argv[1:]
+    try:
+        main()
+    except UserError as e:
+        if debug:
+            raise
+        print(f"{'stopped' if isinstance(e, Stopped) else 'error'}: {e}", file=sys.stderr, flush=True)
+        sys.exit(getattr(e, "exit_code", 2))
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted: checkpoints are written atomically, so the last complete one is intact; rerun "
+              "the same command to resume from it", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption) ask the loop to stop at the end of the current
+    step, after its checkpoint if one is due; a second SIGINT stops at once. `requested(reduce_sum, device)`
+    is the signal any rank got (None, "SIGINT" or "SIGTERM"): every rank calls it at the same point, so that
+    they stop together."""
+
+    def __init__(self):
+        self.received = 0  # 1: SIGINT, 100: SIGTERM (summed over ranks, SIGTERM wins)
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received:
+            raise KeyboardInterrupt
+        self.received = 100 if signum == signal.SIGTERM else 1
+        print(f"[stop] {signal.Signals(signum).name}: stopping after this step (Ctrl-C again: at once)",
+              file=sys.stderr, flush=True)
+
+    def requested(self, reduce_sum=None, device="cpu"):
+        import torch
+
+        total = self.received
+        if reduce_sum is not None:
+            total = int(reduce_sum(torch.tensor(float(total), device=device)).item())
+        return None if not total else "SIGTERM" if total >= 100 else "SIGINT"
+
+
+def stop_error(signal_name, step, checkpoint):
+    """The Stopped error that ends a run on signal_name ("SIGINT" / "SIGTERM") after `step`, naming the
+    newest intact checkpoint (None: there is none)."""
+    where = "no checkpoint was written (--save_steps 0): a rerun starts afresh"
+    if checkpoint:
+        where = f"{os.path.basename(checkpoint)} is intact; rerun the same command to resume from it"
+    return Stopped(f"{signal_name} after step {step}: {where}", 130 if signal_name == "SIGINT" else 143)

@@ -5,8 +5,11 @@ A prompt row is {"prompt": str | list of chat messages, "label": str} (and "imag
 """
 
 import itertools
+import json
 import os
 import random
+
+from rft_core.errors import DataError, MissingColumn, MissingPath
 
 # Few-shot turns: SmolLM2-135M never emits <answer> tags unprompted (0 of 2,560 samples measured),
 # but copies the format from two worked examples and gets easy problems right. The worked form
@@ -102,39 +105,65 @@ def shapes_task(num_train=2048, num_eval=64, seed=0):
 def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(),
                      log=None):
     """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a
-    directory of them, or a `save_to_disk` directory; errors name `flag`. extra_keys: columns copied
-    into the rows as they are, where present. log(message): told the skipped count, if any."""
+    directory of them, or a `save_to_disk` directory; errors name `flag`, the file, the line or column.
+    extra_keys: {column: its flag}, columns that must exist, copied into the rows as they are.
+    log(message): told the skipped rows, if any, and the first of them."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{flag} {path!r}: no such file or directory (built-in tasks: arithmetic in "
-                                "train_ppo.py, shapes in train_ppo_vl.py)")
+        raise MissingPath(f"{flag} {path!r}: no such file or directory (built-in tasks: arithmetic in "
+                          "train_ppo.py, shapes in train_ppo_vl.py)")
+    ds = _load_dataset(path, flag)
+    for key, key_flag in [(input_key, "--input_key"), (label_key, "--label_key"), *dict(extra_keys).items()]:
+        if key is not None and key not in ds.column_names:
+            raise MissingColumn(f"{flag} {path!r} has no column {key!r} (columns: {ds.column_names}); set "
+                                f"{key_flag if flag != '--pretrain_data' else '--pretrain_key'}")
+    rows, skipped = [], []
+    for i, row in enumerate(ds):
+        if _usable(row[input_key]):
+            label = "" if label_key is None or row[label_key] is None else str(row[label_key])
+            rows.append({"prompt": row[input_key], "label": label, "row": i,
+                         **{k: row[k] for k in dict(extra_keys)}})
+        else:
+            skipped.append(i)
+    if not rows:
+        raise DataError(f"{flag} {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
+                        "(a non-empty string or a list of chat messages with role and content)")
+    if log and skipped:
+        first = ds[skipped[0]][input_key]
+        log(f"[data] {path}: skipped {len(skipped)} rows whose {input_key!r} is empty or malformed (first: "
+            f"row {skipped[0]}, {type(first).__name__} {str(first)[:60]!r})")
+    return rows, len(skipped)
+
+
+def _load_dataset(path, flag):
+    """The rows of a data file or directory through `datasets`; a bad file is one error naming it (and for
+    JSON lines, the first line that does not parse)."""
     import datasets  # heavy; only needed for files
 
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
         ds = datasets.load_from_disk(path)
-        ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-    else:
-        files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
-        kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
-        found = {kinds[os.path.splitext(f)[1]] for f in files if os.path.splitext(f)[1] in kinds}
-        if len(found) != 1:
-            raise ValueError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, "
-                             f"found {found or 'none'}")
-        ds = datasets.load_dataset(found.pop(),
-                                   data_files=[f for f in files if kinds.get(os.path.splitext(f)[1])],
-                                   split="train")
-    for key in (input_key, label_key):
-        if key is not None and key not in ds.column_names:
-            raise KeyError(f"{flag} {path!r} has no column {key!r} (columns: {ds.column_names}); "
-                           "set --input_key / --label_key / --pretrain_key")
-    rows = [{"prompt": row[input_key],
-             "label": "" if label_key is None or row[label_key] is None else str(row[label_key]),
-             **{k: row[k] for k in extra_keys if k in row}} for row in ds if _usable(row[input_key])]
-    if not rows:
-        raise ValueError(f"{flag} {path!r}: none of its {len(ds)} rows has a usable {input_key!r} "
-                         "(a non-empty string or a list of chat messages with role and content)")
-    if log and len(ds) > len(rows):
-        log(f"[data] {path}: skipped {len(ds) - len(rows)} unusable rows (empty or malformed {input_key!r})")
-    return rows, len(ds) - len(rows)
+        return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+    files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
+    kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+    files = [f for f in files if os.path.splitext(f)[1] in kinds]
+    found = {kinds[os.path.splitext(f)[1]] for f in files}
+    if len(found) != 1:
+        raise DataError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, "
+                        f"found {found or 'none'}")
+    for f in files:
+        if os.path.getsize(f) == 0 or (f.endswith((".json", ".jsonl")) and not open(f).read(1 << 16).strip()):
+            raise DataError(f"{flag} {f!r}: the file is empty")
+    try:
+        return datasets.load_dataset(next(iter(found)), data_files=files, split="train")
+    except Exception as e:  # datasets' own error buries the file and line in a long chain
+        for f in files if files[0].endswith(".jsonl") else []:
+            with open(f) as lines:
+                for number, line in enumerate(lines, 1):
+                    try:
+                        json.loads(line) if line.strip() else None
+                    except ValueError as bad:
+                        raise DataError(f"{flag} {f!r}: line {number} is not valid JSON ({bad})") from e
+        raise DataError(f"{flag} {path!r}: could not be read as {next(iter(found))} "
+                        f"({type(e).__name__}: {str(e)[:300]})") from e
 
 
 def batches(rows, rollout_batch_size, seed):
@@ -147,15 +176,14 @@ def batches(rows, rollout_batch_size, seed):
 
 
 def text_batches(path, key, batch_size, rank=0, world=1):
-    """Endless batches of this rank's texts from the column `key` of a data file (the ptx loss's data)."""
+    """Endless batches of this rank's texts from the column `key` of a data file (the ptx loss's data). The
+    file is read now, so a bad one is an error before training starts."""
     texts = [r["prompt"] for r in load_prompt_rows(path, key, None, "--pretrain_data")[0]
              if isinstance(r["prompt"], str)]
     if not texts:
-        raise ValueError(f"{path!r}: no text rows in column {key!r}")
+        raise DataError(f"--pretrain_data {path!r}: no text rows in column {key!r}")
     texts = texts[rank::world] if len(texts) >= world else texts
-    while True:
-        for i in range(0, len(texts), batch_size):
-            yield texts[i:i + batch_size]
+    return (texts[i:i + batch_size] for _ in itertools.count() for i in range(0, len(texts), batch_size))
 
 
 def _usable(prompt):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rft_core.distributed import sharding
+from rft_core.errors import ConfigError, MissingDependency
 from rft_core.multimodal import mm_inputs, video_processor_like, vision_token_ids
 
 
@@ -98,6 +99,22 @@ def hf_architecture(model):
     return next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
 
 
+def resolve_engine_type(engine_type):
+    """"hf" or "vllm" for --engine_type ("auto": vllm with a GPU and vllm installed, else hf); raises naming
+    the fix when vllm is asked for and cannot run here."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if engine_type == "auto":
+        return "vllm" if has_vllm and torch.cuda.is_available() else "hf"
+    if engine_type not in ("hf", "vllm"):
+        raise ConfigError(f"--engine_type {engine_type!r}: choose auto, hf or vllm")
+    if engine_type == "vllm" and not has_vllm:
+        raise MissingDependency("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use "
+                                "--engine_type hf")
+    if engine_type == "vllm" and not torch.cuda.is_available():
+        raise ConfigError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
+    return engine_type
+
+
 def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_size=32, bf16=False,
                   tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, enforce_eager=False,
                   max_model_len=2048, requests=None, limit_mm_per_prompt=None, static_prefix=None, seed=0):
@@ -111,22 +128,14 @@ def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_
     per prompt, never samples the vision placeholders (the trainer's model blocks them at its LM head:
     vision.py), and syncs the parameters under static_prefix (a frozen vision tower) once.
     """
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    if engine_type == "auto":
-        engine_type = "vllm" if has_vllm and torch.cuda.is_available() else "hf"
+    engine_type = resolve_engine_type(engine_type)
     if engine_type == "hf":
         dtype = torch.bfloat16 if bf16 else None
         return HFEngine(model, tokenizer, micro_batch_size, dtype, synced_gpus=sharding(model) is not None)
-    if engine_type != "vllm":
-        raise ValueError(f"unknown --engine_type {engine_type!r}; choose auto, hf or vllm")
-    if not has_vllm:
-        raise ImportError("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use --engine_type hf")
-    if not torch.cuda.is_available():
-        raise RuntimeError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
     text_config = model.config.get_text_config()
     heads = getattr(text_config, "num_attention_heads", None)
     if heads and heads % tp_size:  # SmolLM2-135M has 9 heads: TP 1 only
-        raise ValueError(f"--engine_tp_size {tp_size} must divide the model's {heads} attention heads")
+        raise ConfigError(f"--engine_tp_size {tp_size} must divide the model's {heads} attention heads")
     from rft_core.vllm_engine import VLLMEngine, kv_cache_bytes
 
     # vLLM reads the architecture and tokenizer from a directory; weights come by sync below.

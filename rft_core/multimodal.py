@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from rft_core.errors import DataError, MissingDependency
+
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
@@ -31,13 +33,13 @@ def vllm_prompt(ids, mm, sample=None):
         if t in runs:
             k = seen[t]
             if k == len(runs[t]) or ids[i:i + runs[t][k]] != [t] * runs[t][k]:
-                raise ValueError(f"sample {sample!r}: its image / video tokens "
+                raise DataError(f"sample {sample!r}: its image / video tokens "
                                  "do not match its images and videos")
             i, seen[t] = i + runs[t][k], k + 1
         else:
             i += 1
     if any(seen[t] != len(runs[t]) for t in runs):  # an image or video without its placeholders
-        raise ValueError(f"sample {sample!r}: its image / video tokens do not match its images and videos")
+        raise DataError(f"sample {sample!r}: its image / video tokens do not match its images and videos")
     data = {kind: mm[f"{kind}s"] for kind in ("image", "video") if f"{kind}s" in mm}
     return {"prompt_token_ids": out, "multi_modal_data": data}
 
@@ -72,7 +74,8 @@ def video_processor_like(processor):
     from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
-        raise ImportError("video inputs need torchvision (transformers' Qwen2-VL video processor uses it)")
+        raise MissingDependency("video inputs need torchvision (transformers' Qwen2-VL video processor uses "
+                                "it)")
     from transformers import Qwen2VLVideoProcessor
 
     return Qwen2VLVideoProcessor(min_pixels=processor.size.shortest_edge,

@@ -16,9 +16,12 @@ import json
 import math
 import os
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
+
+from rft_core.errors import ConfigError, MissingName, MissingPath, RewardError
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -94,22 +97,23 @@ def load_reward_fn(spec):
         return BUILTIN_REWARDS[spec]
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"--reward_fn {spec!r}: expected path/to/file.py:function "
+        raise ConfigError(f"--reward_fn {spec!r}: expected path/to/file.py:function "
                          f"or one of {sorted(BUILTIN_REWARDS)}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--reward_fn {spec!r}: no such file {path!r}")
+        raise MissingPath(f"--reward_fn {spec!r}: no such file {path!r}")
     module_spec = importlib.util.spec_from_file_location(f"reward_module_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise AttributeError(f"--reward_fn {spec!r}: {path} defines no function {name!r}")
+        raise MissingName(f"--reward_fn {spec!r}: {path} defines no function {name!r}")
     return fn
 
 
 def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     """A reward function that POSTs {"prompts", "completions", "labels"} as JSON to `url` and reads
-    {"rewards": [...]} (or named components) back; retries with exponential backoff."""
+    {"rewards": [...]} (or named components) back; retries with exponential backoff, then raises naming the
+    URL and the last failure (HTTP status, unreachable, invalid JSON)."""
 
     def fn(prompts, completions, labels, **kwargs):
         body = json.dumps({"prompts": prompts, "completions": completions, "labels": labels}).encode()
@@ -118,12 +122,20 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
             try:
                 with urllib.request.urlopen(request, timeout=timeout) as response:
                     out = json.loads(response.read())
+                if not isinstance(out, dict):
+                    raise ValueError(f"expected a JSON object, got {type(out).__name__}")
                 return out["rewards"] if "rewards" in out else out
-            except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
-                error = e
-                if attempt + 1 < retries:
-                    time.sleep(backoff * 2**attempt)
-        raise ConnectionError(f"--remote_rm_url {url}: no valid answer after {retries} tries: {error!r}")
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code} {e.reason}"
+            except urllib.error.URLError as e:
+                error = f"unreachable ({e.reason})"
+            except (OSError, TimeoutError) as e:
+                error = f"no answer ({e!r})"
+            except ValueError as e:
+                error = f"not a valid answer ({e})"
+            if attempt + 1 < retries:
+                time.sleep(backoff * 2**attempt)
+        raise ConnectionError(f"--remote_rm_url {url}: no valid answer after {retries} tries: {error}")
 
     return fn
 
@@ -196,36 +208,68 @@ class RunningMoments:
         self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
 
 
-def _rows(reward_fn, prompts, completions, labels):
-    """One {component: value} dict per sample; raises if the output is malformed."""
-    out = reward_fn(prompts, completions, labels)
+def _rows(reward_fn, prompts, completions, labels, timeout=None):
+    """One {component: value} dict per sample; raises if the call fails, takes longer than timeout seconds or
+    returns something malformed."""
+    out = _call(reward_fn, (prompts, completions, labels), timeout)
     components = out if isinstance(out, dict) else {"reward": out}
     for name, values in components.items():
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise ValueError(f"component {name!r} is {type(values).__name__}, not a list of numbers")
         if len(values) != len(completions):
             raise ValueError(f"component {name!r} has {len(values)} values for {len(completions)} samples")
     return [{name: float(values[i]) for name, values in components.items()} for i in range(len(completions))]
 
 
-def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
-    """Rewards (a list), components {name: list}, and how many samples got `fallback`.
+def _call(fn, args, timeout):
+    """fn(*args), or TimeoutError after timeout seconds (the call is left to finish in a daemon thread: Python
+    cannot kill it)."""
+    if timeout is None:
+        return fn(*args)
+    result = {}
+
+    def target():
+        try:
+            result["out"] = fn(*args)
+        except BaseException as e:  # handed to the caller below
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"no result within --reward_timeout {timeout} s")
+    if "error" in result:
+        raise result["error"]
+    return result["out"]
+
+
+def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, timeout=None):
+    """Rewards (a list), components {name: list}, and the failures [(sample index, why)]: those samples got
+    `fallback`.
 
     The batch is scored in one call; if that call fails (raises, wrong length), each sample is scored
-    alone so one bad sample costs only itself. Non-finite values count as failures. strict=True
-    raises on the first failure instead, showing the sample.
+    alone so one bad sample costs only itself (a batch that timed out is not retried: every sample fails).
+    Non-finite values count as failures. strict=True raises on the first failure instead, showing the sample.
     """
+    failures = []
+
     def fail(i, why):
         if strict:
-            raise RuntimeError(f"reward failed on sample {i}: completion={completions[i]!r} "
-                               f"label={labels[i]!r}: {why}")
+            raise RewardError(f"reward failed on sample {i}: completion={completions[i]!r} "
+                              f"label={labels[i]!r}: {why} (--strict_rewards)")
+        failures.append((i, why))
         return None
 
     try:
-        rows = _rows(reward_fn, prompts, completions, labels)
+        rows = _rows(reward_fn, prompts, completions, labels, timeout)
+    except TimeoutError as e:
+        rows = [fail(i, repr(e)) for i in range(len(completions))]
     except Exception:  # find the culprit(s): score one by one
         rows = []
         for i in range(len(completions)):
             try:
-                rows += _rows(reward_fn, prompts[i:i + 1], completions[i:i + 1], labels[i:i + 1])
+                rows += _rows(reward_fn, prompts[i:i + 1], completions[i:i + 1], labels[i:i + 1], timeout)
             except Exception as e:
                 rows.append(fail(i, repr(e)))
     names = sorted({k for r in rows if r for k in r})
@@ -234,7 +278,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
             rows[i] = fail(i, f"non-finite or missing components {r}")
     rewards = [fallback if r is None else sum(r.values()) for r in rows]
     components = {k: [math.nan if r is None else r[k] for r in rows] for k in names}
-    return rewards, components, sum(r is None for r in rows)
+    return rewards, components, failures
 
 
 def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None,
@@ -249,31 +293,54 @@ def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, dev
                       for i, path in enumerate(models)]
 
 
-def weighted_rewards(sources, weights=None, fallback=0.0):
-    """One scorer from several (name, reward_fn) sources: fn(samples, strict=False) sets each rolled-out
-    Sample's reward (the weighted sum) and components, and returns how many samples' rewards failed. The
-    "rule" source's components keep their own names; every other source is one component under its name."""
-    weights = weights or [1.0] * len(sources)
-    if len(weights) != len(sources):
-        raise ValueError(f"--reward_weights has {len(weights)} values for {len(sources)} reward sources "
-                         f"({', '.join(name for name, _ in sources)})")
+class RewardScorer:
+    """One scorer from several (name, reward_fn) sources: scorer(samples, strict=False) sets each rolled-out
+    Sample's reward (the weighted sum) and components, and returns how many samples' rewards failed (they got
+    the fallback). The "rule" source's components keep their own names; every other source is one component
+    under its name. The first failure of each kind (source and exception type) is printed with its sample;
+    `check(failed, total, step)` stops the run when the share of failed samples reaches `failure_limit`."""
 
-    def fn(samples, strict=False):
+    def __init__(self, sources, weights=None, fallback=0.0, timeout=None, failure_limit=1.0, log=print):
+        self.sources, self.weights = sources, weights or [1.0] * len(sources)
+        if len(self.weights) != len(sources):
+            raise ConfigError(f"--reward_weights has {len(self.weights)} values for {len(sources)} reward "
+                              f"sources ({', '.join(name for name, _ in sources)})")
+        self.fallback, self.timeout, self.failure_limit, self.log = fallback, timeout, failure_limit, log
+        self.seen, self.last_failure = set(), None
+
+    def __call__(self, samples, strict=False):
         prompts, labels = [s.prompt for s in samples], [s.label for s in samples]
         completions = [s.completion for s in samples]
-        total, components, errors = [0.0] * len(samples), [{} for _ in samples], 0
-        for (name, reward_fn), weight in zip(sources, weights):
-            rewards, comps, errs = score(reward_fn, prompts, completions, labels, fallback, strict)
+        total, components, failed = [0.0] * len(samples), [{} for _ in samples], set()
+        for (name, reward_fn), weight in zip(self.sources, self.weights):
+            rewards, comps, failures = score(reward_fn, prompts, completions, labels, self.fallback, strict,
+                                             self.timeout)
             total = [t + weight * r for t, r in zip(total, rewards)]
             named = comps if name == "rule" else {name: rewards}
             for i, sample_components in enumerate(components):
                 sample_components.update({key: values[i] for key, values in named.items()})
-            errors += errs
+            for i, why in failures:
+                self._report(name, i, why, completions[i], labels[i])
+            failed.update(i for i, _ in failures)
         for sample, reward, sample_components in zip(samples, total, components):
             sample.reward, sample.components = reward, sample_components
-        return errors
+        return len(failed)
 
-    return fn
+    def _report(self, source, i, why, completion, label):
+        self.last_failure = f"{source}: {why}"
+        kind = (source, why.split("(", 1)[0][:80])
+        if kind not in self.seen:
+            self.seen.add(kind)
+            self.log(f"[reward] {source} failed on a sample (completion {completion[:80]!r}, label "
+                     f"{label!r}): {why}; it gets --reward_fallback {self.fallback}, counted in "
+                     "rollout/reward_errors (shown once per kind)")
+
+    def check(self, failed, total, step):
+        if total and failed / total >= self.failure_limit:
+            raise RewardError(f"the rewards of {int(failed)} of {int(total)} samples failed at step "
+                              f"{step} (last: {self.last_failure}): training on fallback rewards learns "
+                              "nothing; fix the reward, or raise --reward_failure_limit (above 1: never "
+                              "stop)")
 
 
 def pass_at_k(n, c, k):

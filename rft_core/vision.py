@@ -20,6 +20,8 @@ import os
 import torch
 
 from rft_core.data import COLOURS, IMAGE_SIZE, NUMBERS
+from rft_core.errors import DataError, MissingPath
+from rft_core.models import check_model_path
 from rft_core.multimodal import VISION_TOKENS, video_processor_like, vision_token_ids
 
 SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>", *VISION_TOKENS)
@@ -27,22 +29,37 @@ WORDS = ("user", "assistant", "system", "what", "colour", "is", "the", "shape", 
          "are", "there", "answer", "with", "a", "word", "?", ".", *COLOURS, *NUMBERS)
 
 
-def load_image_rows(path, input_key, label_key, images_key, flag, log=print):
+def load_image_rows(path, input_key, label_key, images_key, flag, log=print, strict=False):
     """Prompt rows of a data file or directory ({"prompt", "label", "images": [...]}): the images_key column
     holds a path or a list of paths, relative to the data file, each an image, or itself a list of frame
-    paths: a video (a list of PIL images). Empty or missing: a text-only prompt."""
+    paths: a video (a list of PIL images). Empty: a text-only prompt; images_key "": no image column at all.
+    A row whose image is missing or unreadable is skipped and counted, the first named through log; with
+    strict, it is an error naming row, column and file."""
     from PIL import Image
 
     from rft_core.data import load_prompt_rows
 
-    rows, _ = load_prompt_rows(path, input_key, label_key, flag, (images_key,), log=log)
+    rows, _ = load_prompt_rows(path, input_key, label_key, flag, {images_key: "--images_key"} if images_key
+                               else {}, log=log)
     base = path if os.path.isdir(path) else os.path.dirname(path)
     load = lambda p: Image.open(os.path.join(base, p)).convert("RGB")  # noqa: E731
+    kept, bad = [], []
     for row in rows:
         paths = row.pop(images_key, None) or []
         paths = [paths] if isinstance(paths, str) else paths
-        row["images"] = [load(p) if isinstance(p, str) else [load(f) for f in p] for p in paths]
-    return rows
+        try:
+            row["images"] = [load(p) if isinstance(p, str) else [load(f) for f in p] for p in paths]
+            kept.append(row)
+        except (OSError, ValueError, TypeError) as e:  # missing, unreadable or not an image (PIL's errors)
+            where = f"{flag} {path!r}: row {row['row']}, column {images_key!r}: {type(e).__name__}: {e}"
+            if strict:
+                raise DataError(f"{where} (--strict_data; without it the row is skipped and counted)") from e
+            bad.append(where)
+    if bad:
+        log(f"[data] skipped {len(bad)} rows whose images could not be read (first: {bad[0]})")
+    if not kept:
+        raise DataError(f"{flag} {path!r}: no row has readable images (first failure: {bad[0]})")
+    return kept
 
 
 def word_tokenizer():
@@ -99,7 +116,7 @@ def expand_image_tokens(text, image_grid_thw, merge_size=2, image_token="<|image
     (the placeholders back to back, as Qwen2VLProcessor writes them)."""
     parts = text.split(image_token)
     if len(parts) - 1 != len(image_grid_thw):
-        raise ValueError(f"{len(parts) - 1} image placeholders in the prompt but {len(image_grid_thw)} "
+        raise DataError(f"{len(parts) - 1} image placeholders in the prompt but {len(image_grid_thw)} "
                          "images")
     counts = [int(torch.as_tensor(thw).prod()) // merge_size**2 for thw in image_grid_thw]
     return parts[0] + "".join(image_token * n + part for n, part in zip(counts, parts[1:]))
@@ -111,7 +128,7 @@ def check_image_tokens(input_ids, image_grid_thw, image_token_id, merge_size=2, 
     have = int((torch.as_tensor(input_ids) == image_token_id).sum())
     if have != want:
         grids = [list(map(int, g)) for g in image_grid_thw]
-        raise ValueError(f"sample {sample!r}: {have} {kind} tokens in the prompt but its {len(grids)} "
+        raise DataError(f"sample {sample!r}: {have} {kind} tokens in the prompt but its {len(grids)} "
                          f"{kind}(s) need {want} (grids {grids})")
 
 
@@ -143,7 +160,8 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     if not os.path.isdir(pretrain):
-        raise FileNotFoundError(f"--pretrain {pretrain!r}: not a model directory")
+        raise MissingPath(f"--pretrain {pretrain!r}: not a model directory")
+    check_model_path(pretrain)
     tokenizer = AutoTokenizer.from_pretrained(pretrain)
     tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(pretrain, dtype=dtype)

@@ -28,6 +28,7 @@ import torch
 
 from rft_core.engine import Generation
 from rft_core.distributed import full_weights
+from rft_core.errors import ConfigError
 from rft_core.multimodal import vllm_prompt
 
 # torch.compile, FSDP, ckpt
@@ -37,7 +38,7 @@ WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_mo
 def tp_groups(world_size, tp_size):
     """Rank lists of the tensor-parallel groups: consecutive ranks, as vLLM forms them."""
     if world_size % tp_size:
-        raise ValueError(f"world size {world_size} is not divisible by --engine_tp_size {tp_size}")
+        raise ConfigError(f"world size {world_size} is not divisible by --engine_tp_size {tp_size}")
     return [list(range(i, i + tp_size)) for i in range(0, world_size, tp_size)]
 
 
@@ -170,7 +171,7 @@ class VLLMEngine:
         gens = []
         for i, ((ids, request), out) in enumerate(zip(rows, outputs)):
             if "multi_modal_data" in request and list(out.prompt_token_ids) != ids:  # image-token accounting
-                raise ValueError(f"prompt {i}: vLLM expanded it to {len(out.prompt_token_ids)} tokens, "
+                raise ConfigError(f"prompt {i}: vLLM expanded it to {len(out.prompt_token_ids)} tokens, "
                                  f"the trainer's has {len(ids)}: "
                                  "is the engine's image processor (min / max pixels) the trainer's?")
             c = out.outputs[0]

@@ -29,7 +29,8 @@ def test_load_jsonl_parquet_and_directory(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     loaded, skipped = load_prompt_rows(str(path), "question", "answer")
-    assert skipped == 0 and loaded == [{"prompt": "What is 1 + 1?", "label": "2"}, {"prompt": "What is 2 + 2?", "label": "4"}]
+    assert skipped == 0 and loaded == [{"prompt": "What is 1 + 1?", "label": "2", "row": 0},
+                                       {"prompt": "What is 2 + 2?", "label": "4", "row": 1}]
 
     import datasets
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "part.parquet"))
@@ -76,7 +77,7 @@ def test_unusable_rows_counted_and_all_bad_is_an_error(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     loaded, skipped = load_prompt_rows(str(path))
-    assert skipped == 3 and [r["label"] for r in loaded] == ["1", "4"]
+    assert skipped == 3 and [(r["label"], r["row"]) for r in loaded] == [("1", 0), ("4", 3)]
     path.write_text(json.dumps({"prompt": "  ", "label": 1}))
     with pytest.raises(ValueError, match="none of its 1 rows has a usable 'prompt'"):
         load_prompt_rows(str(path))

@@ -10,7 +10,7 @@ import torch
 
 from rft_core.rewards import (RunningMoments, answer_reward, load_reward_fn, math_label, math_reward, overlong_penalty,
                               parse_answer, pass_at_k, remote_reward_fn, reward_model_fn, reward_sources, score,
-                              weighted_rewards)
+                              RewardScorer)
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [
@@ -35,7 +35,7 @@ def test_answer_reward():
     assert parts["correct"] == [1.0, 0.0, 0.0, 1.0]
     assert parts["format"] == pytest.approx([0.1, 0.1, 0.0, 0.0])
     rewards, components, errors = score(answer_reward, [None] * 4, completions, ["15", "15", "15", 15])
-    assert rewards == pytest.approx([1.1, 0.1, 0.0, 1.0]) and errors == 0 and set(components) == {"correct", "format"}
+    assert rewards == pytest.approx([1.1, 0.1, 0.0, 1.0]) and errors == [] and set(components) == {"correct", "format"}
 
 
 def test_exact_match_is_exact():
@@ -60,10 +60,11 @@ def flaky(prompts, completions, labels, **kwargs):
 def test_score_contains_failures():
     completions = ["ab", "boom", "nan", "abcd"]
     rewards, components, errors = score(flaky, [None] * 4, completions, ["x"] * 4, fallback=-1.0)
-    assert rewards == [2.0, -1.0, -1.0, 4.0] and errors == 2
+    assert rewards == [2.0, -1.0, -1.0, 4.0] and [i for i, _ in errors] == [1, 2]
+    assert "RuntimeError('boom')" in errors[0][1] and "non-finite" in errors[1][1]
     assert components["reward"][0] == 2.0 and math.isnan(components["reward"][1])
     rewards, _, errors = score(flaky, [None] * 2, ["short", "abc"], ["x"] * 2)
-    assert rewards == [5.0, 3.0] and errors == 0  # wrong length for the batch: rescored one by one
+    assert rewards == [5.0, 3.0] and errors == []  # wrong length for the batch: rescored one by one
 
 
 def test_strict_rewards_show_the_sample():
@@ -114,7 +115,7 @@ def test_remote_reward_model_on_loopback():
     try:
         fn = remote_reward_fn(f"http://127.0.0.1:{server.server_port}/score", timeout=5, retries=3, backoff=0.01)
         rewards, _, errors = score(fn, ["p", "q"], ["7", "8"], ["7", "9"])
-        assert rewards == [1.0, 0.0] and errors == 0 and _Handler.calls == 2
+        assert rewards == [1.0, 0.0] and errors == [] and _Handler.calls == 2
     finally:
         server.shutdown()
 
@@ -197,7 +198,7 @@ def test_reward_model_fn_scores_like_the_classifier(tiny_rm_dir):
     assert len(set(got)) == 3
 
 
-def test_weighted_rewards_sets_each_samples_reward_and_components():
+def test_reward_scorer_sets_each_samples_reward_and_components():
     """Sources summed with their weights; the rule's components keep their names, a model is one component;
     a failure gives that source's fallback to the sample and is counted."""
     from rft_core.experience import Sample
@@ -211,13 +212,13 @@ def test_weighted_rewards_sets_each_samples_reward_and_components():
         return [len(c) for c in completions]
 
     samples = [Sample([1], "ab", "p", completion=c) for c in ("ab", "xyz", "boom")]
-    errors = weighted_rewards([("rule", rule), ("rm0", model)], [1.0, 0.5], fallback=-1.0)(samples)
+    errors = RewardScorer([("rule", rule), ("rm0", model)], [1.0, 0.5], fallback=-1.0, log=lambda m: None)(samples)
     assert errors == 1
     assert [s.reward for s in samples] == pytest.approx([1.1 + 1.0, 0.1 + 1.5, 0.1 - 0.5])
     assert samples[0].components == {"correct": 1.0, "format": 0.1, "rm0": 2.0}
     assert samples[2].components["rm0"] == -1.0
     with pytest.raises(ValueError, match="--reward_weights has 1 values for 2 reward sources"):
-        weighted_rewards([("rule", rule), ("rm0", model)], [1.0])
+        RewardScorer([("rule", rule), ("rm0", model)], [1.0])
 
 
 def test_default_rule_and_first_word():

@@ -4,7 +4,6 @@ embedded SmolLM2-135M for the README's acceptance command."""
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -159,7 +158,7 @@ def test_policy_loss_variants(tiny_model_dir, tmp_path, chars_reward):
     rows, _ = read_metrics(str(tmp_path))
     assert len(rows) == 2 and all(math.isfinite(r["train/policy_loss"]) and r["train/grad_norm"] > 0 for r in rows)
     proc = run(["--pretrain", tiny_model_dir, *TINY, "--dual_clip", "0.5", "--output_dir", str(tmp_path / "x")], check=False)
-    assert proc.returncode != 0 and "--dual_clip must be > 1" in proc.stderr
+    assert proc.returncode == 2 and "error: --dual_clip 0.5: must be > 1" in proc.stderr
 
 
 def test_accelerate_launch(tiny_model_dir, tmp_path):
@@ -196,35 +195,6 @@ def test_prompt_file(tiny_model_dir, tmp_path):
     _, eval_rows = read_metrics(str(tmp_path / "out2"))
     assert [r["eval/num_problems"] for r in eval_rows] == [4, 4]
     assert all(0 <= r["eval/pass@1"] <= r["eval/pass@3"] <= 1 for r in eval_rows)
-
-
-@pytest.mark.parametrize("extra, message", [
-    (["--train_batch_size", "3"], "must be a multiple of --train_batch_size 3"),
-    (["--micro_train_batch_size", "3"], "must be a multiple of --micro_train_batch_size 3"),
-    (["--prompt_data", "/no/such/file.jsonl"], "no such file or directory"),
-    (["--advantage_estimator", "ppo"], "--advantage_estimator must be one of"),
-    (["--freezing_actor_steps", "2"], "it needs --advantage_estimator gae"),
-    (["--kl_target", "0.1"], "--kl_target adapts the KL penalty in the reward"),
-    (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 reward sources"),
-    (["--high_entropy_token_ratio", "1.5"], "--high_entropy_token_ratio must be in [0, 1]"),
-    (["--ema_beta", "0.9", "--lora_rank", "4"], "--ema_beta is not supported with --lora_rank"),
-])
-def test_bad_config_errors(tiny_model_dir, tmp_path, extra, message, monkeypatch):
-    """In-process (the checks run before any training), so each case costs no interpreter start."""
-    import train_ppo
-
-    monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--pretrain", tiny_model_dir, *TINY, *extra, "--output_dir", str(tmp_path)])
-    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
-        train_ppo.main()
-
-
-def test_non_finite_gradients_stop_the_run(tiny_model_dir, tmp_path, chars_reward):
-    """A learning rate that blows the weights up: the first non-finite gradient stops the run with a clear
-    error before its optimizer step (the loss itself can still be finite), and the checkpoint before it stays."""
-    proc = run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--reward_fn", chars_reward, "--save_steps", "1",
-                "--actor_learning_rate", "1e30", "--output_dir", str(tmp_path)], check=False)
-    assert proc.returncode != 0 and "FloatingPointError: non-finite loss or gradients (grad_norm) at step 2" in proc.stderr
-    assert open(tmp_path / "latest").read().strip() == "checkpoint-1"
 
 
 def test_default_model_two_steps(tmp_path):
@@ -265,10 +235,7 @@ def test_custom_reward_fn_and_failures(tiny_model_dir, tmp_path):
     assert all(r["rollout/reward/one"] == 1.0 and r["rollout/reward_errors"] == 0 for r in rows)
     assert all(r["rollout/reward_mean"] == pytest.approx(1.0 + r["rollout/reward/len"]) for r in rows)
 
-    run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:broken", "--reward_fallback", "-1",
-         "--output_dir", str(tmp_path / "b")])
-    rows, _ = read_metrics(str(tmp_path / "b"))
-    assert all(r["rollout/reward_errors"] == 4 and r["rollout/reward_mean"] == -1.0 for r in rows)
+    # a reward that always fails: covered in test_user_errors.py (it stops the run unless tolerated)
 
     proc = run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:broken", "--strict_rewards",
                 "--output_dir", str(tmp_path / "c")], check=False)

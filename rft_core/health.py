@@ -1,0 +1,79 @@
+"""Training health: stop a diverging run before its bad update is applied or saved.
+
+- Gradients, at every optimizer step and before it: non-finite (a finite loss can have NaN gradients), or a
+  norm `explode_factor` times the median of the run's earlier ones (orders of magnitude, not a spike that
+  clipping absorbs).
+- The policy, every step and on the new weights before a checkpoint or the final model is written: a mean
+  entropy that reached the uniform bound log(V) from well below it (the policy collapsed), non-finite weights,
+  or (before a save) an update that moved the policy by more than `max_update_kl` nats per token.
+The stop (errors.TrainingDiverged) says which checkpoint is intact and how to resume from it with other flags.
+"""
+
+import math
+import os
+import statistics
+
+import torch
+
+from rft_core.checkpoint import latest_checkpoint
+from rft_core.errors import TrainingDiverged
+from rft_core.models import response_logprobs
+
+
+class HealthGuard:
+    def __init__(self, output_dir, vocab_size, explode_factor=1e4, max_update_kl=1.0):
+        self.output_dir, self.explode_factor, self.max_update_kl = output_dir, explode_factor, max_update_kl
+        self.max_entropy = math.log(vocab_size)  # the uniform distribution's
+        self.norms, self.first_entropy = {}, None  # earlier gradient norms by key; the run's first entropy
+
+    def grad_norm(self, key, norm, step):
+        """Before the optimizer step: `norm` (pre-clip) of `key` ("grad_norm", "critic_grad_norm") is sane."""
+        if not math.isfinite(norm):
+            self.stop(f"non-finite loss or gradients ({key} {norm})", step)
+        earlier = [x for x in self.norms.setdefault(key, []) if x > 0]
+        if len(earlier) >= 3 and norm > self.explode_factor * statistics.median(earlier):
+            times = norm / statistics.median(earlier)
+            self.stop(f"the gradient norm exploded ({key} {norm:.3g}, {times:.0f} times the run's median)",
+                      step)
+        self.norms[key].append(norm)
+
+    def entropy(self, entropy, step, what="the policy"):
+        """The mean entropy of the sampled tokens under the policy; a collapse to uniform stops the run (a
+        model that starts near uniform, a random one, is left alone)."""
+        if not math.isfinite(entropy):
+            self.stop(f"{what} is not finite (entropy {entropy})", step)
+        self.first_entropy = entropy if self.first_entropy is None else self.first_entropy
+        if self.first_entropy < 0.5 * self.max_entropy and entropy >= 0.9 * self.max_entropy:
+            self.stop(f"{what} collapsed: entropy {entropy:.2f}, at the uniform bound log(V) = "
+                      f"{self.max_entropy:.2f}, from {self.first_entropy:.2f} at the start", step)
+
+    @torch.no_grad()
+    def before_checkpoint(self, model, experience, micro_batch_size, temperature, accelerator, step):
+        """Collective. The weights about to be saved: finite on every rank; on the step's first micro-batch,
+        their policy's entropy not collapsed and its distance from the policy that sampled the batch (k1 KL,
+        nats per token) not beyond `max_update_kl`: a sane update moves it by a few thousandths."""
+        bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
+        if accelerator.reduce(torch.tensor(float(bad), device=accelerator.device), "sum").item():
+            self.stop("the updated weights are not finite", step)
+        mb = experience.split(micro_batch_size)[0]
+        with accelerator.autocast():
+            logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask,
+                                                  mb.action_mask.shape[1], temperature, with_entropy=True,
+                                                  mm_inputs=mb.mm_inputs())
+        mask = mb.action_mask
+        kl = ((mb.rollout_logprobs - logprobs.float()) * mask).sum() / mask.sum()  # samples of the old policy
+        means = accelerator.reduce(torch.stack([(entropy * mask).sum() / mask.sum(), kl]), "mean").tolist()
+        self.entropy(means[0], step, "the updated policy")
+        if not means[1] <= self.max_update_kl:
+            self.stop(f"the update moved the policy by {means[1]:.3g} nats per token (KL to the policy that "
+                      f"sampled the step; a sane update: about 0.001)", step)
+
+    def stop(self, what, step):
+        ckpt = latest_checkpoint(self.output_dir)
+        if ckpt:
+            where = (f"{os.path.basename(ckpt)} is the newest intact checkpoint: rerun with a lower "
+                     "--actor_learning_rate (or other flags) and it resumes from there, or add --no_resume "
+                     "to start afresh")
+        else:
+            where = "no checkpoint was written before it: rerun with a lower --actor_learning_rate"
+        raise TrainingDiverged(f"{what} at step {step}, and nothing of it was saved; {where}")

@@ -1,0 +1,383 @@
+"""Nothing lost, nothing silent: every mistake a user can make with flags, data, rewards and checkpoints ends in
+one line naming the fix (or a counted, printed skip), a diverging run stops before its bad update is saved, a
+failed start leaves output_dir as it was, and SIGINT / SIGTERM stop at a step boundary."""
+
+import http.server
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import ROOT, read_metrics, run_script
+
+from rft_core.errors import UserError
+
+TINY = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
+        "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "8"]
+
+
+def run(args, **kwargs):
+    return run_script("train_ppo.py", args, **kwargs)
+
+
+def main_raises(monkeypatch, script, args, match):
+    """Run script.main() in-process (the checks come before any model loads) and expect a UserError."""
+    module = __import__(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    with pytest.raises(UserError, match=match) as caught:
+        module.main()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "0"], "--temperature 0.0: must be > 0 (0 would sample greedily"),
+    (["--temperature", "-1"], "--temperature -1.0: must be > 0"),
+    (["--actor_learning_rate", "-1"], "--actor_learning_rate -1.0: must be in (0, 1)"),
+    (["--actor_learning_rate", "1e3"], "--actor_learning_rate 1000.0: must be in (0, 1)"),
+    (["--top_p", "0"], "--top_p 0.0: must be in (0, 1]"),
+    (["--eps_clip", "-0.2"], "--eps_clip -0.2: must be in (0, 1)"),
+    (["--generate_max_len", "0"], "--generate_max_len 0: must be >= 1"),
+    (["--max_steps", "0"], "--max_steps 0: must be >= 1"),
+    (["--engine_tp_size", "3"], "--engine_tp_size 3: it sets the vLLM engine, but this run uses the transformers"),
+    (["--loss_agg_mode", "mean"], "--loss_agg_mode 'mean': choose one of"),
+    (["--advantage_estimator", "ppo"], "--advantage_estimator 'ppo': choose one of"),
+    (["--n_samples_per_prompt", "1"], "--n_samples_per_prompt 1 with group_norm: the group baseline is the sample"),
+    (["--kl_target", "0.1"], "--kl_target 0.1: it adapts the KL penalty in the reward"),
+    (["--gamma", "0.9"], "--gamma 0.9: it discounts the token-level estimators"),
+    (["--freezing_actor_steps", "1"], "--freezing_actor_steps 1: it is the critic's"),
+    (["--max_num_gen_batches", "5"], "--max_num_gen_batches 5: it bounds --dynamic_sampling, which is off"),
+    (["--eps_clip", "0.3", "--eps_clip_low_high", "0.2", "0.28"], "--eps_clip 0.3: --eps_clip_low_high replaces"),
+    (["--dual_clip", "0.5"], "--dual_clip 0.5: must be > 1"),
+    (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 reward sources"),
+    (["--train_batch_size", "3"], "must be a multiple of --train_batch_size 3"),
+    (["--micro_train_batch_size", "3"], "must be a multiple of --micro_train_batch_size 3"),
+    (["--high_entropy_token_ratio", "1.5"], "--high_entropy_token_ratio 1.5: must be in [0, 1]"),
+    (["--ema_beta", "0.9", "--lora_rank", "4"], "--ema_beta is not supported with --lora_rank"),
+    (["--overlong_buffer_len", "8"], "--overlong_buffer_len 8: must be below --generate_max_len 8"),
+    (["--enable_engine_sleep", "--disable_engine_sleep"], "--enable_engine_sleep or --disable_engine_sleep: pick one"),
+])
+def test_bad_flags_are_refused_before_anything_loads(tmp_path, monkeypatch, extra, message):
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", "/not/loaded", *TINY, *extra, "--output_dir",
+                                           str(tmp_path)], re.escape(message))
+    assert not os.listdir(tmp_path)  # refused before anything was written
+
+
+def test_vl_script_checks_the_same_flags(tmp_path, monkeypatch):
+    main_raises(monkeypatch, "train_ppo_vl", ["--temperature", "0", "--output_dir", str(tmp_path)],
+                re.escape("--temperature 0.0: must be > 0"))
+    main_raises(monkeypatch, "train_ppo_vl", ["--image_max_pixels", "100", "--output_dir", str(tmp_path)],
+                re.escape("--image_max_pixels 100: must be >= 784"))
+
+
+def test_a_user_error_is_one_line_without_traceback(tmp_path):
+    proc = run(["--temperature", "0", "--output_dir", str(tmp_path)], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "[WARNING]" not in line]
+    assert lines == ["error: --temperature 0.0: must be > 0 (0 would sample greedily: a group's samples alike, "
+                     "no signal)"]
+    proc = run(["--temperature", "0", "--output_dir", str(tmp_path)], check=False, env={"RFT_DEBUG": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+# ---- data ----
+
+@pytest.mark.parametrize("content, message", [
+    ("", "the file is empty"),
+    ("\n  \n", "the file is empty"),
+    ('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": "2"}\n{"prompt": "c", label: 3}\n',
+     "line 3 is not valid JSON"),
+])
+def test_bad_data_files_name_file_and_line(tmp_path, monkeypatch, tiny_model_dir, content, message):
+    path = tmp_path / "train.jsonl"
+    path.write_text(content)
+    text = main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--prompt_data", str(path),
+                                                  "--output_dir", str(tmp_path / "out")], re.escape(message))
+    assert "--prompt_data" in text and "train.jsonl" in text
+
+
+def test_unusable_rows_are_counted_and_the_first_named(tmp_path):
+    from rft_core.data import load_prompt_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p, "label": "x"}) for p in ["ok", 5, "", "fine"]))
+    said = []
+    rows, skipped = load_prompt_rows(str(path), log=said.append)
+    assert skipped == 2 and len(rows) == 2
+    assert said == [f"[data] {path}: skipped 2 rows whose 'prompt' is empty or malformed (first: row 1, int '5')"]
+
+
+def test_bad_model_paths(tmp_path, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(tmp_path / "empty"), *TINY,
+                                           "--output_dir", str(tmp_path / "a")], "no config.json there")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(tmp_path / "odd"), *TINY,
+                                           "--output_dir", str(tmp_path / "b")],
+                "model type 'no_such_model' is not one transformers")
+
+
+def test_vl_image_rows(tmp_path, monkeypatch):
+    """An absent --images_key column is an error; a missing or corrupt image skips its row (counted, the first
+    named), or with --strict_data stops the run naming row, column and file."""
+    from rft_core.data import draw_shapes
+    from rft_core.vision import load_image_rows
+
+    draw_shapes("red", 1, random.Random(0)).save(tmp_path / "ok.png")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    rows = [{"prompt": "what colour is the shape ?", "images": ["ok.png"], "label": "red"},
+            {"prompt": "what colour is the shape ?", "images": ["gone.png"], "label": "red"},
+            {"prompt": "what colour is the shape ?", "images": ["bad.png"], "label": "red"}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    path = str(tmp_path / "train.jsonl")
+    said = []
+    loaded = load_image_rows(path, "prompt", "label", "images", "--prompt_data", log=said.append)
+    assert len(loaded) == 1 and len(said) == 1
+    assert said[0].startswith("[data] skipped 2 rows whose images could not be read (first: --prompt_data")
+    assert "row 1, column 'images'" in said[0] and "gone.png" in said[0]
+    with pytest.raises(UserError, match=r"row 1, column 'images'.*gone.png.*--strict_data"):
+        load_image_rows(path, "prompt", "label", "images", "--prompt_data", strict=True)
+    main_raises(monkeypatch, "train_ppo_vl", ["--prompt_data", path, "--images_key", "imgs", "--mixed_mm_data",
+                                              "--output_dir", str(tmp_path / "out")],
+                re.escape("has no column 'imgs'") + ".*--images_key")
+
+
+# ---- rewards ----
+
+REWARDS = '''
+import math, time
+def raises(p, c, l, **kw):
+    raise RuntimeError("reward server down")
+def wrong_length(p, c, l, **kw):
+    return [1.0]
+def strings(p, c, l, **kw):
+    return ["high"] * len(c)
+def nan(p, c, l, **kw):
+    return [math.nan] * len(c)
+def slow(p, c, l, **kw):
+    time.sleep(30)
+'''
+
+
+def test_reward_failures_are_printed_once_and_bounded(tmp_path):
+    """Every kind of broken reward is printed (once) with its exception and counted; a step where all samples
+    failed stops the run before training on it, unless --reward_failure_limit is raised."""
+    from rft_core.experience import Sample
+    from rft_core.rewards import RewardScorer, load_reward_fn
+
+    (tmp_path / "rw.py").write_text(REWARDS)
+    for name, why in [("raises", "RuntimeError('reward server down')"), ("wrong_length", "has 1 values for 1"),
+                      ("strings", "could not convert string to float"), ("nan", "non-finite"),
+                      ("slow", "no result within --reward_timeout 0.2 s")]:
+        said = []
+        scorer = RewardScorer([("rule", load_reward_fn(f"{tmp_path}/rw.py:{name}"))], timeout=0.2,
+                              log=said.append)
+        samples = [Sample([1], "x", "p", completion=c) for c in ("a", "b")]
+        assert scorer(samples) == (2 if name != "wrong_length" else 0), name
+        if name == "wrong_length":  # wrong for the batch, right for one sample: rescored one by one
+            continue
+        assert len(said) == 1 and why in said[0], (name, said)
+        assert scorer(samples) == 2 and len(said) == 1  # the same kind again: counted, not printed
+        with pytest.raises(UserError, match=r"the rewards of 4 of 4 samples failed at step 3"):
+            scorer.check(4, 4, 3)
+        scorer.check(3, 4, 3)  # below the default limit (all of them)
+
+
+def test_a_run_whose_rewards_all_fail_stops(tiny_model_dir, tmp_path):
+    (tmp_path / "rw.py").write_text(REWARDS)
+    args = ["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:raises"]
+    proc = run([*args, "--output_dir", str(tmp_path / "a")], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "[reward] rule failed on a sample" in proc.stdout + proc.stderr
+    assert "error: the rewards of 4 of 4 samples failed at step 1" in proc.stderr
+    run([*args, "--reward_failure_limit", "2", "--reward_fallback", "-1", "--output_dir", str(tmp_path / "b")])
+    rows, _ = read_metrics(str(tmp_path / "b"))
+    assert all(r["rollout/reward_errors"] == 4 and r["rollout/reward_mean"] == -1.0 for r in rows)
+
+
+class _Broken(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/500":
+            self.send_response(500)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"this is not json")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_remote_reward_failures_name_url_and_status():
+    from rft_core.rewards import remote_reward_fn
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    try:
+        for url, why in [(f"http://127.0.0.1:{server.server_port}/500", "HTTP 500"),
+                         (f"http://127.0.0.1:{server.server_port}/json", "not a valid answer"),
+                         (f"http://127.0.0.1:{free}/x", "unreachable")]:
+            with pytest.raises(ConnectionError, match=re.escape(f"--remote_rm_url {url}: no valid answer after "
+                                                                f"2 tries: {why}")):
+                remote_reward_fn(url, timeout=2, retries=2, backoff=0.01)(["p"], ["c"], ["l"])
+    finally:
+        server.shutdown()
+
+
+# ---- the output directory ----
+
+def test_a_failed_rerun_leaves_the_finished_run_alone(tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    run(["--pretrain", tiny_model_dir, *TINY, "--output_dir", str(out)])
+    before = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "config.json")}
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--prompt_data",
+                                           str(tmp_path / "typo.jsonl"), "--output_dir", str(out)], "typo.jsonl")
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(tmp_path / "no_model"), *TINY, "--output_dir",
+                                           str(out)], "no_model")
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+# ---- training health ----
+
+HUGE = """
+calls = [0]
+def reward(p, completions, l, **kw):
+    calls[0] += len(completions) == 4  # the training steps' calls (eval scores 96 at once)
+    scale = 1.0 if calls[0] <= 1 else 1e38  # step 2: advantages that overflow the gradient norm
+    return [scale * (i % 2) for i in range(len(completions))]
+"""
+
+
+def test_non_finite_gradients_stop_before_the_update_and_name_the_intact_checkpoint(tiny_model_dir, tmp_path):
+    (tmp_path / "rw.py").write_text(HUGE)
+    proc = run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--advantage_estimator", "dr_grpo",
+                "--reward_fn", f"{tmp_path}/rw.py:reward", "--save_steps", "1", "--actor_learning_rate", "1e-3",
+                "--output_dir", str(tmp_path / "out")], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert re.search(r"error: non-finite loss or gradients \(grad_norm (inf|nan)\) at step 2, and nothing of it "
+                     r"was saved; checkpoint-1 is the newest intact checkpoint: rerun with a lower "
+                     r"--actor_learning_rate .* --no_resume", proc.stderr), proc.stderr[-2000:]
+    assert (tmp_path / "out" / "latest").read_text() == "checkpoint-1"
+
+
+def test_health_guard_catches_explosion_and_collapse(tmp_path):
+    from rft_core.health import HealthGuard
+
+    guard = HealthGuard(str(tmp_path), vocab_size=1000)
+    for norm in (1.0, 2.0, 1.5, 0.0):
+        guard.grad_norm("grad_norm", norm, 1)
+    guard.grad_norm("grad_norm", 1e3, 2)  # a spike clipping absorbs
+    with pytest.raises(UserError, match=r"the gradient norm exploded \(grad_norm 1e\+05, 57143 times.* no "
+                                        r"checkpoint was written"):
+        guard.grad_norm("grad_norm", 1e5, 3)
+    guard.entropy(1.2, 1)
+    guard.entropy(4.0, 2)  # higher, not uniform
+    with pytest.raises(UserError, match=r"the policy collapsed: entropy 6.90, at the uniform bound log\(V\) = 6.91"):
+        guard.entropy(6.9, 3)
+    random_model = HealthGuard(str(tmp_path), vocab_size=1000)
+    random_model.entropy(6.9, 1)
+    random_model.entropy(6.9, 2)  # a model that starts uniform is left alone
+
+
+# ---- checkpoints ----
+
+def test_damaged_checkpoints_are_named_and_skipped(tiny_model_dir, tmp_path):
+    """The latest checkpoint's weights truncated and the one before's RNG state truncated: the resume names
+    both and continues from the newest intact one, checkpoint-1."""
+    out = tmp_path / "out"
+    args = ["--pretrain", tiny_model_dir, *TINY, "--save_steps", "1", "--max_ckpt_num", "3"]
+    run([*args, "--max_steps", "3", "--output_dir", str(out)])
+    with open(out / "checkpoint-3" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    with open(out / "checkpoint-2" / "random_states_0.pkl", "r+b") as f:
+        f.truncate(10)
+    proc = run([*args, "--max_steps", "4", "--output_dir", str(out)])
+    said = proc.stdout + proc.stderr
+    assert "[resume] checkpoint-3 is damaged (model.safetensors has 100 bytes" in said
+    assert "[resume] checkpoint-2 is damaged (random_states_0.pkl has 10 bytes" in said
+    assert "[resume] from " in said and "checkpoint-1: step 1" in said
+    rows, _ = read_metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_no_intact_checkpoint_is_an_error_naming_the_fix(tmp_path):
+    from rft_core.checkpoint import _manifest, latest_checkpoint, verify_checkpoint
+
+    ckpt = tmp_path / "checkpoint-5"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text('{"step": 5}')
+    (ckpt / "manifest.json").write_text(json.dumps(_manifest(str(ckpt))))
+    (tmp_path / "latest").write_text("checkpoint-5")
+    assert verify_checkpoint(str(ckpt)) is None and latest_checkpoint(str(tmp_path)) == str(ckpt)
+    (ckpt / "trainer_state.json").write_text('{"step": 6}')  # same size, other bytes
+    assert verify_checkpoint(str(ckpt)) == "trainer_state.json changed since it was written (SHA-256)"
+    with pytest.raises(UserError, match="holds no intact checkpoint .* pass --no_resume"):
+        latest_checkpoint(str(tmp_path))
+    (tmp_path / "latest").write_text("checkpoint-9")  # deleted
+    assert verify_checkpoint(str(tmp_path / "checkpoint-9")) == "missing"
+
+
+# ---- signals ----
+
+SLOW = """import time
+def chars(p, completions, l, **kw):
+    time.sleep(0.5)
+    return [len(c) / 10 for c in completions]
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, sig, code):
+    """SIGINT / SIGTERM during step 2: the step finishes, one line says what is intact, the exit status says
+    which signal; with --save_on_sigterm a checkpoint of that step is written first."""
+    (tmp_path / "rw.py").write_text(SLOW)
+    out = tmp_path / "out"
+    args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "20", "--reward_fn", f"{tmp_path}/rw.py:chars",
+            "--save_steps", "1" if sig == signal.SIGINT else "0", "--save_on_sigterm", "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ppo.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() or "step" not in (out / "metrics.jsonl").read_text():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(1.0)  # inside the next step
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == code and "Traceback" not in stderr, stderr[-2000:]
+    stopped = [line for line in stderr.splitlines() if line.startswith("stopped: ")]
+    step = len(read_metrics(str(out))[0])
+    assert stopped == [f"stopped: {signal.Signals(sig).name} after step {step}: checkpoint-{step} is intact; "
+                       "rerun the same command to resume from it"]
+    assert (out / "latest").read_text() == f"checkpoint-{step}" and not (out / "model").exists()
+    assert torch.load(out / f"checkpoint-{step}" / "random_states_0.pkl", weights_only=False) is not None
+
+
+def test_a_deleted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
+    from rft_core.checkpoint import _manifest, latest_checkpoint
+
+    for step in (2, 4):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        ckpt.mkdir()
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (ckpt / "random_states_0.pkl").write_bytes(os.urandom(64))
+        (ckpt / "manifest.json").write_text(json.dumps(_manifest(str(ckpt))))
+    (tmp_path / "latest").write_text("checkpoint-4")
+    import shutil
+    shutil.rmtree(tmp_path / "checkpoint-4")
+    said = []
+    assert latest_checkpoint(str(tmp_path), log=said.append) == str(tmp_path / "checkpoint-2")
+    assert said == ["[resume] checkpoint-4 is damaged (missing): skipping it"]
