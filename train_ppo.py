@@ -574,9 +574,7 @@ def main():
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
             kl_coef = adaptive_kl_coef(kl_coef, metrics["rollout/kl"], args.kl_target, args.kl_horizon,
                                        samples_per_step)
-        log.write(step, metrics)
-        if step % args.logging_steps == 0 and accelerator.is_main_process:
-            tqdm.write(MetricsLog.line(step, metrics))
+        log.write(step, metrics, print_line=step % args.logging_steps == 0)
         guard.entropy(metrics["train/entropy"], step)
         if args.log_samples_steps and step % args.log_samples_steps == 0:
             log.samples(step, [{"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion,

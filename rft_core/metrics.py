@@ -148,10 +148,13 @@ class MetricsLog:
             config = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
             accelerator.init_trackers(project, config=config)
 
-    def write(self, step, metrics):
+    def write(self, step, metrics, print_line=False):
+        """Append a row (and with print_line, print its step line on the main process)."""
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
+            if print_line:
+                tqdm.write(self.line(step, metrics))
         if self.accelerator is not None and self.accelerator.trackers:
             self.accelerator.log(metrics, step=step)
 
