@@ -266,14 +266,14 @@ class Args:
 def load_models(args, accelerator, needs_reference):
     """(policy, tokenizer, image processor (None: text), frozen reference model or None, critic or None)."""
     model, tokenizer = load_model_and_tokenizer(args.pretrain)
-    if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
-        model = lora_model(model, args.lora_rank, args.lora_alpha, args.target_modules)
     ref_model = None
     if needs_reference and not args.lora_rank:  # sharded like the actor
         ref_model = prepare_frozen(accelerator, load_model_and_tokenizer(args.pretrain)[0])
     critic = None
-    if args.advantage_estimator == "gae":  # default: the actor's weights with a zero value head
+    if args.advantage_estimator == "gae":  # default: the actor's weights (before LoRA) with a zero value head
         critic = load_value_model(args.critic_pretrain, actor=model)
+    if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
+        model = lora_model(model, args.lora_rank, args.lora_alpha, args.target_modules)
     return model, tokenizer, None, ref_model, critic
 
 

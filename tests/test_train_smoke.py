@@ -149,6 +149,15 @@ def test_lora(tiny_model_dir, tmp_path, chars_reward):
     assert torch.equal(merged["model.norm.weight"], untouched["model.norm.weight"])  # not a LoRA target: frozen
 
 
+def test_lora_with_the_gae_critic(tiny_model_dir, tmp_path, chars_reward):
+    """PPO with LoRA: the critic is built from the base weights before the adapters are added (it used to copy
+    the peft model's state dict and crash on its keys), and both learn."""
+    run(["--pretrain", tiny_model_dir, *TINY, "--lora_rank", "4", "--advantage_estimator", "gae", "--reward_fn",
+         chars_reward, "--actor_learning_rate", "1e-3", "--output_dir", str(tmp_path)])
+    rows, _ = read_metrics(str(tmp_path))
+    assert all(r["train/grad_norm"] > 0 and r["train/critic_grad_norm"] > 0 for r in rows)
+
+
 def test_policy_loss_variants(tiny_model_dir, tmp_path, chars_reward):
     """clip-higher, dual-clip, GSPO, TIS and an entropy bonus together, with two optimizer steps per rollout so ratios move."""
     run(["--pretrain", tiny_model_dir, *TINY, "--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3",
