@@ -196,7 +196,9 @@ def run_main(main):
     or a diverging run) ends the process with its one line, `error: ...`, and status 2; a stop on SIGINT /
     SIGTERM with its line and 130 / 143; RFT_DEBUG=1 or --debug shows the traceback instead. Anything else is
     a bug and keeps its traceback."""
-    debug = os.environ.get("RFT_DEBUG", "0") not in ("", "0") or "--debug" in sys.argv[1:]
+    argv = sys.argv[1:] + [""]
+    flag = "--debug" in argv and argv[argv.index("--debug") + 1].lower() not in ("0", "false", "no", "off")
+    debug = flag or os.environ.get("RFT_DEBUG", "0") not in ("", "0")
     try:
         main()
     except UserError as e:
