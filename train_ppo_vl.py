@@ -361,10 +361,10 @@ def main():
     moments = RunningMoments() if args.normalize_reward else None
     model, tokenizer, processor, ref_model, critic = load_models(args, accelerator,
                                                                  args.use_kl_loss or kl_in_reward)
-    trained_nets = [net for net in (model, critic) if net is not None]
-    for net in trained_nets if args.gradient_checkpointing else []:
+    nets = [net for net in (model, critic) if net is not None]  # what trains
+    for net in nets if args.gradient_checkpointing else []:
         net.gradient_checkpointing_enable()
-    for net in trained_nets if args.torch_compile else []:
+    for net in nets if args.torch_compile else []:
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
     prompts = encode_prompts(args, rows, tokenizer, processor, model, accelerator.print)

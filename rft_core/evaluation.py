@@ -16,7 +16,7 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
 
     A response is correct by its reward's "correct" component, or with reward_threshold set, when its reward
     is at least that. Without either there is no accuracy: a reward > 0 is not a right answer.
-    score_fn(samples): weighted_rewards' scorer (sets each sample's reward and components).
+    score_fn(samples): a rewards.RewardScorer (sets each sample's reward and components).
     """
     rank, world, n = accelerator.process_index, accelerator.num_processes, n_samples
     # every rank generates for the same number of rows (with sharded weights a forward is a collective);

@@ -8,9 +8,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A 2-layer random Llama with the embedded SmolLM2 tokenizer, saved as an HF directory."""
+def save_tiny_model(path):
+    """A 2-layer random Llama with the embedded SmolLM2 tokenizer, saved as an HF directory at path."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from rft_core.models import embedded_model_path
@@ -20,34 +19,45 @@ def tiny_model_dir(tmp_path_factory):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    path = tmp_path_factory.mktemp("tiny_llama")
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def tiny_rm_dir(tiny_model_dir, tmp_path_factory):
-    """A 1-layer random Llama sequence classifier (a reward model) with the same tokenizer."""
+def save_tiny_rm(path, tokenizer_dir):
+    """A 1-layer random Llama sequence classifier (a reward model) with tokenizer_dir's tokenizer, at path."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(1)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, num_labels=1,
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    path = tmp_path_factory.mktemp("tiny_rm")
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+CHARS_REWARD = "def chars(p, completions, l, **kw):\n    return [len(c) / 10 for c in completions]\n"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_rm_dir(tiny_model_dir, tmp_path_factory):
+    return save_tiny_rm(tmp_path_factory.mktemp("tiny_rm"), tiny_model_dir)
 
 
 @pytest.fixture
 def chars_reward(tmp_path):
     """A reward that varies between samples even for a random tiny model, so gradients are not zero."""
     path = tmp_path / "chars.py"
-    path.write_text("def chars(p, completions, l, **kw):\n    return [len(c) / 10 for c in completions]\n")
+    path.write_text(CHARS_REWARD)
     return f"{path}:chars"
 
 
