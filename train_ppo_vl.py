@@ -35,8 +35,8 @@ from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, t
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
 from rft_core.data import batches, shapes_task, text_batches  # VL
-from rft_core.distributed import (configure_deepspeed, grad_norm_value, move_optimizer_state, prepare_frozen,
-                                  process_group_kwargs)
+from rft_core.distributed import (accumulate_over, accumulation_divisor, configure_deepspeed, grad_norm_value,
+                                  move_optimizer_state, prepare_frozen, process_group_kwargs)
 from rft_core.engine import create_engine, resolve_engine_type
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
@@ -45,7 +45,8 @@ from rft_core.experience import batched_logprobs, batched_values, build_experien
 from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
                              value_loss)
 from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics, update_metrics
-from rft_core.models import compile_blocks, export_hf, lm_loss, lora_model, response_logprobs, response_values
+from rft_core.models import (compile_blocks, export_hf, lm_loss, lora_model,
+                             plan_update_memory, response_logprobs, response_values)
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
 from rft_core.plots import write_plots
 from rft_core.rewards import RewardScorer, RunningMoments, overlong_penalty, reward_sources
@@ -189,11 +190,17 @@ class Args:
     rollout_batch_size: int = 8
     """prompts per step, over all ranks"""
     micro_rollout_batch_size: int = 32
-    """per-rank batch for generation and logprob passes"""
+    """per-rank batch of the transformers engine's generate (and of the logprob passes with
+    --micro_train_batch_size)"""
     train_batch_size: Optional[int] = None
     """samples per optimizer step, over all ranks (default: rollout_batch_size * n_samples_per_prompt)"""
-    micro_train_batch_size: int = 8
-    """per-rank samples per forward/backward"""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """per-rank micro-batches by tokens: samples of similar length grouped up to this many padded tokens per
+    forward/backward of the update (the logprob passes, without activations to keep, take twice as many);
+    every rank runs the same number; the losses stay normalised by the whole optimizer step (default: 16384,
+    or on a GPU as many as fit without gradient checkpointing, at least 4096)"""
+    micro_train_batch_size: Optional[int] = None
+    """per-rank samples per forward/backward instead (fixed-size micro-batches, in order)"""
     max_epochs: int = 1
     """passes of the optimizer over each rollout batch"""
     num_episodes: int = 1
@@ -219,11 +226,17 @@ class Args:
     """vLLM without CUDA graphs and torch.compile: fast start, slower decode"""
     bf16: Optional[bool] = None
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
+    fused_linear_logprob: bool = True
+    """run the LM head with the log-softmax --chunk_size tokens at a time, forward and backward, so the
+    (tokens x vocab) logits never exist whole (false: the model's own logits)"""
+    chunk_size: int = 2048
+    """tokens per chunk of --fused_linear_logprob"""
+    gradient_checkpointing: Optional[bool] = None
+    """recompute activations in backward to save memory (default: on when an update micro-batch of
+    --max_tokens_per_micro_batch tokens would not fit beside the optimizer state, measured at start-up)"""
     torch_compile: bool = False
     """torch.compile each decoder layer of the trained model (dynamic shapes; the first steps compile)"""
-    optimizer_offload: bool = False
+    optimizer_offload: Optional[bool] = None
     """keep the optimizer state on the CPU outside the update, away from the rollout's KV cache (DDP,
     FSDP2; with DeepSpeed use a *_offload config)"""
     lora_rank: int = 0
@@ -268,7 +281,10 @@ class Args:
 # VL begin: loading the model and the image prompts
 def load_models(args, accelerator, needs_reference):
     """(policy, tokenizer, image processor, frozen reference model or None, critic or None)."""
-    model, tokenizer, processor = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)
+    # with LoRA the base is frozen: kept in bf16, it needs no fp32 master copy (not when the critic copies it)
+    bf16_base = args.lora_rank and args.bf16 and args.advantage_estimator != "gae"
+    model, tokenizer, processor = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels,
+                                                dtype=torch.bfloat16 if bf16_base else torch.float32)
     critic = VisionValueModel(model) if args.advantage_estimator == "gae" else None  # named model.* too
     freeze(args.freeze_prefix, model, critic)
     if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
@@ -322,7 +338,14 @@ def main():
     sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed and deepspeed.zero_stage == 3)
     check_args(args, world, deepspeed, sharded, resolve_engine_type(args.engine_type))
     args.actor_learning_rate = args.actor_learning_rate or (1e-6 if args.pretrain else 3e-3)  # VL
-    grad_accum = args.train_batch_size // (args.micro_train_batch_size * world)
+    # micro-batches: fixed rows, or grouped by tokens with the same count on every rank (under ZeRO-3 / FSDP2
+    # every forward is a collective)
+    sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
+    split = dict(micro_batch_size=args.micro_train_batch_size, sync_count=sync_count,
+                 max_tokens=None if args.micro_train_batch_size else args.max_tokens_per_micro_batch or 16384)
+    chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
+    logprob_split = {**split, "micro_batch_size": args.micro_rollout_batch_size,
+                     "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL
     kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards
@@ -338,11 +361,9 @@ def main():
         args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
         args.use_cpg_loss or args.advantage_estimator == "cpgd", args.tis_cap, args.high_entropy_token_ratio,
         args.entropy_coef, drift_coef, args.use_kl_loss, kl_estimator=args.kl_estimator,
-        max_len=args.generate_max_len, num_seqs=args.train_batch_size,
-        micro_batches_per_step=grad_accum * world)
+        max_len=args.generate_max_len, num_seqs=args.train_batch_size)
 
-    accelerator.gradient_accumulation_steps = grad_accum  # before prepare(): DeepSpeed reads it there
-    configure_deepspeed(accelerator, args.micro_train_batch_size, grad_accum, args.max_norm)
+    configure_deepspeed(accelerator, rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
     resume_from = None if args.no_resume else latest_checkpoint(args.output_dir, log=accelerator.print)
 
@@ -350,8 +371,8 @@ def main():
     rows = load_rows(args, accelerator.print)  # data errors come before the model loads
     ptx_batches = None
     if args.pretrain_data:
-        ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size, rank,
-                                   world)
+        ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size or 8,
+                                   rank, world)
     sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, device,
                              torch.bfloat16 if args.bf16 else None,
                              place=lambda m: prepare_frozen(accelerator, m),
@@ -362,8 +383,6 @@ def main():
     model, tokenizer, processor, ref_model, critic = load_models(args, accelerator,
                                                                  args.use_kl_loss or kl_in_reward)
     nets = [net for net in (model, critic) if net is not None]  # what trains
-    for net in nets if args.gradient_checkpointing else []:
-        net.gradient_checkpointing_enable()
     for net in nets if args.torch_compile else []:
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
@@ -387,6 +406,15 @@ def main():
         trained["critic_grad_norm"] = accelerator.prepare(critic, *critic_optim)
         critic = trained["critic_grad_norm"][0]
     trained_nets = [net for net, _, _ in trained.values()]  # as prepared (DDP- or DeepSpeed-wrapped)
+    if split["max_tokens"] and args.gradient_checkpointing is None:  # auto: from the measured activations
+        engine_bytes = args.engine_mem_util * torch.cuda.mem_get_info()[1] if args.disable_engine_sleep else 0
+        args.gradient_checkpointing, split["max_tokens"] = plan_update_memory(
+            model, split["max_tokens"], chunk_size, accelerator.autocast, engine_bytes,
+            fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
+    for net in trained_nets if args.gradient_checkpointing else []:
+        # non-reentrant: with LoRA the checkpointed blocks' inputs need no gradient of their own
+        kwargs = {"use_reentrant": False}
+        accelerator.unwrap_model(net).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     optimizers = [opt for _, opt, _ in trained.values()]
     engine = create_engine(
         args.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
@@ -411,7 +439,7 @@ def main():
             export_hf(accelerator.unwrap_model(model), tokenizer, path, state_dict, processor)
 
     # the run's record starts here, once everything has loaded: a failed start leaves output_dir as it was
-    config = {**asdict(args), "world_size": world, "grad_accum": grad_accum}
+    config = {**asdict(args), "world_size": world}
     log = MetricsLog(args.output_dir, config, accelerator, args.wandb_project if trackers else None,
                      keep_until=int(resume_from.rsplit("-", 1)[1]) if resume_from else None)
     guard = HealthGuard(args.output_dir, accelerator.unwrap_model(model).config.get_text_config().vocab_size)
@@ -431,7 +459,7 @@ def main():
         engine.update_weights(accelerator.unwrap_model(model))
         accelerator.print(f"[resume] from {resume_from}: step {start}")
     accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "
-                      f"grad_accum {grad_accum} | engine {type(engine).__name__} | bf16 {args.bf16}")
+                      f"engine {type(engine).__name__} | bf16 {args.bf16}")
     if prompts["eval"] and not resume_from:
         first_eval = run_eval(0)
 
@@ -487,16 +515,17 @@ def main():
         # ---- logprobs (old, reference) and values ----
         perf.phase("logprob")
         with accelerator.autocast():
-            micro = args.micro_rollout_batch_size
             if not reuse_old_logprobs:
-                exp.old_logprobs = batched_logprobs(model, exp, micro, args.temperature)  # (B, T)
+                exp.old_logprobs = batched_logprobs(model, exp, args.temperature, chunk_size,
+                                                    **logprob_split)  # (B, T)
             if args.use_kl_loss or kl_in_reward:
                 # with LoRA the reference is the base model: the actor with its adapters switched off
                 base = accelerator.unwrap_model(model).disable_adapter() if args.lora_rank else nullcontext()
                 with base:
-                    exp.ref_logprobs = batched_logprobs(ref_model or model, exp, micro, args.temperature)
+                    exp.ref_logprobs = batched_logprobs(ref_model or model, exp, args.temperature, chunk_size,
+                                                        **logprob_split)
             if critic is not None:
-                exp.values = batched_values(critic, exp, micro)  # (B, T)
+                exp.values = batched_values(critic, exp, **logprob_split)  # (B, T)
 
         # ---- advantages ----
         perf.phase("advantages")
@@ -516,24 +545,29 @@ def main():
         stepped = {key: parts for key, parts in trained.items() if not (frozen and parts[0] is model)}
         stats = Means()
         for chunk in optimizer_chunks(exp, rows_per_update, args.max_epochs, args.seed * 100003 + step * 101):
-            micro_batches = chunk.split(args.micro_train_batch_size)
+            micro_batches = chunk.split(**split)  # as many on every rank
+            accumulate_over(accelerator, len(micro_batches))  # the last one syncs and steps
+            scale = world * accumulation_divisor(accelerator)  # the mean gradient accumulation and DDP apply
+            stats.add({"micro_batches": len(micro_batches)})
             # the losses are normalised by the whole optimizer step's totals, over every micro-batch and rank
             masks = [mb.action_mask for mb in micro_batches]
             totals = policy_token_counts(masks, args.high_entropy_token_ratio)
             totals = reduce_sum(torch.tensor(totals, device=device))  # (2,): tokens, policy-loss tokens
-            settings = replace(loss_settings, kl_coef=kl_coef, num_tokens=totals[0], num_pg_tokens=totals[1])
+            settings = replace(loss_settings, kl_coef=kl_coef, num_tokens=totals[0], num_pg_tokens=totals[1],
+                               micro_batches_per_step=len(micro_batches) * world)
             for mb in micro_batches:
                 with accelerator.accumulate(*trained_nets), accelerator.autocast():
                     with torch.set_grad_enabled(not frozen):
                         logprobs, entropy = response_logprobs(
                             model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], args.temperature,
-                            with_entropy="grad" if args.entropy_coef else True, mm_inputs=mb.mm_inputs())
+                            with_entropy="grad" if args.entropy_coef else True, mm_inputs=mb.mm_inputs(),
+                            chunk_size=chunk_size)
                     loss, m = actor_loss(logprobs, entropy, mb, settings)  # (B, T) each -> scalar
                     if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
                         enc = tokenizer(next(ptx_batches), return_tensors="pt", padding=True, truncation=True,
                                         max_length=args.prompt_max_len).to(device)
                         ptx_loss = lm_loss(model, enc["input_ids"], enc["attention_mask"])
-                        loss = loss + args.ptx_coef * ptx_loss / (grad_accum * world)
+                        loss = loss + args.ptx_coef * ptx_loss / settings.micro_batches_per_step
                         m["ptx_loss"] = ptx_loss.detach()
                     if critic is not None:
                         values = response_values(critic, mb.input_ids, mb.attention_mask,
@@ -541,11 +575,10 @@ def main():
                         v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
                                             args.loss_agg_mode, settings.num_tokens, settings.num_seqs,
                                             settings.max_len)
-                        m["value_loss"] = v_loss.detach() * grad_accum * world  # the step's, as policy_loss
+                        m["value_loss"] = v_loss.detach() * settings.micro_batches_per_step  # as policy_loss
                         m["values"] = masked_mean(values.detach(), mb.action_mask)
                         loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward
-                    # undo the mean that gradient accumulation and DDP each apply: the losses are the step's
-                    accelerator.backward(loss * grad_accum * world)
+                    accelerator.backward(loss * scale)  # the losses are already the step's
                     if accelerator.sync_gradients:  # the optimizer step's last micro-batch
                         for key, (net, _, _) in stepped.items():
                             norm = accelerator.clip_grad_norm_(net.parameters(), args.max_norm)
@@ -560,6 +593,10 @@ def main():
                         weights = [p.detach() for p in model.parameters()]
                         torch._foreach_lerp_(ema, weights, 1.0 - args.ema_beta)
                 stats.add(m)  # device tensors: read once, after the update
+        if args.optimizer_offload is None and not deepspeed:  # auto, once: if vLLM cannot wake beside it
+            args.optimizer_offload = not engine.can_wake()
+            accelerator.print(f"[memory] optimizer state on the CPU between updates: "
+                              f"{args.optimizer_offload}")
         if args.optimizer_offload:
             move_optimizer_state(optimizers, "cpu")
 
@@ -571,10 +608,11 @@ def main():
         shaped = exp.rewards if moments is not None or args.reward_clip is not None else None  # (B,)
         local = {**rollout_metrics(samples, args.generate_max_len, shaped, args.reward_clip),
                  **update_metrics(stats), "rollout/reward_errors": reward_errors,
-                 "rollout/filled_groups": num_filled}
+                 "rollout/filled_groups": num_filled, "perf/tokens": exp.attention_mask.sum().item()}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
-        metrics = gather_metrics(local, sum_keys=("rollout/reward_errors", "rollout/filled_groups"))
+        metrics = gather_metrics(local, sum_keys=("rollout/reward_errors", "rollout/filled_groups",
+                                                                "perf/tokens"))
         metrics.update({"rollout/generation_rounds": gen_round, "train/kl_coef": kl_coef,
                         "train/lr": scheduler.get_last_lr()[0], "perf/engine_slept": float(slept),
                         **perf.metrics()})
@@ -596,7 +634,7 @@ def main():
             run_eval(step)
         if args.save_steps and step % args.save_steps == 0 or stop == "SIGTERM" and args.save_on_sigterm:
             # atomic: `latest` names only whole checkpoints, and only healthy weights are saved
-            guard.before_checkpoint(model, exp, args.micro_train_batch_size, args.temperature, accelerator,
+            guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator,
                                     step)
             state = {"batches_drawn": drawn, "kl_coef": kl_coef, "first_eval": first_eval,
                      "moments": moments.state_dict() if moments is not None else None}
@@ -608,7 +646,7 @@ def main():
             raise stop_error(stop, step, latest_checkpoint(args.output_dir))
 
     if start < num_steps:  # the final weights pass the checks a checkpoint's do
-        guard.before_checkpoint(model, exp, args.micro_train_batch_size, args.temperature, accelerator, step)
+        guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator, step)
     last_eval = run_eval(num_steps) if prompts["eval"] else None
     if args.plot_every and accelerator.is_main_process:  # the curves again, with the final eval point
         write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)

@@ -90,9 +90,9 @@ RANGES = {
     "image_max_pixels": (lambda v: v >= 28 * 28, ">= 784 (28 x 28 pixels: one token)"),
 }
 AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size",
-                "n_samples_per_prompt", "micro_rollout_batch_size", "micro_train_batch_size",
-                "train_batch_size", "max_epochs", "num_episodes", "engine_tp_size", "kl_horizon",
-                "max_num_gen_batches", "eval_n_samples", "logging_steps", "max_ckpt_num",
+                "n_samples_per_prompt", "micro_rollout_batch_size",
+                "chunk_size", "train_batch_size", "max_epochs", "num_episodes", "engine_tp_size",
+                "kl_horizon", "max_num_gen_batches", "eval_n_samples", "logging_steps", "max_ckpt_num",
                 "limit_mm_image_per_prompt")
 AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every", "lora_rank",
                  "freezing_actor_steps", "overlong_buffer_len")
@@ -135,9 +135,15 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
           f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
     check(samples_per_step % args.train_batch_size == 0, f"rollout_batch_size * n_samples_per_prompt = "
           f"{samples_per_step} must be a multiple of --train_batch_size {args.train_batch_size}")
-    check(args.train_batch_size % (args.micro_train_batch_size * world) == 0,
+    check(args.train_batch_size % world == 0,
+          f"--train_batch_size {args.train_batch_size} must divide over {world} processes")
+    micro = args.micro_train_batch_size
+    check(micro is None or micro >= 1, f"--micro_train_batch_size {micro}: must be >= 1 (or unset)")
+    budget = args.max_tokens_per_micro_batch
+    check(budget is None or budget >= 1, f"--max_tokens_per_micro_batch {budget}: must be >= 1")
+    check(not micro or args.train_batch_size % (micro * world) == 0,
           f"--train_batch_size {args.train_batch_size} must be a multiple of --micro_train_batch_size "
-          f"{args.micro_train_batch_size} x {world} processes")
+          f"{micro} x {world} processes")
     check(not (args.ema_beta and (args.lora_rank or sharded)), "--ema_beta is not supported with --lora_rank "
           "(the export would merge the live adapter) nor under ZeRO-3 / FSDP2 (it averages whole parameters)")
     check(not (deepspeed and estimator == "gae"), "gae trains a critic beside the actor, "
@@ -183,6 +189,9 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
          "it shapes LoRA adapters, but --lora_rank is 0"),
         (args.use_wandb, ("wandb_project",), "it names the wandb project, but --use_wandb is off"),
         (args.eps_clip_low_high is None, ("eps_clip",), "--eps_clip_low_high replaces it"),
+        (args.fused_linear_logprob, ("chunk_size",), "it sizes --fused_linear_logprob's chunks; that is off"),
+        (args.micro_train_batch_size is None, ("max_tokens_per_micro_batch",),
+         "--micro_train_batch_size sets the micro-batches by rows instead"),
     ]
     defaults = {f.name: f.default for f in dataclasses.fields(args)}
     for active, flags, reason in inert:

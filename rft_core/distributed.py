@@ -93,11 +93,16 @@ def full_weights(model, dtype):
                 yield name, tensor.detach().to(dtype, copy=True)
 
 
-def configure_deepspeed(accelerator, micro_batch_size, grad_accum, max_norm):
-    """Fill what DeepSpeed's config needs and cannot infer without a dataloader (call before prepare)."""
+def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm):
+    """Fill what DeepSpeed's config needs and cannot infer without a dataloader (call before prepare).
+    rows_per_update: a rank's samples per optimizer step; micro_batch_size: per forward, or None when the
+    micro-batches go by tokens (then DeepSpeed's nominal accumulation count is one per sample: it only sets
+    the loss scale, which accumulation_divisor reads back, and accumulate_over decides the boundaries)."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
+    micro_batch_size = micro_batch_size or 1
+    grad_accum = rows_per_update // micro_batch_size
     plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro_batch_size,
                                    gradient_accumulation_steps=grad_accum,
                                    train_batch_size=micro_batch_size * grad_accum * accelerator.num_processes,
@@ -113,6 +118,21 @@ def configure_deepspeed(accelerator, micro_batch_size, grad_accum, max_norm):
         from transformers.integrations import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
+
+
+def accumulate_over(accelerator, num_micro_batches):
+    """Make the next num_micro_batches `accelerator.accumulate` blocks one optimizer step: gradients sync (and
+    DeepSpeed steps) on the last. Token-budget micro-batches vary in number from step to step."""
+    accelerator.gradient_accumulation_steps = num_micro_batches
+    accelerator.step = 0  # accumulate() syncs when its counter reaches a multiple of the count
+
+
+def accumulation_divisor(accelerator):
+    """What `accelerator.backward` divides the loss by: DeepSpeed's configured accumulation count, else
+    accelerate's (set by accumulate_over)."""
+    if accelerator.state.deepspeed_plugin is not None:
+        return accelerator.deepspeed_engine_wrapped.engine.gradient_accumulation_steps()
+    return accelerator.gradient_accumulation_steps
 
 
 def prepare_frozen(accelerator, model):

@@ -47,6 +47,9 @@ class HFEngine:
     def wake_up(self, tags=None):
         pass
 
+    def can_wake(self):
+        return True
+
     def update_weights(self, model):
         self.model = model
 

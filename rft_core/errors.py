@@ -56,5 +56,10 @@ class Stopped(UserError):
         self.exit_code = exit_code
 
 
+class OutOfMemory(UserError, MemoryError):
+    """The trainer and the rollout engine do not fit on the GPU together: found before the allocation that
+    would crash, with the flags that make room."""
+
+
 class MissingName(UserError, AttributeError):
     """A function the flags name (--reward_fn file.py:name) that its file does not define."""

@@ -57,10 +57,42 @@ class Experience:
         """The model's image inputs for these rows (None for a text-only batch)."""
         return mm_inputs(self.mm, self.input_ids)
 
-    def split(self, micro_batch_size):
-        """Micro-batches in order, each trimmed to its own longest prompt and response."""
-        return [self.select(range(i, min(i + micro_batch_size, len(self))))._trim()
-                for i in range(0, len(self), micro_batch_size)]
+    def split(self, micro_batch_size=None, max_tokens=None, sync_count=None):
+        """Micro-batches, each trimmed to its own longest prompt and response: micro_batch_size rows each, in
+        order, or by token budget (see micro_batch_rows)."""
+        return [self.select(rows)._trim() for rows in self.micro_batch_rows(micro_batch_size, max_tokens,
+                                                                              sync_count)]
+
+    def micro_batch_rows(self, micro_batch_size=None, max_tokens=None, sync_count=None):
+        """Row index lists of the micro-batches: micro_batch_size consecutive rows each, or, with max_tokens,
+        rows of similar length grouped so each micro-batch's padded size (rows x (longest prompt + longest
+        response)) stays within max_tokens (a longer row alone). sync_count(n) -> the count every rank uses
+        (the max over ranks: under ZeRO-3 / FSDP2 each forward is a collective); the costliest micro-batches
+        are halved until there are that many."""
+        if not max_tokens:
+            return [list(range(i, min(i + micro_batch_size, len(self))))
+                    for i in range(0, len(self), micro_batch_size)]
+        num_actions = self.action_mask.shape[1]
+        prompt_lens = self.attention_mask[:, :-num_actions].sum(-1).tolist()
+        response_lens = self.action_mask.sum(-1).tolist()
+
+        def cost(rows):  # the padded micro-batch: every row as wide as the longest prompt + response
+            return len(rows) * (max(prompt_lens[i] for i in rows) + max(response_lens[i] for i in rows))
+
+        order = sorted(range(len(self)), key=lambda i: prompt_lens[i] + response_lens[i], reverse=True)
+        groups = [[]]
+        for i in order:  # longest first: a row joins the current group while the group fits
+            if groups[-1] and cost(groups[-1] + [i]) > max_tokens:
+                groups.append([])
+            groups[-1].append(i)
+        count = sync_count(len(groups)) if sync_count else len(groups)
+        while len(groups) < count:
+            largest = max((g for g in groups if len(g) > 1), key=cost, default=None)
+            if largest is None:
+                raise ValueError(f"{len(self)} rows cannot make {count} micro-batches")
+            groups.remove(largest)
+            groups += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
+        return groups
 
     def _trim(self):
         """Drop the padding columns that no row of this batch uses."""
@@ -102,27 +134,29 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
 
 
 @torch.no_grad()
-def batched_forward(experience, micro_batch_size, fn):
-    """fn(micro_batch) -> (b, t) per response token, over the whole experience in micro-batches: (B, T)."""
+def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync_count=None):
+    """fn(micro_batch) -> (b, t) per response token, over the whole experience in micro-batches (rows or a
+    token budget, as Experience.split): (B, T)."""
     out = torch.zeros_like(experience.rollout_logprobs)  # (B, T)
-    for i, mb in enumerate(experience.split(micro_batch_size)):
+    for rows in experience.micro_batch_rows(micro_batch_size, max_tokens, sync_count):
+        mb = experience.select(rows)._trim()
         values = fn(mb)  # (b, t), t <= T after trimming
-        lo = i * micro_batch_size
-        out[lo:lo + len(mb), :values.shape[1]] = values * mb.action_mask
+        out[rows, :values.shape[1]] = values * mb.action_mask
     return out
 
 
-def batched_logprobs(model, experience, micro_batch_size, temperature=1.0):
-    """Response logprobs (B, T) of `model` over the whole experience, in micro-batches."""
-    return batched_forward(experience, micro_batch_size, lambda mb: response_logprobs(
+def batched_logprobs(model, experience, temperature=1.0, chunk_size=None, **split):
+    """Response logprobs (B, T) of `model` over the whole experience, in micro-batches (split:
+    batched_forward's micro_batch_size, max_tokens, sync_count; chunk_size: response_logprobs')."""
+    return batched_forward(experience, lambda mb: response_logprobs(
         model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature,
-        mm_inputs=mb.mm_inputs())[0])
+        mm_inputs=mb.mm_inputs(), chunk_size=chunk_size)[0], **split)
 
 
-def batched_values(critic, experience, micro_batch_size):
-    """The critic's values (B, T) over the whole experience, in micro-batches."""
-    return batched_forward(experience, micro_batch_size, lambda mb: response_values(
-        critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], mm_inputs=mb.mm_inputs()))
+def batched_values(critic, experience, **split):
+    """The critic's values (B, T) over the whole experience, in micro-batches (as batched_logprobs)."""
+    return batched_forward(experience, lambda mb: response_values(
+        critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], mm_inputs=mb.mm_inputs()), **split)
 
 
 def optimizer_chunks(experience, rows_per_step, max_epochs, seed):

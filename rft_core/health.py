@@ -48,18 +48,18 @@ class HealthGuard:
                       f"{self.max_entropy:.2f}, from {self.first_entropy:.2f} at the start", step)
 
     @torch.no_grad()
-    def before_checkpoint(self, model, experience, micro_batch_size, temperature, accelerator, step):
+    def before_checkpoint(self, model, experience, split, temperature, chunk_size, accelerator, step):
         """Collective. The weights about to be saved: finite on every rank; on the step's first micro-batch,
         their policy's entropy not collapsed and its distance from the policy that sampled the batch (k1 KL,
         nats per token) not beyond `max_update_kl`: a sane update moves it by a few thousandths."""
         bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
         if accelerator.reduce(torch.tensor(float(bad), device=accelerator.device), "sum").item():
             self.stop("the updated weights are not finite", step)
-        mb = experience.split(micro_batch_size)[0]
+        mb = experience.split(**split)[0]  # split: Experience.split's arguments
         with accelerator.autocast():
             logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask,
                                                   mb.action_mask.shape[1], temperature, with_entropy=True,
-                                                  mm_inputs=mb.mm_inputs())
+                                                  mm_inputs=mb.mm_inputs(), chunk_size=chunk_size)
         mask = mb.action_mask
         kl = ((mb.rollout_logprobs - logprobs.float()) * mask).sum() / mask.sum()  # samples of the old policy
         means = accelerator.reduce(torch.stack([(entropy * mask).sum() / mask.sum(), kl]), "mean").tolist()

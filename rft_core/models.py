@@ -3,6 +3,7 @@
 import copy
 import importlib.util
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -85,7 +86,7 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
 
 
 def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False,
-                      mm_inputs=None):
+                      mm_inputs=None, chunk_size=None):
     """Log-probabilities of the last `num_actions` tokens of each row under `model`.
 
     input_ids, attention_mask: (B, P + T), prompts left-padded, responses right-padded, T =
@@ -94,13 +95,23 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
     entropy bonus) or True (detached, for logging), the entropy (B, T); else None.
     mm_inputs: a vision-language model's image inputs (pixel_values, image_grid_thw, mm_token_type_ids);
     the model then computes its own (multimodal RoPE) positions.
+    chunk_size: compute the LM head with the logprobs chunk_size tokens at a time (LinearLogprobs): the
+    (B, T, vocab) logits never exist whole.
     """
     position_ids = None if mm_inputs else _position_ids(attention_mask)
+    targets = input_ids[:, -num_actions:].unsqueeze(-1)  # (B, T, 1)
+    if chunk_size:
+        # the head runs inside the model's forward (where DDP, ZeRO-3 and FSDP2 expect it, weights gathered)
+        # and returns (B, T + 1, 2): the logprob and entropy of each position's next token
+        head = _unwrap(model).get_output_embeddings()
+        with _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False, logits_to_keep=num_actions + 1, **(mm_inputs or {})).logits[:, :-1]
+        return out[..., 0], out[..., 1] if with_entropy else None
     # logits_to_keep: the LM head runs on the last T + 1 positions only, not on the prompt's
     # (B, T, V): position t predicts t+1
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, logits_to_keep=num_actions + 1, **(mm_inputs or {})).logits[:, :-1]
-    targets = input_ids[:, -num_actions:].unsqueeze(-1)  # (B, T, 1)
     if with_entropy != "grad" or not torch.is_grad_enabled():
         return TokenLogprobs.apply(logits, targets, temperature, bool(with_entropy))
     z = logits.float() / temperature  # the entropy bonus needs autograd through the whole distribution
@@ -141,6 +152,145 @@ class TokenLogprobs(torch.autograd.Function):
         if t != 1.0:
             grad.div_(t)
         return grad.to(logits.dtype), None, None, None
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):  # DDP, DeepSpeed
+        model = model.module
+    return model
+
+
+@contextmanager
+def _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy):
+    """Within the block, the LM head `head` maps hidden states (B, T + 1, H) to (B, T + 1, 2): each position's
+    logprob of its target (targets (B, T, 1); the last position has none) and entropy, by LinearLogprobs.
+    A vision-language model's blocked tokens (vision.block_tokens) are applied here, its hook stood down."""
+    def forward(hidden):
+        b, t1, h = hidden.shape
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        flat_targets = torch.nn.functional.pad(targets.squeeze(-1), (0, 1)).reshape(-1)  # (B * (T + 1),)
+        weight = head.weight.to(dtype, copy=True)  # a copy: ZeRO-3 / FSDP2 reshard the parameter later
+        logprobs, entropy = LinearLogprobs.apply(hidden.reshape(-1, h).to(dtype), weight, flat_targets,
+                                                 temperature, chunk_size, with_entropy, blocked)
+        if entropy is None:
+            entropy = torch.zeros_like(logprobs)
+        return torch.stack([logprobs, entropy], -1).view(b, t1, 2)
+
+    blocked = getattr(head, "blocked_token_ids", None)
+    head.forward, head.computes_logprobs = forward, True
+    try:
+        yield
+    finally:
+        del head.forward, head.computes_logprobs
+
+
+class LinearLogprobs(torch.autograd.Function):
+    """The LM head, temperature, log-softmax, target gather and entropy, chunk_size rows at a time, forward
+    and backward: hidden (N, H) and the head's weight (V, H) -> logprobs (N,) and, with_entropy, entropy (N,)
+    (with a gradient when with_entropy is "grad"), in fp32 from the input dtype's logits. Peak memory: one
+    chunk's (chunk_size, V) logits instead of all N rows'. The backward recomputes each chunk's logits (one
+    more matmul, as activation checkpointing would) and writes dh = dz W, dW += dz^T h with
+    dz = (onehot - p) g_logprob - p (log p + H) g_entropy, divided by the temperature. blocked: token ids
+    whose logits are -1e4 (never emitted; no gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, blocked):
+        n = hidden.shape[0]
+        logprobs = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        for i in range(0, n, chunk_size):
+            z = _chunk_logits(hidden[i:i + chunk_size], weight, temperature, blocked)  # (c, V) fp32
+            lse[i:i + chunk_size] = torch.logsumexp(z, -1)
+            logprobs[i:i + chunk_size] = z.gather(-1, targets[i:i + chunk_size, None]).squeeze(-1)
+            if with_entropy:
+                entropy[i:i + chunk_size] = entropy_from_logits(z, lse[i:i + chunk_size])
+        logprobs -= lse
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy == "grad" else None)
+        ctx.settings = temperature, chunk_size, blocked
+        if with_entropy and with_entropy != "grad":
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        temperature, chunk_size, blocked = ctx.settings
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for i in range(0, hidden.shape[0], chunk_size):
+            rows = slice(i, i + chunk_size)
+            z = _chunk_logits(hidden[rows], weight, temperature, blocked)  # (c, V) fp32
+            logp = z.sub_(lse[rows, None])  # log softmax, in place of z
+            p = logp.exp()  # (c, V)
+            grad_z = p * -grad_logprobs[rows, None]  # (c, V)
+            grad_z.scatter_add_(-1, targets[rows, None], grad_logprobs[rows, None])  # (onehot - p) g
+            if entropy is not None and grad_entropy is not None:  # dH/dz = -p (log p + H)
+                grad_z -= p * (logp + entropy[rows, None]) * grad_entropy[rows, None]
+            if blocked is not None:
+                grad_z[:, blocked] = 0
+            grad_z = (grad_z / temperature).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_z @ weight
+            if grad_weight is not None:
+                grad_weight += grad_z.T @ hidden[rows]
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunk_logits(hidden, weight, temperature, blocked):
+    z = (hidden @ weight.T).float()  # (c, V)
+    if temperature != 1.0:
+        z /= temperature
+    if blocked is not None:
+        z[:, blocked] = -1e4
+    return z
+
+
+def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_bytes=0, fixed_budget=False,
+                       log=print):
+    """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
+    ZeRO-3 / FSDP2: two forwards). An update micro-batch's activations are measured: a forward with gradients
+    on one synthetic row of 512 and of 1024 tokens gives the bytes kept per token and the fixed part
+    (autocast's weight copies). The room for them is the GPU's free memory less the gradients and AdamW's
+    two moments (fp32, this rank's share of the trained parameters) and engine_bytes (a vLLM engine that never
+    sleeps). Where max_tokens do not fit, a smaller budget that does (down to 4096 tokens; not with
+    fixed_budget, a budget the user set) is faster than recomputing activations; else checkpointing goes on.
+    Without CUDA: as given, off. autocast: a function returning the trainer's autocast context."""
+    if not torch.cuda.is_available():
+        return False, max_tokens
+    net = _unwrap(model)
+    vocab = net.config.get_text_config().vocab_size
+    device = next(net.parameters()).device
+    peaks = []
+    for n in (512, 1024):
+        ids = torch.randint(vocab, (1, n), device=device)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with autocast():
+            kept = response_logprobs(net, ids, torch.ones_like(ids), n // 2, chunk_size=chunk_size)
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        del kept
+    per_token = (peaks[1] - peaks[0]) / 512
+    fixed = peaks[0] - 512 * per_token
+
+    def local_numel(p):  # ZeRO-3 keeps a partition in ds_tensor, FSDP2 a DTensor shard
+        return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(
+            p, "to_local") else p.numel()
+
+    states = 12 * sum(local_numel(p) for p in net.parameters() if p.requires_grad)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()  # what other processes hold is not ours either
+    room = 0.85 * free - states - engine_bytes - fixed
+    fitting = int(room / per_token) // 1024 * 1024  # tokens whose activations fit
+    checkpointing = fitting < (max_tokens if fixed_budget else min(max_tokens, 4096))
+    tokens = max_tokens if checkpointing or fixed_budget else min(max_tokens, fitting)
+    log(f"[memory] an update keeps {per_token / 2**10:.0f} KiB of activations per token and "
+        f"{room / 2**30:.1f} GiB are left for them: micro-batches of {tokens} tokens, gradient checkpointing "
+        f"{'on' if checkpointing else 'off'}")
+    return checkpointing, tokens
 
 
 def lora_model(model, rank, alpha, target_modules="all-linear"):

@@ -28,7 +28,7 @@ import torch
 
 from rft_core.engine import Generation
 from rft_core.distributed import full_weights
-from rft_core.errors import ConfigError
+from rft_core.errors import ConfigError, OutOfMemory
 from rft_core.multimodal import vllm_prompt
 
 # torch.compile, FSDP, ckpt
@@ -129,6 +129,7 @@ class VLLMEngine:
         self.sleep_mode, self.sleep_level, self.dtype = sleep, sleep_level, dtype
         self.bucket_bytes = bucket_mb << 20
         self.seed, self.calls, self.sleeping = seed + rank // tp_size, 0, set()  # sleeping: tags asleep
+        self.slept_bytes = 0  # what the last sleep freed (weights and KV cache), measured
         self.eos_token_id = eos_token_id  # the trainer's, so both engines stop on the same token
         # never sampled; -100 is vLLM's largest bias, e^-100 is as good as 0 (processed logprobs renormalise)
         self.logit_bias = {int(t): -100.0 for t in blocked_token_ids} or None
@@ -180,23 +181,51 @@ class VLLMEngine:
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def sleep(self, needed_bytes=None):
-        """Free the engine's memory for training. auto: only when free memory < needed_bytes
+        """Free the engine's memory for training. auto: only when what training can allocate (the free memory
+        and the blocks PyTorch has cached) is short of needed_bytes, the update's measured transient memory
         (None, the first step: unknown, so sleep)."""
         if self.sleep_mode == "never" or self.sleeping:
             return False
         if self.sleep_mode == "auto" and needed_bytes is not None:
             free, _ = torch.cuda.mem_get_info()
-            if free > needed_bytes * 1.2 + (1 << 30):
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            if free + cached > needed_bytes * 1.1 + (1 << 30):
                 return False
+        before, _ = torch.cuda.mem_get_info()
         self.llm.sleep(level=self.sleep_level)
+        self.slept_bytes = torch.cuda.mem_get_info()[0] - before  # weights and KV cache, as measured
         self.sleeping = {"weights", "kv_cache"}
         return True
 
+    def can_wake(self):
+        """Whether what sleeps would fit on the GPU now (the trainer's cached blocks released)."""
+        torch.cuda.empty_cache()
+        return self._wake_bytes(self.sleeping) + (256 << 20) <= torch.cuda.mem_get_info()[0]
+
+    def _wake_bytes(self, tags):
+        weights = sum(p.numel() * p.element_size() for p in self._runner_model().parameters())
+        need = {"weights": weights, "kv_cache": max(0, self.slept_bytes - weights)}
+        return sum(need[t] for t in tags)
+
     def wake_up(self, tags=None):
+        """Map the slept memory back (tags: "weights", "kv_cache"; default both). The trainer's cached blocks
+        are released first: vLLM maps physical memory of its own, which PyTorch's cache would hold on to (the
+        0.4B crash of issue 15). What is about to be mapped is checked against the free memory."""
         tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
-        if tags:
-            self.llm.wake_up(tags=tags)
-            self.sleeping -= set(tags)
+        if not tags:
+            return
+        torch.cuda.empty_cache()
+        need = self._wake_bytes(tags)
+        free, total = torch.cuda.mem_get_info()
+        if need + (256 << 20) > free:  # (PyTorch's own counters include the engine's unmapped memory)
+            raise OutOfMemory(
+                f"vLLM needs {need / 2**30:.1f} GiB to wake its {' and '.join(tags)}, but only "
+                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free, the rest held by the trainer's "
+                "weights, gradients and optimizer state and the engine's awake parts: lower "
+                "--engine_mem_util, or add --optimizer_offload (DDP / FSDP2) or --lora_rank, or shard over "
+                "more GPUs (accelerate_configs/deepspeed_zero3.yaml, fsdp2.yaml)")
+        self.llm.wake_up(tags=tags)
+        self.sleeping -= set(tags)
 
     @torch.no_grad()
     def update_weights(self, model):

@@ -57,16 +57,21 @@ def test_full_weights_sharded(tiny_model_dir):
 
 def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tmp_path, chars_reward):
     """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss) and a
-    reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same seed; stopped
-    after step 1 and resumed, step 2 is still DDP's step 2."""
+    reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same seed (DDP by
+    one-sample micro-batches, ZeRO-3 by a token budget); stopped after step 1 and resumed, step 2 is still DDP's
+    step 2."""
     pytest.importorskip("deepspeed")
     args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN, "--reward_fn", chars_reward,
             "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "1"]
     launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args,
             "--output_dir", str(tmp_path / "ddp")], ACCELERATE_USE_CPU="true")
+    # ZeRO-3 with micro-batches by tokens: a budget of about one sample, so the ranks' counts can differ (and
+    # are synced to the max); the same step as one sample per micro-batch
+    i = args.index("--micro_train_batch_size")
+    by_tokens = args[:i] + args[i + 2:]
     zero3 = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-             os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml"), *args, "--save_steps", "1",
-             "--output_dir", str(tmp_path / "z3")]
+             os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml"), *by_tokens, "--save_steps", "1",
+             "--max_tokens_per_micro_batch", "30", "--output_dir", str(tmp_path / "z3")]
     launch([*zero3, "--max_steps", "1"])  # the later --max_steps wins
     assert os.path.isdir(tmp_path / "z3" / "checkpoint-1")
     out = launch(zero3)

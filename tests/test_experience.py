@@ -33,12 +33,44 @@ def test_split_trims_padding():
     assert picked.advantages.tolist() == [3.0, 1.0] and picked.input_ids.shape == (2, 7)
 
 
+def test_micro_batches_by_tokens():
+    """A token budget groups rows of similar length, each micro-batch's padded size (rows x (longest prompt +
+    longest response)) within it, every row exactly once; a row over the budget goes alone; a synced count
+    above the local one halves the costliest micro-batches until it is met."""
+    import random
+
+    rng = random.Random(0)
+    prompts = [[1] * rng.randint(1, 20) for _ in range(37)]
+    gens = [Generation([3] * rng.randint(1, 30), [0.0] * 30) for _ in range(37)]
+    gens = [Generation(g.token_ids, g.logprobs[:len(g.token_ids)]) for g in gens]
+    exp = build_experience(prompts, gens, pad_token_id=0)
+
+    def padded(rows):
+        return len(rows) * (max(len(prompts[i]) for i in rows) + max(len(gens[i].token_ids) for i in rows))
+
+    for budget in (30, 64, 200, 10_000):
+        groups = exp.micro_batch_rows(max_tokens=budget)
+        assert sorted(i for g in groups for i in g) == list(range(37))
+        assert all(padded(g) <= budget or len(g) == 1 for g in groups)
+        mbs = exp.split(max_tokens=budget)
+        assert [mb.input_ids.numel() for mb in mbs] == [padded(g) for g in groups]  # trimmed to exactly that
+    assert len(exp.micro_batch_rows(max_tokens=10_000)) == 1
+    assert len(exp.micro_batch_rows(max_tokens=1)) == 37  # each row alone
+    local = len(exp.micro_batch_rows(max_tokens=200))
+    groups = exp.micro_batch_rows(max_tokens=200, sync_count=lambda n: n + 3)
+    assert len(groups) == local + 3 and sorted(i for g in groups for i in g) == list(range(37))
+    with pytest.raises(ValueError, match="cannot make"):
+        exp.micro_batch_rows(max_tokens=200, sync_count=lambda n: 38)
+    assert exp.micro_batch_rows(micro_batch_size=16) == [list(range(16)), list(range(16, 32)), list(range(32, 37))]
+
+
 def test_logprobs_independent_of_padding_and_batching(tiny_model_dir):
     """Each row's response logprobs equal those of the row run alone, unpadded."""
     model, _ = load_model_and_tokenizer(tiny_model_dir)
     model.eval()
     exp = build_experience(PROMPTS, GENS, pad_token_id=0)
     batched = batched_logprobs(model, exp, micro_batch_size=2)  # (B, R)
+    assert torch.allclose(batched_logprobs(model, exp, max_tokens=8), batched, atol=1e-5)  # by tokens, regrouped
     for i, (p, g) in enumerate(zip(PROMPTS, GENS)):
         ids = torch.tensor([p + g.token_ids])
         alone, _ = response_logprobs(model, ids, torch.ones_like(ids), len(g.token_ids))

@@ -116,6 +116,39 @@ def test_token_logprobs_gradient_against_autograd(dtype, temperature):
     assert no_entropy is None and torch.allclose(none_logprobs, want.detach(), atol=1e-5)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast):
+    """--fused_linear_logprob: logprobs, entropy (with its gradient, for an entropy bonus) and every parameter's
+    gradient equal the model's own logits path, on rows of several lengths, prompts left-padded and responses
+    right-padded, at a temperature, in fp32 and under bf16 autocast; chunks that do not divide the tokens."""
+    from rft_core.experience import build_experience
+    from rft_core.engine import Generation
+    from rft_core.models import response_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (5, 1, 3, 7)]
+    gens = [Generation(torch.randint(3, 90, (n,), generator=g).tolist(), [0.0] * n) for n in (4, 6, 1, 3)]
+    exp = build_experience(prompts, gens, pad_token_id=0)
+    upstream = torch.randn(exp.action_mask.shape, generator=g) * exp.action_mask  # (B, T)
+    results = []
+    for chunk_size in (None, 5, 1000):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logprobs, entropy = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.action_mask.shape[1],
+                                                  0.8, with_entropy="grad", chunk_size=chunk_size)
+        ((logprobs + 0.3 * entropy) * upstream).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((logprobs.detach() * exp.action_mask, entropy.detach() * exp.action_mask, grads))
+    atol = 3e-2 if autocast else 1e-5
+    for logprobs, entropy, grads in results[1:]:
+        assert torch.allclose(logprobs, results[0][0], atol=atol) and torch.allclose(entropy, results[0][1], atol=atol)
+        for name, grad in grads.items():
+            want = results[0][2][name]
+            assert torch.allclose(grad, want, atol=atol * want.abs().max().item() + 1e-7), name
+    assert results[0][0].abs().sum() > 0 and results[0][2]["model.embed_tokens.weight"].abs().sum() > 0  # tied head
+
+
 def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir):
     """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight sync),
     the same logits and gradients (the eager backend here; inductor on the GPU machine)."""

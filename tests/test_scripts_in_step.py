@@ -67,7 +67,7 @@ def test_the_check_catches_an_unmarked_edit():
     text_lines, _ = body(SCRIPTS[0])
     edited = list(text_lines)
     i = next(i for i, line in enumerate(edited) if "accelerator.backward(" in line)
-    edited[i] = edited[i].replace("loss * grad_accum * world", "loss * grad_accum")
+    edited[i] = edited[i].replace("loss * scale", "loss")
     assert [line for _, _, line in unmarked_differences(text_lines, edited)] == [text_lines[i], edited[i]]
     edited[i] += "  # VL"
     assert unmarked_differences(text_lines, edited) == [(SCRIPTS[0], i, text_lines[i])]  # the other copy's line

@@ -13,8 +13,9 @@ import pytest
 import torch
 from conftest import ROOT, read_metrics, run_script
 
-TINY = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
-        "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "8"]
+TINY_BY_TOKENS = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
+                  "--micro_rollout_batch_size", "4", "--generate_max_len", "8"]
+TINY = [*TINY_BY_TOKENS, "--micro_train_batch_size", "2"]
 
 
 def run(args, **kwargs):
@@ -214,17 +215,21 @@ def test_default_model_two_steps(tmp_path):
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_grad_accumulation_invariance(tiny_model_dir, tmp_path, mode, chars_reward):
-    """Same rollouts, 1 vs 4 micro-batches per optimizer step: same loss and pre-clip gradient norm."""
+    """Same rollouts, 1 vs 4 micro-batches per optimizer step, or micro-batches by a token budget (a varying
+    number, of unequal sizes): same loss and pre-clip gradient norm."""
     rows = []
-    for micro in ("4", "1"):
-        out = tmp_path / micro
-        run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--micro_train_batch_size", micro,
-             "--loss_agg_mode", mode, "--reward_fn", chars_reward, "--output_dir", str(out)])
+    for split in (["--micro_train_batch_size", "4"], ["--micro_train_batch_size", "1"],
+                  ["--max_tokens_per_micro_batch", "40"]):
+        out = tmp_path / split[1]
+        run(["--pretrain", tiny_model_dir, *TINY_BY_TOKENS, "--max_steps", "1", *split, "--loss_agg_mode", mode,
+             "--reward_fn", chars_reward, "--output_dir", str(out)])
         rows.append(read_metrics(str(out))[0][0])
     assert rows[0]["rollout/reward_std"] > 0 and rows[0]["train/grad_norm"] > 0  # a real gradient to compare
-    assert rows[0]["rollout/reward_mean"] == rows[1]["rollout/reward_mean"]
-    assert rows[0]["train/grad_norm"] == pytest.approx(rows[1]["train/grad_norm"], rel=1e-4)
-    assert rows[0]["train/policy_loss"] == pytest.approx(rows[1]["train/policy_loss"], rel=1e-4, abs=1e-7)
+    assert rows[2]["train/micro_batches"] > 1  # the budget did split the step
+    for other in rows[1:]:
+        assert rows[0]["rollout/reward_mean"] == other["rollout/reward_mean"]
+        assert rows[0]["train/grad_norm"] == pytest.approx(other["train/grad_norm"], rel=1e-4)
+        assert rows[0]["train/policy_loss"] == pytest.approx(other["train/policy_loss"], rel=1e-4, abs=1e-7)
 
 
 REWARD_FILE = '''

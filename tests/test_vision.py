@@ -130,18 +130,19 @@ def test_engine_and_trainer_logprobs_agree_with_images(arch):
     assert not any(t in vision_ids for g in gens for t in g.token_ids)
     exp = build_experience(prompts, gens, tok.pad_token_id, mm=mm)
     for micro_batch_size in (1, 2, 3, 4):
-        logprobs = batched_logprobs(model, exp, micro_batch_size)
+        logprobs = batched_logprobs(model, exp, micro_batch_size=micro_batch_size)
         assert torch.allclose(logprobs * exp.action_mask, exp.rollout_logprobs * exp.action_mask, atol=1e-4)
     video_row = exp.select([3])  # the video's pixels reach the model
     blank = [{**video_row.mm[0], "pixel_values_videos": torch.zeros(72, 3 * 2 * 14 * 14)}]
-    assert not torch.allclose(batched_logprobs(model, video_row, 1), batched_logprobs(model, replace(video_row, mm=blank), 1))
+    assert not torch.allclose(batched_logprobs(model, video_row, micro_batch_size=1),
+                              batched_logprobs(model, replace(video_row, mm=blank), micro_batch_size=1))
 
     # the VL critic: zero at the start; then, with a random head, the same values however the rows are batched,
     # and those of the policy's own backbone (its copy) under that head, with the images seen
     critic = VisionValueModel(model)
-    assert batched_values(critic, exp, 3).abs().max() == 0
+    assert batched_values(critic, exp, micro_batch_size=3).abs().max() == 0
     torch.nn.init.normal_(critic.score.weight)
-    values = [batched_values(critic, exp, mbs) for mbs in (1, 2, 3)]
+    values = [batched_values(critic, exp, micro_batch_size=mbs) for mbs in (1, 2, 3)]
     assert all(torch.allclose(v, values[0], atol=1e-4) for v in values[1:]) and values[0].abs().max() > 0
     row, r = exp.split(1)[0], exp.action_mask.shape[1]  # row 0 has an image
     hidden = model.model(input_ids=row.input_ids, attention_mask=row.attention_mask, **row.mm_inputs()).last_hidden_state
@@ -202,6 +203,8 @@ def test_blocked_tokens_leave_a_normalised_distribution():
     targets = [keep.index(t) for t in ids[0, -3:].tolist()]
     assert torch.allclose(logprobs[0], want[torch.arange(3), targets], atol=1e-5)
     assert torch.allclose(entropy[0], -(want.exp() * want).sum(-1), atol=1e-5)
+    chunked = response_logprobs(blocked, ids, torch.ones_like(ids), 3, with_entropy=True, chunk_size=2)
+    assert torch.allclose(chunked[0], logprobs, atol=1e-5) and torch.allclose(chunked[1], entropy, atol=1e-5)
 
 
 def test_engine_processor_config_gives_the_trainers_grids(tmp_path):

