@@ -44,17 +44,18 @@ from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpo
 from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
 from rft_core.data import arithmetic_task, batches, encode_rows, load_prompt_rows, text_batches  # VL
 from rft_core.distributed import (accumulate_over, accumulation_divisor, configure_deepspeed, grad_norm_value,
-                                  move_optimizer_state, prepare_frozen, process_group_kwargs)
+                                  move_optimizer_state, plan_update_memory, prepare_frozen,
+                                  process_group_kwargs)
 from rft_core.engine import create_engine, resolve_engine_type
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
 from rft_core.health import HealthGuard
-from rft_core.experience import batched_logprobs, batched_values, build_experience, optimizer_chunks
+from rft_core.experience import (batched_logprobs, batched_values, build_experience, micro_batch_logprobs,
+                                 micro_batch_values, optimizer_chunks)
 from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
                              value_loss)
 from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics, update_metrics
-from rft_core.models import (compile_blocks, export_hf, lm_loss, lora_model,
-                             plan_update_memory, response_logprobs, response_values)
+from rft_core.models import compile_blocks, export_hf, lm_loss, lora_model
 from rft_core.models import load_model_and_tokenizer, load_value_model  # VL
 from rft_core.plots import write_plots
 from rft_core.rewards import RewardScorer, RunningMoments, overlong_penalty, reward_sources
@@ -223,6 +224,10 @@ class Args:
     """vLLM without CUDA graphs and torch.compile: fast start, slower decode"""
     bf16: Optional[bool] = None
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
+    packing_samples: bool = False
+    """concatenate each micro-batch's samples into one row without padding, positions restarting per sample:
+    transformers' packed-sequence attention (flash-attention varlen where the model uses it; with sdpa / eager
+    a block-diagonal mask, exact but not faster); text only"""
     fused_linear_logprob: bool = True
     """run the LM head with the log-softmax --chunk_size tokens at a time, forward and backward, so the
     (tokens x vocab) logits never exist whole (false: the model's own logits)"""
@@ -334,8 +339,9 @@ def main():
     # micro-batches: fixed rows, or grouped by tokens with the same count on every rank (under ZeRO-3 / FSDP2
     # every forward is a collective)
     sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
-    split = dict(micro_batch_size=args.micro_train_batch_size, sync_count=sync_count,
-                 max_tokens=None if args.micro_train_batch_size else args.max_tokens_per_micro_batch or 16384)
+    by_tokens = None if args.micro_train_batch_size else args.max_tokens_per_micro_batch or 16384
+    split = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=by_tokens, sync_count=sync_count,
+                 packed=args.packing_samples)
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
     logprob_split = {**split, "micro_batch_size": args.micro_rollout_batch_size,
                      "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}
@@ -404,6 +410,7 @@ def main():
         args.gradient_checkpointing, split["max_tokens"] = plan_update_memory(
             model, split["max_tokens"], chunk_size, accelerator.autocast, engine_bytes,
             fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
+        logprob_split["max_tokens"] = 2 * split["max_tokens"]
     for net in trained_nets if args.gradient_checkpointing else []:
         # non-reentrant: with LoRA the checkpointed blocks' inputs need no gradient of their own
         kwargs = {"use_reentrant": False}
@@ -550,10 +557,9 @@ def main():
             for mb in micro_batches:
                 with accelerator.accumulate(*trained_nets), accelerator.autocast():
                     with torch.set_grad_enabled(not frozen):
-                        logprobs, entropy = response_logprobs(
-                            model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], args.temperature,
-                            with_entropy="grad" if args.entropy_coef else True, mm_inputs=mb.mm_inputs(),
-                            chunk_size=chunk_size)
+                        logprobs, entropy = micro_batch_logprobs(
+                            model, mb, args.temperature, "grad" if args.entropy_coef else True, chunk_size,
+                            args.packing_samples)  # (B, T) each
                     loss, m = actor_loss(logprobs, entropy, mb, settings)  # (B, T) each -> scalar
                     if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
                         enc = tokenizer(next(ptx_batches), return_tensors="pt", padding=True, truncation=True,
@@ -562,8 +568,7 @@ def main():
                         loss = loss + args.ptx_coef * ptx_loss / settings.micro_batches_per_step
                         m["ptx_loss"] = ptx_loss.detach()
                     if critic is not None:
-                        values = response_values(critic, mb.input_ids, mb.attention_mask,
-                                                 mb.action_mask.shape[1], mm_inputs=mb.mm_inputs())  # (B, T)
+                        values = micro_batch_values(critic, mb, args.packing_samples)  # (B, T)
                         v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
                                             args.loss_agg_mode, settings.num_tokens, settings.num_seqs,
                                             settings.max_len)

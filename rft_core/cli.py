@@ -163,6 +163,8 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
               "new value head, not a separate checkpoint; drop the flag")
         check(args.apply_chat_template, "--apply_chat_template false: image prompts need the chat template "
               "(it places the image tokens); leave it on")
+        check(not args.packing_samples, "--packing_samples: not for image prompts (the model computes their "
+              "multimodal positions from padded rows); drop the flag")
 
     # flags that only act in some runs: set away from their default where they do nothing, they are refused
     token_level = estimator in TOKEN_LEVEL

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from rft_core.logprobs import response_logprobs, unwrap
+
 
 def process_group_kwargs():
     """Accelerator kwargs_handlers: DeepSpeed without a GPU (the CPU tests) needs its backend named, or
@@ -181,3 +183,48 @@ def move_optimizer_state(optimizers, device):
                     state[key] = value.to(device)
     if torch.device(device).type == "cpu" and torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the freed blocks back, for vLLM's wake-up
+
+
+def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_bytes=0, fixed_budget=False,
+                       log=print):
+    """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
+    ZeRO-3 / FSDP2: two forwards). An update micro-batch's activations are measured: a forward with gradients
+    on one synthetic row of 512 and of 1024 tokens gives the bytes kept per token and the fixed part
+    (autocast's weight copies). The room for them is the GPU's free memory less the gradients and AdamW's
+    two moments (fp32, this rank's share of the trained parameters) and engine_bytes (a vLLM engine that never
+    sleeps). Where max_tokens do not fit, a smaller budget that does (down to 4096 tokens; not with
+    fixed_budget, a budget the user set) is faster than recomputing activations; else checkpointing goes on.
+    Without CUDA: as given, off. autocast: a function returning the trainer's autocast context."""
+    if not torch.cuda.is_available():
+        return False, max_tokens
+    net = unwrap(model)
+    vocab = net.config.get_text_config().vocab_size
+    device = next(net.parameters()).device
+    peaks = []
+    for n in (512, 1024):
+        ids = torch.randint(vocab, (1, n), device=device)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with autocast():
+            kept = response_logprobs(net, ids, torch.ones_like(ids), n // 2, chunk_size=chunk_size)
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        del kept
+    per_token = (peaks[1] - peaks[0]) / 512
+    fixed = peaks[0] - 512 * per_token
+
+    def local_numel(p):  # ZeRO-3 keeps a partition in ds_tensor, FSDP2 a DTensor shard
+        return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(
+            p, "to_local") else p.numel()
+
+    states = 12 * sum(local_numel(p) for p in net.parameters() if p.requires_grad)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()  # what other processes hold is not ours either
+    room = 0.85 * free - states - engine_bytes - fixed
+    fitting = int(room / per_token) // 1024 * 1024  # tokens whose activations fit
+    checkpointing = fitting < (max_tokens if fixed_budget else min(max_tokens, 4096))
+    tokens = max_tokens if checkpointing or fixed_budget else min(max_tokens, fitting)
+    log(f"[memory] an update keeps {per_token / 2**10:.0f} KiB of activations per token and "
+        f"{room / 2**30:.1f} GiB are left for them: micro-batches of {tokens} tokens, gradient checkpointing "
+        f"{'on' if checkpointing else 'off'}")
+    return checkpointing, tokens

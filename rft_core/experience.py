@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from rft_core.models import response_logprobs, response_values
+from rft_core.logprobs import packed_logprobs, response_logprobs
+from rft_core.models import response_values
 from rft_core.multimodal import mm_inputs
 
 
@@ -57,18 +58,18 @@ class Experience:
         """The model's image inputs for these rows (None for a text-only batch)."""
         return mm_inputs(self.mm, self.input_ids)
 
-    def split(self, micro_batch_size=None, max_tokens=None, sync_count=None):
+    def split(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
         """Micro-batches, each trimmed to its own longest prompt and response: micro_batch_size rows each, in
         order, or by token budget (see micro_batch_rows)."""
-        return [self.select(rows)._trim() for rows in self.micro_batch_rows(micro_batch_size, max_tokens,
-                                                                              sync_count)]
+        return [self.select(rows)._trim()
+                for rows in self.micro_batch_rows(micro_batch_size, max_tokens, sync_count, packed)]
 
-    def micro_batch_rows(self, micro_batch_size=None, max_tokens=None, sync_count=None):
+    def micro_batch_rows(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
         """Row index lists of the micro-batches: micro_batch_size consecutive rows each, or, with max_tokens,
-        rows of similar length grouped so each micro-batch's padded size (rows x (longest prompt + longest
-        response)) stays within max_tokens (a longer row alone). sync_count(n) -> the count every rank uses
-        (the max over ranks: under ZeRO-3 / FSDP2 each forward is a collective); the costliest micro-batches
-        are halved until there are that many."""
+        rows of similar length grouped so each micro-batch's size stays within max_tokens (a longer row
+        alone): padded, rows x (longest prompt + longest response); packed, the sum of the rows' lengths.
+        sync_count(n) -> the count every rank uses (the max over ranks: under ZeRO-3 / FSDP2 each forward is a
+        collective); the costliest micro-batches are halved until there are that many."""
         if not max_tokens:
             return [list(range(i, min(i + micro_batch_size, len(self))))
                     for i in range(0, len(self), micro_batch_size)]
@@ -76,7 +77,9 @@ class Experience:
         prompt_lens = self.attention_mask[:, :-num_actions].sum(-1).tolist()
         response_lens = self.action_mask.sum(-1).tolist()
 
-        def cost(rows):  # the padded micro-batch: every row as wide as the longest prompt + response
+        def cost(rows):  # padded, every row as wide as the longest prompt + response
+            if packed:
+                return sum(prompt_lens[i] + response_lens[i] for i in rows)
             return len(rows) * (max(prompt_lens[i] for i in rows) + max(response_lens[i] for i in rows))
 
         order = sorted(range(len(self)), key=lambda i: prompt_lens[i] + response_lens[i], reverse=True)
@@ -93,6 +96,24 @@ class Experience:
             groups.remove(largest)
             groups += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
         return groups
+
+    def pack(self):
+        """These rows as one packed row: (input_ids, position_ids) (1, N), the rows' tokens concatenated
+        without padding, positions restarting at 0 for each row; keep (K,), the positions that predict the
+        response tokens, and (rows, cols) (K,) each, where those tokens sit in the (B, T) layout."""
+        num_actions = self.action_mask.shape[1]
+        lengths = self.attention_mask.sum(-1).tolist()
+        response_lens = self.action_mask.sum(-1).tolist()
+        device = self.input_ids.device
+        input_ids = self.input_ids[self.attention_mask.bool()].unsqueeze(0)  # (1, N): rows in order
+        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)  # (1, N)
+        starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0).tolist()
+        keep = torch.cat([torch.arange(r, device=device) + start + n - r - 1
+                          for start, n, r in zip(starts, lengths, response_lens)])  # (K,)
+        rows = torch.cat([torch.full((r,), b, device=device) for b, r in enumerate(response_lens)])
+        cols = torch.cat([torch.arange(r, device=device) for r in response_lens])
+        assert int(rows.numel()) == int(self.action_mask.sum()) and max(response_lens) <= num_actions
+        return input_ids, position_ids, keep, (rows, cols)
 
     def _trim(self):
         """Drop the padding columns that no row of this batch uses."""
@@ -133,12 +154,40 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
                       rollout_logprobs.to(device), mm=mm)
 
 
+def micro_batch_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=None, packed=False):
+    """Response logprobs (and entropy, as response_logprobs) (B, T) of the micro-batch mb (an Experience):
+    from its padded rows or, packed, from one row without padding (models.packed_logprobs; text rows only)."""
+    if not packed:
+        return response_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature,
+                                 with_entropy, mb.mm_inputs(), chunk_size)
+    input_ids, position_ids, keep, where = mb.pack()
+    logprobs, entropy = packed_logprobs(model, input_ids, position_ids, keep, temperature, with_entropy,
+                                        chunk_size)  # (1, K)
+    layout = mb.action_mask.shape  # back to (B, T), zeros on the padding
+    logprobs = logprobs.new_zeros(layout).index_put(where, logprobs[0])
+    if entropy is not None:
+        entropy = entropy.new_zeros(layout).index_put(where, entropy[0])
+    return logprobs, entropy
+
+
+def micro_batch_values(critic, mb, packed=False):
+    """The critic's values V(s_t) (B, T) on the micro-batch mb, padded or packed (as micro_batch_logprobs)."""
+    if not packed:
+        return response_values(critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1],
+                               mm_inputs=mb.mm_inputs())
+    input_ids, position_ids, keep, where = mb.pack()
+    # use_cache=False: with a cache transformers does not read the position restarts as sample boundaries
+    values = critic(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                    use_cache=False).logits  # (1, N, 1)
+    return values.new_zeros(mb.action_mask.shape).index_put(where, values[0, keep, 0]).float()
+
+
 @torch.no_grad()
-def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync_count=None):
+def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
     """fn(micro_batch) -> (b, t) per response token, over the whole experience in micro-batches (rows or a
     token budget, as Experience.split): (B, T)."""
     out = torch.zeros_like(experience.rollout_logprobs)  # (B, T)
-    for rows in experience.micro_batch_rows(micro_batch_size, max_tokens, sync_count):
+    for rows in experience.micro_batch_rows(micro_batch_size, max_tokens, sync_count, packed):
         mb = experience.select(rows)._trim()
         values = fn(mb)  # (b, t), t <= T after trimming
         out[rows, :values.shape[1]] = values * mb.action_mask
@@ -147,16 +196,16 @@ def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync
 
 def batched_logprobs(model, experience, temperature=1.0, chunk_size=None, **split):
     """Response logprobs (B, T) of `model` over the whole experience, in micro-batches (split:
-    batched_forward's micro_batch_size, max_tokens, sync_count; chunk_size: response_logprobs')."""
-    return batched_forward(experience, lambda mb: response_logprobs(
-        model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature,
-        mm_inputs=mb.mm_inputs(), chunk_size=chunk_size)[0], **split)
+    batched_forward's micro_batch_size, max_tokens, sync_count, packed; chunk_size: response_logprobs')."""
+    packed = split.get("packed", False)
+    return batched_forward(experience, lambda mb: micro_batch_logprobs(
+        model, mb, temperature, chunk_size=chunk_size, packed=packed)[0], **split)
 
 
 def batched_values(critic, experience, **split):
     """The critic's values (B, T) over the whole experience, in micro-batches (as batched_logprobs)."""
-    return batched_forward(experience, lambda mb: response_values(
-        critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], mm_inputs=mb.mm_inputs()), **split)
+    packed = split.get("packed", False)
+    return batched_forward(experience, lambda mb: micro_batch_values(critic, mb, packed), **split)
 
 
 def optimizer_chunks(experience, rows_per_step, max_epochs, seed):

@@ -17,7 +17,7 @@ import torch
 
 from rft_core.checkpoint import latest_checkpoint
 from rft_core.errors import TrainingDiverged
-from rft_core.models import response_logprobs
+from rft_core.experience import micro_batch_logprobs
 
 
 class HealthGuard:
@@ -57,9 +57,8 @@ class HealthGuard:
             self.stop("the updated weights are not finite", step)
         mb = experience.split(**split)[0]  # split: Experience.split's arguments
         with accelerator.autocast():
-            logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask,
-                                                  mb.action_mask.shape[1], temperature, with_entropy=True,
-                                                  mm_inputs=mb.mm_inputs(), chunk_size=chunk_size)
+            logprobs, entropy = micro_batch_logprobs(model, mb, temperature, True, chunk_size,
+                                                     split.get("packed", False))
         mask = mb.action_mask
         kl = ((mb.rollout_logprobs - logprobs.float()) * mask).sum() / mask.sum()  # samples of the old policy
         means = accelerator.reduce(torch.stack([(entropy * mask).sum() / mask.sum(), kl]), "mean").tolist()

@@ -5,7 +5,8 @@ import torch
 
 from rft_core.engine import Generation, HFEngine
 from rft_core.experience import batched_logprobs, build_experience
-from rft_core.models import load_model_and_tokenizer, response_logprobs
+from rft_core.logprobs import response_logprobs
+from rft_core.models import load_model_and_tokenizer
 
 PROMPTS = [[5, 6, 7], [8], [9, 10]]
 GENS = [Generation([11, 12], [-0.1, -0.2]), Generation([13, 14, 15, 2], [-1.0, -2.0, -3.0, -4.0]), Generation([16], [-0.5])]
@@ -115,3 +116,48 @@ def test_entropy_bonus_gradient(tiny_model_dir):
     _, entropy = response_logprobs(model, ids, torch.ones_like(ids), 3, with_entropy="grad")
     entropy.sum().backward()
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_packed_equals_padded(tiny_model_dir, chunk_size):
+    """--packing_samples: one row without padding, positions restarting per sample, gives the padded path's
+    logprobs, entropy (with its gradient) and parameter gradients, on samples of several prompt and response
+    lengths (prompts left-padded, responses right-padded in the padded layout); and a token of one sample
+    does not see the others (changing another sample leaves its logprobs)."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from rft_core.experience import micro_batch_logprobs, micro_batch_values
+    from rft_core.models import load_value_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (4, 1, 6, 2)]
+    gens = [Generation(torch.randint(3, 90, (n,), generator=g).tolist(), [0.0] * n) for n in (3, 5, 1, 2)]
+    exp = build_experience(prompts, gens, pad_token_id=0)
+    upstream = torch.randn(exp.action_mask.shape, generator=g)
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        logprobs, entropy = micro_batch_logprobs(model, exp, 0.9, "grad", chunk_size, packed)
+        ((logprobs + 0.5 * entropy) * upstream * exp.action_mask).sum().backward()
+        results.append((logprobs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp, ent, grads), (plp, pent, pgrads) = results
+    assert torch.allclose(lp * exp.action_mask, plp, atol=1e-5) and torch.allclose(ent * exp.action_mask, pent, atol=1e-5)
+    assert (plp * (1 - exp.action_mask)).abs().sum() == 0  # zeros on the padding
+    assert all(torch.allclose(grads[n], pgrads[n], atol=1e-5) for n in grads)
+    other = exp.input_ids.clone()
+    other[1, -3] = 77  # a response token of sample 1
+    with torch.no_grad():
+        moved = micro_batch_logprobs(model, replace(exp, input_ids=other), 0.9, False, chunk_size, True)[0]
+    assert torch.allclose(moved[[0, 2, 3]], plp[[0, 2, 3]], atol=1e-6) and not torch.allclose(moved[1], plp[1])
+    critic = load_value_model(actor=model)
+    torch.nn.init.normal_(critic.score.weight)
+    with torch.no_grad():
+        values = [micro_batch_values(critic, exp, packed) * exp.action_mask for packed in (False, True)]
+    assert torch.allclose(values[0], values[1], atol=1e-5) and values[0].abs().sum() > 0
+    # the token budget counts a packed micro-batch's real tokens, not its padding
+    lengths = exp.attention_mask.sum(-1).tolist()
+    assert len(exp.micro_batch_rows(max_tokens=sum(lengths), packed=True)) == 1
+    assert len(exp.micro_batch_rows(max_tokens=sum(lengths))) > 1  # padded, the same rows need more room

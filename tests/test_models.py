@@ -71,7 +71,7 @@ def test_merged_state_dict_matches_peft_merge(tiny_model_dir):
 def test_response_logprobs_against_full_log_softmax(tiny_model_dir, temperature):
     """Logprobs and entropy of the response tokens == a naive log_softmax over every position's full
     logits at that temperature, left padding included."""
-    from rft_core.models import response_logprobs
+    from rft_core.logprobs import response_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 1]])
@@ -93,7 +93,7 @@ def test_token_logprobs_gradient_against_autograd(dtype, temperature):
     """TokenLogprobs' hand-written backward ((onehot - softmax) g / T) == autograd through a naive
     log_softmax, for fp32 and bf16 logits (a sliced, non-contiguous view as the model gives), with the entropy
     returned but not differentiated; and its inputs are left untouched."""
-    from rft_core.models import TokenLogprobs
+    from rft_core.logprobs import TokenLogprobs
 
     g = torch.Generator().manual_seed(0)
     full = (torch.randn(3, 6, 50, generator=g) * 3).to(dtype)
@@ -123,7 +123,7 @@ def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast):
     right-padded, at a temperature, in fp32 and under bf16 autocast; chunks that do not divide the tokens."""
     from rft_core.experience import build_experience
     from rft_core.engine import Generation
-    from rft_core.models import response_logprobs
+    from rft_core.logprobs import response_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     g = torch.Generator().manual_seed(0)

@@ -216,16 +216,17 @@ def test_default_model_two_steps(tmp_path):
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_grad_accumulation_invariance(tiny_model_dir, tmp_path, mode, chars_reward):
     """Same rollouts, 1 vs 4 micro-batches per optimizer step, or micro-batches by a token budget (a varying
-    number, of unequal sizes): same loss and pre-clip gradient norm."""
+    number, of unequal sizes), padded or packed: same loss and pre-clip gradient norm."""
     rows = []
-    for split in (["--micro_train_batch_size", "4"], ["--micro_train_batch_size", "1"],
-                  ["--max_tokens_per_micro_batch", "40"]):
-        out = tmp_path / split[1]
+    for i, split in enumerate((["--micro_train_batch_size", "4"], ["--micro_train_batch_size", "1"],
+                               ["--max_tokens_per_micro_batch", "40"],
+                               ["--max_tokens_per_micro_batch", "30", "--packing_samples"])):
+        out = tmp_path / str(i)
         run(["--pretrain", tiny_model_dir, *TINY_BY_TOKENS, "--max_steps", "1", *split, "--loss_agg_mode", mode,
              "--reward_fn", chars_reward, "--output_dir", str(out)])
         rows.append(read_metrics(str(out))[0][0])
     assert rows[0]["rollout/reward_std"] > 0 and rows[0]["train/grad_norm"] > 0  # a real gradient to compare
-    assert rows[2]["train/micro_batches"] > 1  # the budget did split the step
+    assert rows[2]["train/micro_batches"] > 1 and rows[3]["train/micro_batches"] > 1  # the budget split the step
     for other in rows[1:]:
         assert rows[0]["rollout/reward_mean"] == other["rollout/reward_mean"]
         assert rows[0]["train/grad_norm"] == pytest.approx(other["train/grad_norm"], rel=1e-4)

@@ -79,7 +79,8 @@ def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
     text, vl = ({f.name for f in dataclasses.fields(m.Args)} for m in (train_ppo, train_ppo_vl))
     assert text <= vl, text - vl
     for flags, message in ((["--advantage_estimator", "gae", "--critic_pretrain", "/x"], "VL critic is the"),
-                           (["--apply_chat_template", "false"], "--apply_chat_template false")):
+                           (["--apply_chat_template", "false"], "--apply_chat_template false"),
+                           (["--packing_samples"], "--packing_samples: not for image prompts")):
         monkeypatch.setattr(sys, "argv", ["train_ppo_vl.py", *flags, "--output_dir", str(tmp_path)])
         with pytest.raises(ValueError, match=message):
             train_ppo_vl.main()

@@ -63,6 +63,9 @@ def main_raises(monkeypatch, script, args, match):
     (["--ema_beta", "0.9", "--lora_rank", "4"], "--ema_beta is not supported with --lora_rank"),
     (["--overlong_buffer_len", "8"], "--overlong_buffer_len 8: must be below --generate_max_len 8"),
     (["--enable_engine_sleep", "--disable_engine_sleep"], "--enable_engine_sleep or --disable_engine_sleep: pick one"),
+    (["--max_tokens_per_micro_batch", "100"], "--max_tokens_per_micro_batch 100: --micro_train_batch_size sets"),
+    (["--micro_train_batch_size", "0"], "--micro_train_batch_size 0: must be >= 1"),
+    (["--fused_linear_logprob", "false", "--chunk_size", "64"], "--chunk_size 64: it sizes --fused_linear_logprob"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(tmp_path, monkeypatch, extra, message):
     main_raises(monkeypatch, "train_ppo", ["--pretrain", "/not/loaded", *TINY, *extra, "--output_dir",

@@ -185,7 +185,7 @@ def test_vllm_prompt_collapses_each_image_to_one_placeholder():
 def test_blocked_tokens_leave_a_normalised_distribution():
     """block_tokens: the vision placeholders get logit -1e4 in every forward, so they are never sampled and the
     remaining tokens' probabilities sum to 1, with the entropy finite; other logits are untouched."""
-    from rft_core.models import response_logprobs
+    from rft_core.logprobs import response_logprobs
 
     tok = word_tokenizer()
     plain = tiny_qwen2_vl(tok).eval()

@@ -1,0 +1,194 @@
+"""Token log-probabilities under the policy: of a padded batch's responses or of a packed row, from the
+model's logits (TokenLogprobs) or with the LM head chunked (LinearLogprobs), each with a hand-written
+backward."""
+
+from contextlib import contextmanager
+
+import torch
+
+from rft_core.losses import entropy_from_logits
+
+
+def _position_ids(attention_mask):
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding aware
+
+
+def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False,
+                      mm_inputs=None, chunk_size=None):
+    """Log-probabilities of the last `num_actions` tokens of each row under `model`.
+
+    input_ids, attention_mask: (B, P + T), prompts left-padded, responses right-padded, T =
+    num_actions. Logits are divided by the sampling temperature so these are the logprobs of the
+    distribution the rollout sampled from. Returns logprobs (B, T) and, with_entropy "grad" (for an
+    entropy bonus) or True (detached, for logging), the entropy (B, T); else None.
+    mm_inputs: a vision-language model's image inputs (pixel_values, image_grid_thw, mm_token_type_ids);
+    the model then computes its own (multimodal RoPE) positions.
+    chunk_size: compute the LM head with the logprobs chunk_size tokens at a time (LinearLogprobs): the
+    (B, T, vocab) logits never exist whole.
+    """
+    # logits_to_keep: the LM head runs on the last T + 1 positions only, not on the prompt's; position t
+    # predicts t + 1, so the last has no target (a 0 stands in; its output is dropped)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_actions + 1,
+                  position_ids=None if mm_inputs else _position_ids(attention_mask), **(mm_inputs or {}))
+    targets = torch.nn.functional.pad(input_ids[:, -num_actions:], (0, 1))  # (B, T + 1)
+    logprobs, entropy = token_logprobs(model, inputs, targets, temperature, with_entropy, chunk_size)
+    return logprobs[:, :-1], entropy[:, :-1] if entropy is not None else None
+
+
+def packed_logprobs(model, input_ids, position_ids, keep, temperature=1.0, with_entropy=False,
+                    chunk_size=None):
+    """Logprobs (and entropy, as response_logprobs) (1, K) of the tokens that follow the positions `keep` (K,)
+    of one packed row: input_ids, position_ids (1, N), samples concatenated without padding, positions
+    restarting at 0 for each. Without an attention mask, transformers reads the restarts as sample boundaries
+    (flash-attention varlen; sdpa / eager: a block-diagonal causal mask): no token attends across samples."""
+    inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None, logits_to_keep=keep)
+    targets = input_ids[:, keep + 1]  # (1, K)
+    return token_logprobs(model, inputs, targets, temperature, with_entropy, chunk_size)
+
+
+def token_logprobs(model, inputs, targets, temperature=1.0, with_entropy=False, chunk_size=None):
+    """The forward `model(**inputs, use_cache=False)`, whose logits_to_keep selects the positions predicting
+    targets (b, t), and the logprobs of targets (and entropy) there, (b, t) each, by LinearLogprobs with
+    chunk_size, else from the model's logits."""
+    if chunk_size:
+        # the head runs inside the model's forward (where DDP, ZeRO-3 and FSDP2 expect it, weights gathered)
+        # and returns (b, t, 2): the logprob and entropy of each position's target
+        head = unwrap(model).get_output_embeddings()
+        with _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy):
+            out = model(**inputs, use_cache=False).logits
+        return out[..., 0], out[..., 1] if with_entropy else None
+    logits = model(**inputs, use_cache=False).logits  # (b, t, V)
+    targets = targets.unsqueeze(-1)  # (b, t, 1)
+    if with_entropy != "grad" or not torch.is_grad_enabled():
+        return TokenLogprobs.apply(logits, targets, temperature, bool(with_entropy))
+    z = logits.float() / temperature  # the entropy bonus needs autograd through the whole distribution
+    lse = torch.logsumexp(z, -1)  # (b, t)
+    return z.gather(-1, targets).squeeze(-1) - lse, entropy_from_logits(z, lse)
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """(log softmax(logits / temperature) at targets, its entropy or None), both (B, T), computed in fp32.
+
+    Each pass over the (B, T, vocab) logits is the update's main cost after the matmuls (H100 profile);
+    autograd would keep an fp32 copy of them and take about seven passes in backward. This keeps the
+    logits as given, recomputes z = logits / T once and writes the gradient (onehot - softmax(z)) g / T
+    in place. The entropy (lse - sum softmax(z) z) is for logging: no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy):
+        z = logits.float() if temperature == 1.0 else logits.float() / temperature  # (B, T, V)
+        lse = torch.logsumexp(z, -1)  # (B, T)
+        logprobs = z.gather(-1, targets).squeeze(-1) - lse  # (B, T)
+        entropy = entropy_from_logits(z, lse) if with_entropy else None
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, targets, lse = ctx.saved_tensors
+        t = ctx.temperature
+        # (B, T, V); may be `logits` itself: not modified
+        z = logits.float() if t == 1.0 else logits.float() / t
+        grad = (z - lse.unsqueeze(-1)).exp_()  # softmax(z), a fresh tensor
+        g = grad_logprobs.unsqueeze(-1)  # (B, T, 1)
+        grad.mul_(-g).scatter_add_(-1, targets, g)  # (onehot - softmax) g
+        if t != 1.0:
+            grad.div_(t)
+        return grad.to(logits.dtype), None, None, None
+
+
+def unwrap(model):
+    while hasattr(model, "module"):  # DDP, DeepSpeed
+        model = model.module
+    return model
+
+
+@contextmanager
+def _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy):
+    """Within the block, the LM head `head` maps hidden states (b, t, H) to (b, t, 2): each position's logprob
+    of its target (targets (b, t)) and entropy, by LinearLogprobs. A vision-language model's blocked tokens
+    (vision.block_tokens) are applied here, its hook stood down."""
+    def forward(hidden):
+        b, t, h = hidden.shape
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        weight = head.weight.to(dtype, copy=True)  # a copy: ZeRO-3 / FSDP2 reshard the parameter later
+        logprobs, entropy = LinearLogprobs.apply(hidden.reshape(-1, h).to(dtype), weight, targets.reshape(-1),
+                                                 temperature, chunk_size, with_entropy, blocked)
+        if entropy is None:
+            entropy = torch.zeros_like(logprobs)
+        return torch.stack([logprobs, entropy], -1).view(b, t, 2)
+
+    blocked = getattr(head, "blocked_token_ids", None)
+    head.forward, head.computes_logprobs = forward, True
+    try:
+        yield
+    finally:
+        del head.forward, head.computes_logprobs
+
+
+class LinearLogprobs(torch.autograd.Function):
+    """The LM head, temperature, log-softmax, target gather and entropy, chunk_size rows at a time, forward
+    and backward: hidden (N, H) and the head's weight (V, H) -> logprobs (N,) and, with_entropy, entropy (N,)
+    (with a gradient when with_entropy is "grad"), in fp32 from the input dtype's logits. Peak memory: one
+    chunk's (chunk_size, V) logits instead of all N rows'. The backward recomputes each chunk's logits (one
+    more matmul, as activation checkpointing would) and writes dh = dz W, dW += dz^T h with
+    dz = (onehot - p) g_logprob - p (log p + H) g_entropy, divided by the temperature. blocked: token ids
+    whose logits are -1e4 (never emitted; no gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, blocked):
+        n = hidden.shape[0]
+        logprobs = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        for i in range(0, n, chunk_size):
+            z = _chunk_logits(hidden[i:i + chunk_size], weight, temperature, blocked)  # (c, V) fp32
+            lse[i:i + chunk_size] = torch.logsumexp(z, -1)
+            logprobs[i:i + chunk_size] = z.gather(-1, targets[i:i + chunk_size, None]).squeeze(-1)
+            if with_entropy:
+                entropy[i:i + chunk_size] = entropy_from_logits(z, lse[i:i + chunk_size])
+        logprobs -= lse
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy == "grad" else None)
+        ctx.settings = temperature, chunk_size, blocked
+        if with_entropy and with_entropy != "grad":
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        temperature, chunk_size, blocked = ctx.settings
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for i in range(0, hidden.shape[0], chunk_size):
+            rows = slice(i, i + chunk_size)
+            z = _chunk_logits(hidden[rows], weight, temperature, blocked)  # (c, V) fp32
+            logp = z.sub_(lse[rows, None])  # log softmax, in place of z
+            p = logp.exp()  # (c, V)
+            grad_z = p * -grad_logprobs[rows, None]  # (c, V)
+            grad_z.scatter_add_(-1, targets[rows, None], grad_logprobs[rows, None])  # (onehot - p) g
+            if entropy is not None and grad_entropy is not None:  # dH/dz = -p (log p + H)
+                grad_z -= p * (logp + entropy[rows, None]) * grad_entropy[rows, None]
+            if blocked is not None:
+                grad_z[:, blocked] = 0
+            grad_z = (grad_z / temperature).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_z @ weight
+            if grad_weight is not None:
+                grad_weight += grad_z.T @ hidden[rows]
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunk_logits(hidden, weight, temperature, blocked):
+    z = (hidden @ weight.T).float()  # (c, V)
+    if temperature != 1.0:
+        z /= temperature
+    if blocked is not None:
+        z[:, blocked] = -1e4
+    return z
