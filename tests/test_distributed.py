@@ -88,6 +88,25 @@ def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tm
     assert json.load(open(tmp_path / "z3" / "config.json"))["world_size"] == 2
 
 
+def test_fsdp2_chunked_logprobs_and_token_budget(tiny_model_dir, tmp_path, chars_reward):
+    """FSDP2 on two CPU ranks: the LM head chunked inside the sharded model's forward (--fused_linear_logprob, on
+    by default) with micro-batches by a token budget of about one sample gives the plain path's step (its own
+    logits, one-sample micro-batches): the same grad norms, KL and entropy."""
+    args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN, "--reward_fn", chars_reward]
+    i = args.index("--micro_train_batch_size")
+    by_tokens = args[:i] + args[i + 2:] + ["--max_tokens_per_micro_batch", "30"]
+    fsdp2 = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+             os.path.join(ROOT, "accelerate_configs", "fsdp2.yaml"), "--cpu"]
+    launch([*fsdp2, *by_tokens, "--output_dir", str(tmp_path / "chunked")])
+    launch([*fsdp2, *args, "--fused_linear_logprob", "false", "--output_dir", str(tmp_path / "plain")])
+    chunked, _ = read_metrics(str(tmp_path / "chunked"))
+    plain, _ = read_metrics(str(tmp_path / "plain"))
+    assert len(chunked) == len(plain) == 2 and chunked[0]["train/grad_norm"] > 0
+    for a, b in zip(chunked, plain):
+        for key in ("train/grad_norm", "train/kl", "train/entropy", "rollout/reward_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
 def test_hf_architecture_names_the_transformers_class(tiny_model_dir):
     """vLLM looks the model up by class name: FSDP2's FSDP<class> subclass and peft's wrapper map back."""
     from peft import LoraConfig, get_peft_model
