@@ -350,8 +350,6 @@ def main():
     split = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=by_tokens, sync_count=sync_count,
                  packed=args.packing_samples)
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
-    logprob_split = {**split, "micro_batch_size": args.micro_rollout_batch_size,
-                     "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL
     kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards
@@ -417,7 +415,9 @@ def main():
         args.gradient_checkpointing, split["max_tokens"] = plan_update_memory(
             model, split["max_tokens"], chunk_size, accelerator.autocast, engine_bytes,
             fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
-        logprob_split["max_tokens"] = 2 * split["max_tokens"]
+    # the logprob passes keep no activations: twice the update's token budget
+    logprob_split = {**split, "micro_batch_size": args.micro_rollout_batch_size,
+                     "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}
     for net in trained_nets if args.gradient_checkpointing else []:
         # non-reentrant: with LoRA the checkpointed blocks' inputs need no gradient of their own
         kwargs = {"use_reentrant": False}
@@ -616,8 +616,8 @@ def main():
                  "rollout/filled_groups": num_filled, "perf/tokens": exp.attention_mask.sum().item()}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
-        metrics = gather_metrics(local, sum_keys=("rollout/reward_errors", "rollout/filled_groups",
-                                                                "perf/tokens"))
+        sums = ("rollout/reward_errors", "rollout/filled_groups", "perf/tokens")
+        metrics = gather_metrics(local, sum_keys=sums)
         metrics.update({"rollout/generation_rounds": gen_round, "train/kl_coef": kl_coef,
                         "train/lr": scheduler.get_last_lr()[0], "perf/engine_slept": float(slept),
                         **perf.metrics()})

@@ -58,7 +58,7 @@ class HealthGuard:
         mb = experience.split(**split)[0]  # split: Experience.split's arguments
         with accelerator.autocast():
             logprobs, entropy = micro_batch_logprobs(model, mb, temperature, True, chunk_size,
-                                                     split.get("packed", False))
+                                                     split["packed"])
         mask = mb.action_mask
         kl = ((mb.rollout_logprobs - logprobs.float()) * mask).sum() / mask.sum()  # samples of the old policy
         means = accelerator.reduce(torch.stack([(entropy * mask).sum() / mask.sum(), kl]), "mean").tolist()

@@ -9,8 +9,9 @@ import torch
 from rft_core.losses import entropy_from_logits
 
 
-def _position_ids(attention_mask):
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding aware
+def positions(attention_mask):
+    """Position ids of left-padded rows: (B, L), 0 at each row's first attended token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False,
@@ -29,7 +30,7 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
     # logits_to_keep: the LM head runs on the last T + 1 positions only, not on the prompt's; position t
     # predicts t + 1, so the last has no target (a 0 stands in; its output is dropped)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_actions + 1,
-                  position_ids=None if mm_inputs else _position_ids(attention_mask), **(mm_inputs or {}))
+                  position_ids=None if mm_inputs else positions(attention_mask), **(mm_inputs or {}))
     targets = torch.nn.functional.pad(input_ids[:, -num_actions:], (0, 1))  # (B, T + 1)
     logprobs, entropy = token_logprobs(model, inputs, targets, temperature, with_entropy, chunk_size)
     return logprobs[:, :-1], entropy[:, :-1] if entropy is not None else None

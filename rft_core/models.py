@@ -7,6 +7,7 @@ import os
 import torch
 
 from rft_core.errors import ConfigError, MissingPath
+from rft_core.logprobs import positions
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -104,10 +105,6 @@ def compile_blocks(model, backend="inductor"):
     return model
 
 
-def _position_ids(attention_mask):
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding aware
-
-
 def load_value_model(path=None, actor=None, dtype=torch.float32):
     """A transformer with a scalar head `score` on every position (AutoModelForTokenClassification,
     one label): the PPO critic, or a reward model.
@@ -139,14 +136,14 @@ def response_values(model, input_ids, attention_mask, num_actions, mm_inputs=Non
     """Critic values V(s_t) of the state before each response token: (B, T), like response_logprobs
     (mm_inputs: a vision-language critic's image inputs; it computes its own positions)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=None if mm_inputs else _position_ids(attention_mask), **(mm_inputs or {}))
+                position_ids=None if mm_inputs else positions(attention_mask), **(mm_inputs or {}))
     return out.logits[:, -num_actions - 1:-1, 0].float()  # (B, T)
 
 
 def sequence_scores(model, input_ids, attention_mask):
     """Reward-model scores (B,): the head's output at each row's last attended token."""
     values = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=_position_ids(attention_mask)).logits[..., 0]  # (B, L)
+                   position_ids=positions(attention_mask)).logits[..., 0]  # (B, L)
     last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(-1)  # (B,)
     return values.gather(1, last.unsqueeze(-1)).squeeze(-1).float()
 
@@ -158,7 +155,7 @@ def lm_loss(model, input_ids, attention_mask):
     previous = torch.nn.functional.pad(attention_mask, (1, 0))[:, :-1]  # (B, L)
     labels = input_ids.masked_fill((attention_mask == 0) | (previous == 0), -100)  # (B, L)
     return model(input_ids=input_ids, attention_mask=attention_mask,
-                 position_ids=_position_ids(attention_mask), labels=labels, use_cache=False).loss
+                 position_ids=positions(attention_mask), labels=labels, use_cache=False).loss
 
 
 @torch.no_grad()
