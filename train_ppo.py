@@ -25,6 +25,20 @@ eval/checkpoint. Where it departs from the papers:
   and the trainer alike.
 - --high_entropy_token_ratio picks the top tokens within each micro-batch (the paper: each batch;
   the same when one micro-batch covers the optimizer step).
+
+Partial rollout (--partial_rollout; Kimi k1.5 section 2.6.2, MiMo's and AReaL's asynchronous rollouts): a
+generation round gives each unfinished sample at most --max_token_budget new tokens, so no step waits for
+its longest response. A sample cut off keeps its token ids, engine logprobs and the policy version (weight
+syncs so far) of each token in a buffer, and continues in the next round or step from its token ids under
+the newer weights. A group trains once all its samples finished; each step takes k finished groups, the
+buffer's oldest first, then fresh prompts (k - ready per round, at most --max_num_gen_batches rounds; the
+last completes the oldest still needed, without a budget). --max_staleness K: a group whose first tokens
+are K versions old finishes without a budget, so no trained token is older than K (a finished group that
+waited past K is dropped and its prompt re-queued: counted). Off-policy correction as AReaL's decoupled
+PPO: the ratio is against the trainer's logprobs before the update (the proximal policy), and each token is
+weighted by pi_old / pi_behaviour, truncated at --tis_cap (2 by default here) or masked (--tis_mode mask).
+Unlike k1.5 no sample is re-tokenized (its token ids continue), and unlike AReaL rollout and training still
+alternate on the same GPUs (colocated), so staleness comes only from the buffer. rft_core/rollout.py.
 """
 
 import math
@@ -42,9 +56,9 @@ from transformers import get_scheduler
 from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, token_level_advantages
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
-from rft_core.data import arithmetic_task, batches, encode_rows, load_prompt_rows, text_batches  # VL
+from rft_core.data import arithmetic_task, encode_rows, load_prompt_rows, text_batches  # VL
 from rft_core.distributed import (accumulate_over, accumulation_divisor, configure_deepspeed, grad_norm_value,
-                                  move_optimizer_state, plan_update_memory, prepare_frozen,
+                                  micro_batch_splits, move_optimizer_state, prepare_frozen,
                                   process_group_kwargs)
 from rft_core.engine import create_engine, resolve_engine_type
 from rft_core.errors import DataError
@@ -58,7 +72,8 @@ from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollo
 from rft_core.models import compile_blocks, export_hf, lm_loss, lora_model
 from rft_core.models import load_model_and_tokenizer, load_value_model  # VL
 from rft_core.plots import write_plots
-from rft_core.rewards import RewardScorer, RunningMoments, overlong_penalty, reward_sources
+from rft_core.rewards import RewardScorer, RunningMoments, reward_sources
+from rft_core.rollout import RolloutSettings, Rollouts
 
 
 @dataclass
@@ -137,7 +152,10 @@ class Args:
     entropy_coef: float = 0.0
     """entropy bonus: subtract entropy_coef * entropy (aggregated like the loss) from the loss"""
     tis_cap: Optional[float] = None
-    """truncated importance sampling (TIS): weight tokens by min(pi_old / pi_rollout_engine, cap)"""
+    """truncated importance sampling (TIS): weight tokens by min(pi_old / pi_rollout_engine, cap) (default
+    with --partial_rollout: 2, AReaL's decoupled objective against the policy that sampled each token)"""
+    tis_mode: str = "truncate"
+    """truncate (min(w, cap)) | mask (a token whose weight exceeds the cap gets none)"""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     use_kl_loss: bool = False
@@ -171,7 +189,14 @@ class Args:
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill from fresh prompts"""
     max_num_gen_batches: int = 3
-    """with --dynamic_sampling, generation rounds per step at most; then dropped groups fill the batch"""
+    """generation rounds per step at most: with --dynamic_sampling (then dropped groups fill the batch) and
+    --partial_rollout (the last round completes the groups still needed)"""
+    partial_rollout: bool = False
+    """partial rollout: unfinished samples wait in a buffer and continue in later steps (see above)"""
+    max_token_budget: Optional[int] = None
+    """with --partial_rollout: new tokens per unfinished sample per round (default: generate_max_len // 4)"""
+    max_staleness: int = 2
+    """with --partial_rollout: no trained token is older than this many policy versions (weight syncs)"""
     ema_beta: Optional[float] = None
     """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
     pretrain_data: Optional[str] = None
@@ -195,8 +220,9 @@ class Args:
     max_tokens_per_micro_batch: Optional[int] = None
     """per-rank micro-batches by tokens: samples of similar length grouped up to this many padded tokens per
     forward/backward of the update (the logprob passes, without activations to keep, take twice as many);
-    every rank runs the same number; the losses stay normalised by the whole optimizer step (default: 16384,
-    or on a GPU as many as fit without gradient checkpointing, at least 4096)"""
+    every rank runs the same number; the losses stay normalised by the whole optimizer step (default: 16384;
+    on a GPU as many as fit, up to 32768, beside the awake engine, else while it sleeps, else 16384 with
+    gradient checkpointing)"""
     micro_train_batch_size: Optional[int] = None
     """per-rank samples per forward/backward instead (fixed-size micro-batches, in order)"""
     max_epochs: int = 1
@@ -227,7 +253,7 @@ class Args:
     packing_samples: bool = False
     """concatenate each micro-batch's samples into one row without padding, positions restarting per sample:
     transformers' packed-sequence attention (flash-attention varlen where the model uses it; with sdpa / eager
-    a block-diagonal mask, exact but not faster); text only"""
+    a block-diagonal mask, exact but slower); text only"""
     fused_linear_logprob: bool = True
     """run the LM head with the log-softmax --chunk_size tokens at a time, forward and backward, so the
     (tokens x vocab) logits never exist whole (false: the model's own logits)"""
@@ -336,12 +362,6 @@ def main():
     deepspeed = accelerator.state.deepspeed_plugin
     sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed and deepspeed.zero_stage == 3)
     check_args(args, world, deepspeed, sharded, resolve_engine_type(args.engine_type))
-    # micro-batches: fixed rows, or grouped by tokens with the same count on every rank (under ZeRO-3 / FSDP2
-    # every forward is a collective)
-    sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
-    by_tokens = None if args.micro_train_batch_size else args.max_tokens_per_micro_batch or 16384
-    split = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=by_tokens, sync_count=sync_count,
-                 packed=args.packing_samples)
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL
@@ -350,15 +370,7 @@ def main():
     # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
     one_update = args.max_epochs == 1 and args.train_batch_size == samples_per_step
     reuse_old_logprobs = one_update and not kl_in_reward
-    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    drift_coef = args.policy_drift_coef
-    if drift_coef is None:
-        drift_coef = 0.01 if args.advantage_estimator == "cpgd" else 0.0
-    loss_settings = LossSettings(
-        args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
-        args.use_cpg_loss or args.advantage_estimator == "cpgd", args.tis_cap, args.high_entropy_token_ratio,
-        args.entropy_coef, drift_coef, args.use_kl_loss, kl_estimator=args.kl_estimator,
-        max_len=args.generate_max_len, num_seqs=args.train_batch_size)
+    loss_settings = LossSettings.from_args(args)
 
     configure_deepspeed(accelerator, rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
@@ -403,18 +415,8 @@ def main():
         trained["critic_grad_norm"] = accelerator.prepare(critic, *critic_optim)
         critic = trained["critic_grad_norm"][0]
     trained_nets = [net for net, _, _ in trained.values()]  # as prepared (DDP- or DeepSpeed-wrapped)
-    if split["max_tokens"] and args.gradient_checkpointing is None:  # auto: from the measured activations
-        engine_bytes = args.engine_mem_util * torch.cuda.mem_get_info()[1] if args.disable_engine_sleep else 0
-        args.gradient_checkpointing, split["max_tokens"] = plan_update_memory(
-            model, split["max_tokens"], chunk_size, accelerator.autocast, engine_bytes,
-            fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
-    # the logprob passes keep no activations: twice the update's token budget
-    logprob_split = {**split, "micro_batch_size": args.micro_rollout_batch_size,
-                     "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}
-    for net in trained_nets if args.gradient_checkpointing else []:
-        # non-reentrant: with LoRA the checkpointed blocks' inputs need no gradient of their own
-        kwargs = {"use_reentrant": False}
-        accelerator.unwrap_model(net).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # micro-batches by rows or by tokens (planned from the measured activations on a GPU), checkpointing
+    split, logprob_split = micro_batch_splits(args, accelerator, model, trained_nets, chunk_size)
     optimizers = [opt for _, opt, _ in trained.values()]
     engine = create_engine(
         args.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
@@ -444,14 +446,17 @@ def main():
     guard = HealthGuard(args.output_dir, accelerator.unwrap_model(model).config.get_text_config().vocab_size)
 
     # ---- resume ----
-    data = batches(prompts["train"], args.rollout_batch_size, args.seed)  # the prompt stream, endless
-    drawn, start, first_eval = 0, 0, None  # batches drawn from it, the last step done, the step-0 eval
+    settings = RolloutSettings(
+        args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p, args.dynamic_sampling,
+        args.max_num_gen_batches, args.overlong_buffer_len, args.overlong_penalty_factor, args.strict_rewards,
+        args.partial_rollout, args.max_token_budget or max(1, args.generate_max_len // 4), args.max_staleness,
+        tokenizer.eos_token_id)
+    rollouts = Rollouts(prompts["train"], args.rollout_batch_size, args.seed, rank, world, settings, device)
+    start, first_eval = 0, None  # the last step done, the step-0 eval
     if resume_from:
         state, tensors = load_checkpoint(accelerator, resume_from)  # models, optimizers, schedulers, RNG
-        start, drawn, kl_coef = state["step"], state["batches_drawn"], state["kl_coef"]
-        first_eval = state["first_eval"]
-        for _ in range(drawn):  # the data stream where it stopped
-            next(data)
+        start, kl_coef, first_eval = state["step"], state["kl_coef"], state["first_eval"]
+        rollouts.load_state_dict(state, tensors["rollouts"])  # the prompt stream, partial rollout's buffer
         if moments is not None:
             moments.load_state_dict(state["moments"])
         ema = tensors["ema"] if ema is not None else None
@@ -462,7 +467,7 @@ def main():
     if prompts["eval"] and not resume_from:
         first_eval = run_eval(0)
 
-    k, n = args.rollout_batch_size // world, args.n_samples_per_prompt  # this rank's prompts, group size
+    n = args.n_samples_per_prompt  # the group size
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
     perf, stops = StepTimer(), StopSignals()
     for step in tqdm(range(start + 1, num_steps + 1), desc="steps", initial=start, total=num_steps,
@@ -471,32 +476,7 @@ def main():
         perf.phase("wake")
         engine.wake_up()  # the KV cache, if the engine slept
         perf.phase("generate")
-        kept, dropped, reward_errors, scored = [], [], 0, 0
-        for gen_round in range(1, args.max_num_gen_batches + 1):
-            batch = next(data)[rank * k:(rank + 1) * k]  # this rank's prompts: whole groups stay together
-            drawn += 1
-            batch = [p for p in batch for _ in range(n)]
-            generations = engine.generate([p.prompt_ids for p in batch], args.generate_max_len,
-                                          args.temperature, args.top_p, mm=[p.mm for p in batch])
-            completions = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
-            samples = [replace(p, generation=g, completion=c)
-                       for p, g, c in zip(batch, generations, completions)]
-            reward_errors += score_all(samples, args.strict_rewards)  # sets their reward and components
-            scored += len(samples)
-            for s in samples if args.overlong_buffer_len else []:  # DAPO's soft overlong punishment
-                s.components["overlong"] = overlong_penalty(
-                    len(s.generation.token_ids), args.generate_max_len, args.overlong_buffer_len,
-                    args.overlong_penalty_factor)
-                s.reward += s.components["overlong"]
-            for i in range(0, len(samples), n):  # DAPO dynamic sampling keeps the groups whose rewards differ
-                group = samples[i:i + n]
-                informative = not args.dynamic_sampling or len({s.reward for s in group}) > 1
-                (kept if informative else dropped).append(group)
-            if not args.dynamic_sampling or not reduce_sum(torch.tensor(float(len(kept) < k), device=device)):
-                break  # every rank has its k groups
-        num_filled = max(0, k - len(kept))  # generation rounds ran out: zero-variance groups fill the batch
-        samples = [s for group in kept[:k] + dropped[:num_filled] for s in group]
-        score_all.check(*reduce_sum(torch.tensor([reward_errors, scored], device=device)).tolist(), step)
+        samples, rollout_stats = rollouts.collect(engine, tokenizer, score_all, reduce_sum, step)
         perf.phase("sleep")
         slept = engine.sleep(needed_bytes=perf.extra_bytes("update"))  # auto: if training needs the memory
 
@@ -604,13 +584,11 @@ def main():
         # ---- log ----
         shaped = exp.rewards if moments is not None or args.reward_clip is not None else None  # (B,)
         local = {**rollout_metrics(samples, args.generate_max_len, shaped, args.reward_clip),
-                 **update_metrics(stats), "rollout/reward_errors": reward_errors,
-                 "rollout/filled_groups": num_filled, "perf/tokens": exp.attention_mask.sum().item()}
+                 **update_metrics(stats), **rollout_stats, "perf/tokens": exp.attention_mask.sum().item()}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
-        sums = ("rollout/reward_errors", "rollout/filled_groups", "perf/tokens")
-        metrics = gather_metrics(local, sum_keys=sums)
-        metrics.update({"rollout/generation_rounds": gen_round, "train/kl_coef": kl_coef,
+        metrics = gather_metrics(local)  # over the ranks: means, and sums of counts
+        metrics.update({"train/kl_coef": kl_coef,
                         "train/lr": scheduler.get_last_lr()[0], "perf/engine_slept": float(slept),
                         **perf.metrics()})
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
@@ -633,9 +611,9 @@ def main():
             # atomic: `latest` names only whole checkpoints, and only healthy weights are saved
             guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator,
                                     step)
-            state = {"batches_drawn": drawn, "kl_coef": kl_coef, "first_eval": first_eval,
+            state = {**rollouts.state_dict(), "kl_coef": kl_coef, "first_eval": first_eval,
                      "moments": moments.state_dict() if moments is not None else None}
-            tensors = {"ema": ema} if ema is not None else None
+            tensors = {"ema": ema, "rollouts": rollouts.buffer_state()}
             save_checkpoint(accelerator, args.output_dir, step, state, tensors, args.max_ckpt_num)
         if args.save_hf_steps and step % args.save_hf_steps == 0:
             export(os.path.join(args.output_dir, f"hf-step-{step}"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15 on one H100: the GPU tests, then bench/bench_sizes.py at real sizes (one device call per mode).
 # Needs the ../shared/gpu bundle (groups vllm, model) copied to /tmp/gpu. Results: $OUT/sizes.jsonl and logs.
-# Usage: bash bench/run_gpu_sizes.sh tests|small|large|lora|long|lora_long|fused
+# Usage: bash bench/run_gpu_sizes.sh tests|small|large|lora|long|long3b|lora_long|speed|fused
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -19,8 +19,16 @@ case "$1" in
     $B 7b --steps 10 --timeout 580 --tag=-lora64 -- --lora_rank 64;;
   long)  # 1.5B and 3B with --generate_max_len 1024
     $B 1.5b 3b --steps 10 --generate_max_len 1024 --timeout 290;;
+  long3b)  # 3B alone with --generate_max_len 1024 (one call's time)
+    $B 3b --steps 10 --generate_max_len 1024 --timeout 570;;
   lora_long)
     $B 7b --steps 10 --generate_max_len 1024 --timeout 580 --tag=-lora64 -- --lora_rank 64;;
+  speed)  # where the small models' step goes: generate variants, then the update with bigger / packed micro-batches
+    python bench/bench_generate.py 135m > "$OUT/generate.jsonl" 2> "$OUT/generate_135m.log"
+    python bench/bench_generate.py 0.5b >> "$OUT/generate.jsonl" 2> "$OUT/generate_0.5b.log"
+    cat "$OUT/generate.jsonl"
+    $B 135m --steps 10 --timeout 200 --tag=-32k -- --max_tokens_per_micro_batch 32768
+    $B 135m --steps 10 --timeout 200 --tag=-packed -- --packing_samples;;
   fused)  # the plain logits path against --fused_linear_logprob (default on), 0.5B shape
     $B 0.5b --steps 8 --timeout 280 --tag=-plain -- --fused_linear_logprob false;;
 esac

@@ -93,9 +93,9 @@ AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batc
                 "n_samples_per_prompt", "micro_rollout_batch_size",
                 "chunk_size", "train_batch_size", "max_epochs", "num_episodes", "engine_tp_size",
                 "kl_horizon", "max_num_gen_batches", "eval_n_samples", "logging_steps", "max_ckpt_num",
-                "limit_mm_image_per_prompt")
+                "limit_mm_image_per_prompt", "max_token_budget")
 AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every", "lora_rank",
-                 "freezing_actor_steps", "overlong_buffer_len")
+                 "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
 
 
 def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
@@ -113,11 +113,13 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
         check(valid(getattr(args, name)), f"--{name} {getattr(args, name)}: must be {want}")
     for name in names & set(AT_LEAST_ONE + AT_LEAST_ZERO):
         low = 1 if name in AT_LEAST_ONE else 0
-        check(getattr(args, name) >= low, f"--{name} {getattr(args, name)}: must be >= {low}")
+        value = getattr(args, name)
+        check(value is None or value >= low, f"--{name} {value}: must be >= {low}")
     check(args.advantage_estimator in ADVANTAGE_ESTIMATORS,
           f"--advantage_estimator {args.advantage_estimator!r}: choose one of {ADVANTAGE_ESTIMATORS}")
     check(args.loss_agg_mode in LOSS_AGG_MODES,
           f"--loss_agg_mode {args.loss_agg_mode!r}: choose one of {LOSS_AGG_MODES}")
+    check(args.tis_mode in ("truncate", "mask"), f"--tis_mode {args.tis_mode!r}: choose truncate or mask")
     check(args.kl_estimator in KL_ESTIMATORS,
           f"--kl_estimator {args.kl_estimator!r}: choose one of {KL_ESTIMATORS}")
     estimator, n = args.advantage_estimator, args.n_samples_per_prompt
@@ -156,6 +158,9 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
     check(args.reward_weights is None or len(args.reward_weights) == sources,
           f"--reward_weights has {len(args.reward_weights or [])} values for {sources} reward sources "
           "(--reward_fn or --remote_rm_url, then each --reward_pretrain model)")
+    check(not (args.partial_rollout and engine_type == "hf" and sharded), "--partial_rollout with the "
+          "transformers engine under ZeRO-3 / FSDP2: ranks continue different numbers of samples, which its "
+          "sharded generate cannot; use vLLM (--engine_type vllm) or the multi_gpu config")
     check(not (args.enable_engine_sleep and args.disable_engine_sleep),
           "--enable_engine_sleep or --disable_engine_sleep: pick one")
     if "images_key" in names:  # train_ppo_vl.py: the text script's flags that cannot apply to images
@@ -182,7 +187,10 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
         (kl_in_reward, ("kl_target", "kl_horizon"), "it adapts the KL penalty in the reward, which needs "
          "gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss"),
         (args.use_kl_loss, ("kl_estimator",), "it is the KL loss's estimator, but --use_kl_loss is off"),
-        (args.dynamic_sampling, ("max_num_gen_batches",), "it bounds --dynamic_sampling, which is off"),
+        (args.dynamic_sampling or args.partial_rollout, ("max_num_gen_batches",),
+         "it bounds the rounds of --dynamic_sampling and --partial_rollout, which are off"),
+        (args.partial_rollout, ("max_token_budget", "max_staleness"), "--partial_rollout is off"),
+        (args.tis_cap is not None or args.partial_rollout, ("tis_mode",), "--tis_cap is off"),
         (args.overlong_buffer_len > 0, ("overlong_penalty_factor",), "it scales the overlong penalty, but "
          "--overlong_buffer_len is 0"),
         (args.pretrain_data is not None, ("ptx_coef", "pretrain_key"),

@@ -185,16 +185,35 @@ def move_optimizer_state(optimizers, device):
         torch.cuda.empty_cache()  # hand the freed blocks back, for vLLM's wake-up
 
 
-def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_bytes=0, fixed_budget=False,
-                       log=print):
+AUTO_MAX_TOKENS = 32768  # larger micro-batches gain little and take memory from the engine
+
+
+def choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens, fixed_budget):
+    """(checkpointing, tokens, engine awake during updates) of plan_update_memory, from the activation bytes
+    per token and the room for them (bytes)."""
+    awake = int((room - engine_bytes) / per_token) // 1024 * 1024  # tokens that fit beside the engine
+    asleep = int(room / per_token) // 1024 * 1024 if engine_sleeps else awake
+    if fixed_budget:
+        return asleep < max_tokens, max_tokens, awake >= max_tokens
+    if awake >= 8192:
+        return False, min(AUTO_MAX_TOKENS, awake), True
+    if asleep >= 4096:  # (an engine that never sleeps: asleep is awake)
+        return False, min(AUTO_MAX_TOKENS, asleep), not engine_sleeps
+    return True, max_tokens, not engine_sleeps
+
+
+def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0, engine_sleeps=True,
+                       fixed_budget=False, log=print):
     """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
     ZeRO-3 / FSDP2: two forwards). An update micro-batch's activations are measured: a forward with gradients
     on one synthetic row of 512 and of 1024 tokens gives the bytes kept per token and the fixed part
     (autocast's weight copies). The room for them is the GPU's free memory less the gradients and AdamW's
-    two moments (fp32, this rank's share of the trained parameters) and engine_bytes (a vLLM engine that never
-    sleeps). Where max_tokens do not fit, a smaller budget that does (down to 4096 tokens; not with
-    fixed_budget, a budget the user set) is faster than recomputing activations; else checkpointing goes on.
-    Without CUDA: as given, off. autocast: a function returning the trainer's autocast context."""
+    two moments (fp32, this rank's share of the trained parameters). choose_budget picks the largest budget,
+    up to AUTO_MAX_TOKENS, that fits beside the awake engine (engine_share of the GPU's memory; if that is at
+    least 8192 tokens), else the largest that fits while it sleeps (engine_sleeps; at least 4096 tokens):
+    smaller micro-batches are faster than recomputing activations. Only where neither fits, checkpointing
+    goes on, with max_tokens (also the CPU's budget). A budget the user set (fixed_budget) is kept, with
+    checkpointing if it does not fit. autocast: a function returning the trainer's autocast context."""
     if not torch.cuda.is_available():
         return False, max_tokens
     net = unwrap(model)
@@ -219,12 +238,37 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_bytes=0, 
 
     states = 12 * sum(local_numel(p) for p in net.parameters() if p.requires_grad)
     torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()  # what other processes hold is not ours either
-    room = 0.85 * free - states - engine_bytes - fixed
-    fitting = int(room / per_token) // 1024 * 1024  # tokens whose activations fit
-    checkpointing = fitting < (max_tokens if fixed_budget else min(max_tokens, 4096))
-    tokens = max_tokens if checkpointing or fixed_budget else min(max_tokens, fitting)
+    free, total = torch.cuda.mem_get_info()  # what other processes hold is not ours either
+    engine_bytes = engine_share * total
+    room = 0.85 * free - states - fixed
+    checkpointing, tokens, beside = choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens,
+                                                  fixed_budget)
     log(f"[memory] an update keeps {per_token / 2**10:.0f} KiB of activations per token and "
-        f"{room / 2**30:.1f} GiB are left for them: micro-batches of {tokens} tokens, gradient checkpointing "
-        f"{'on' if checkpointing else 'off'}")
+        f"{room / 2**30:.1f} GiB are left for them ({(room - engine_bytes) / 2**30:.1f} beside the awake "
+        f"engine): micro-batches of {tokens} tokens, gradient checkpointing "
+        f"{'on' if checkpointing else 'off'}, the engine {'awake' if beside else 'asleep'} during updates")
     return checkpointing, tokens
+
+
+def micro_batch_splits(args, accelerator, model, nets, chunk_size):
+    """(update, logprob passes): Experience.split's keyword arguments. Fixed rows (--micro_train_batch_size),
+    or samples grouped by tokens, as many micro-batches on every rank (under ZeRO-3 / FSDP2 each forward is a
+    collective); on a GPU the budget, unless set, is planned from the measured activations
+    (plan_update_memory). The logprob passes keep no activations: twice the update's budget. Turns on gradient
+    checkpointing in the prepared nets where the plan or the flag says so."""
+    device = accelerator.device
+    sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
+    by_tokens = None if args.micro_train_batch_size else args.max_tokens_per_micro_batch or 16384
+    split = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=by_tokens, sync_count=sync_count,
+                 packed=args.packing_samples)
+    if by_tokens and args.gradient_checkpointing is None:  # auto: from the measured activations
+        share = 0.0 if args.enable_engine_sleep else args.engine_mem_util  # of the GPU, an awake engine's
+        args.gradient_checkpointing, split["max_tokens"] = plan_update_memory(
+            model, by_tokens, chunk_size, accelerator.autocast, share, not args.disable_engine_sleep,
+            fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
+    for net in nets if args.gradient_checkpointing else []:
+        # non-reentrant: with LoRA the checkpointed blocks' inputs need no gradient of their own
+        kwargs = {"use_reentrant": False}
+        accelerator.unwrap_model(net).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return split, {**split, "micro_batch_size": args.micro_rollout_batch_size,
+                   "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}

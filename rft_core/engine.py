@@ -28,7 +28,8 @@ from rft_core.multimodal import mm_inputs, video_processor_like, vision_token_id
 @dataclass
 class Generation:
     token_ids: list
-    logprobs: list
+    logprobs: list  # the engine's sampling logprob of each token
+    versions: list = None  # partial rollout: the policy version (weight syncs so far) that sampled each token
 
 
 class HFEngine:
@@ -55,12 +56,20 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
+        """max_new_tokens: one for all, or a list (one per prompt: requests of equal limits run together)."""
         was_training = self.model.training
         self.model.eval()  # also turns gradient checkpointing off, which `generate` cannot use
-        out, mm = [], mm or [None] * len(prompt_token_ids)
-        for i in range(0, len(prompt_token_ids), self.micro_batch_size):
-            out += self._generate_batch(prompt_token_ids[i:i + self.micro_batch_size], max_new_tokens,
-                                        temperature, top_p, mm[i:i + self.micro_batch_size])
+        mm = mm or [None] * len(prompt_token_ids)
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(mm)
+        out = [None] * len(mm)
+        for limit in dict.fromkeys(limits):  # in order of first appearance
+            idx = [i for i, m in enumerate(limits) if m == limit]
+            for j in range(0, len(idx), self.micro_batch_size):
+                part = idx[j:j + self.micro_batch_size]
+                gens = self._generate_batch([prompt_token_ids[i] for i in part], limit, temperature, top_p,
+                                            [mm[i] for i in part])
+                for i, g in zip(part, gens):
+                    out[i] = g
         self.model.train(was_training)
         return out
 

@@ -161,6 +161,7 @@ class LossSettings:
     use_gspo: bool = False
     use_cpg_loss: bool = False
     tis_cap: Optional[float] = None  # truncated importance sampling against the rollout engine's logprobs
+    tis_mode: str = "truncate"  # or "mask": tokens whose weight exceeds the cap get none
     high_entropy_token_ratio: float = 0.0  # train the policy on this fraction of tokens (0: all)
     entropy_coef: float = 0.0
     policy_drift_coef: float = 0.0  # CPGD's KL(pi_old || pi) weight
@@ -172,6 +173,18 @@ class LossSettings:
     num_tokens: Optional[torch.Tensor] = None  # response tokens in the optimizer step, over all ranks
     num_pg_tokens: Optional[torch.Tensor] = None  # those the policy loss keeps (high_entropy_token_ratio)
     micro_batches_per_step: int = 1  # over all ranks: the logged loss is this micro-batch's share times this
+
+    @classmethod
+    def from_args(cls, args):
+        """The loss flags of the training scripts (train_batch_size already resolved); cpgd's defaults."""
+        cpgd = args.advantage_estimator == "cpgd"
+        drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        tis_cap = 2.0 if args.tis_cap is None and args.partial_rollout else args.tis_cap
+        return cls(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
+                   args.use_cpg_loss or cpgd, tis_cap, args.tis_mode, args.high_entropy_token_ratio,
+                   args.entropy_coef, drift, args.use_kl_loss, kl_estimator=args.kl_estimator,
+                   max_len=args.generate_max_len, num_seqs=args.train_batch_size)
 
 
 def policy_token_counts(action_masks, ratio=0.0):
@@ -198,9 +211,14 @@ def actor_loss(logprobs, entropy, mb, s):
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
     mask = mb.action_mask
     agg = dict(num_tokens=s.num_tokens, num_seqs=s.num_seqs, max_len=s.max_len)
-    # TIS: the engine samples with other numerics than the trainer's; weight tokens by
-    # min(pi_old / pi_rollout, cap)
-    is_weights = (old - mb.rollout_logprobs).exp().clamp(max=s.tis_cap) if s.tis_cap else None  # (B, T)
+    # TIS: the engine samples with other numerics than the trainer's (and, with partial rollout, with older
+    # weights): weight tokens by pi_old / pi_rollout (AReaL's decoupled PPO: pi_old is the proximal policy),
+    # truncated at the cap, or masked above it
+    is_weights = None
+    if s.tis_cap:
+        raw = (old - mb.rollout_logprobs).clamp(max=20.0).exp()  # (B, T)
+        over = raw > s.tis_cap
+        is_weights = raw.clamp(max=s.tis_cap) if s.tis_mode == "truncate" else raw * ~over
     ratio = s.high_entropy_token_ratio
     pg_mask = high_entropy_mask(entropy, mask, ratio) if ratio else mask  # (B, T)
     pg_loss, metrics = policy_loss(logprobs, old, mb.advantages, pg_mask, s.eps_clip_low, s.loss_agg_mode,
@@ -222,6 +240,10 @@ def actor_loss(logprobs, entropy, mb, s):
     metrics["entropy"] = masked_mean(entropy.detach(), mask)
     if ratio:
         metrics["pg_token_frac"] = pg_mask.sum() / mask.sum().clamp(min=1)
+    if s.tis_cap:
+        metrics["is_weight_mean"] = masked_mean(raw, mask)
+        metrics["is_weight_max"] = (raw * mask).max()
+        metrics["is_capped_frac"] = masked_mean(over.float(), mask)
     diff = (mb.rollout_logprobs - old).abs() * mask  # (B, T): engine vs trainer, the same weights
     metrics["logprob_diff_mean"] = diff.sum() / mask.sum()
     metrics["logprob_diff_max"] = diff.max()

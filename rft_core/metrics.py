@@ -82,6 +82,7 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
     metrics = {"rollout/reward_mean": rewards.mean().item(),
                "rollout/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
                "rollout/response_length": lengths.mean().item(),
+               "rollout/response_length_max": lengths.max().item(),
                "rollout/truncated": float((lengths >= generate_max_len).sum()) / len(samples)}
     names = dict.fromkeys(name for s in samples for name in s.components)
     for name in names:
@@ -95,16 +96,25 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
     return metrics
 
 
-def gather_metrics(local, sum_keys=()):
-    """Every rank's metrics dict merged: the mean over the ranks that have a key (NaN-aware), or the sum for
-    sum_keys."""
+# how a metric merges over the ranks, by its name after the prefix: counts are summed, these maxima are
+# maxima; the rest are means
+SUMMED = ("reward_errors", "filled_groups", "tokens", "buffered", "resumed", "finished_from_buffer",
+          "dropped_stale", "tokens_generated")
+MAXED = ("staleness_max", "response_length_max")
+
+
+def gather_metrics(local):
+    """Every rank's metrics dict merged: the mean over the ranks that have a key (NaN-aware), the sum of the
+    counts (SUMMED) and the max of the maxima (MAXED)."""
     from accelerate.utils import gather_object
 
     per_rank = gather_object([local])  # dicts, so ranks may differ in keys (reward components)
     merged = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):
         values = [m[key] for m in per_rank if key in m]
-        merged[key] = sum(values) if key in sum_keys else float(np.nanmean(values))
+        name = key.split("/", 1)[-1]
+        merged[key] = (sum(values) if name in SUMMED else max(values) if name in MAXED
+                       else float(np.nanmean(values)))
     return merged
 
 
@@ -115,6 +125,8 @@ STEP_LINE = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"),
              ("pg_loss", "train/policy_loss"), ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"),
              ("clip", "train/clip_frac"), ("ent", "train/entropy"), ("gnorm", "train/grad_norm"),
              ("vloss", "train/value_loss"), ("lp_diff", "rollout/logprob_diff_mean"),
+             ("buffered", "rollout/buffered"), ("stale", "rollout/staleness_max"),
+             ("is_w", "train/is_weight_mean"),
              ("t_gen", "perf/generate_s"), ("t_lp", "perf/logprob_s"), ("t_upd", "perf/update_s"),
              ("t_sync", "perf/weight_sync_s"), ("t_step", "perf/step_time_s")]
 

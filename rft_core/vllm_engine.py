@@ -150,27 +150,35 @@ class VLLMEngine:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
     def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
+        """max_new_tokens: one for all, or a list (one per prompt)."""
         from vllm import SamplingParams
 
         mm = mm or [None] * len(prompt_token_ids)
-        rows = [(list(p), vllm_prompt(p, m, sample=i)) for i, (p, m) in enumerate(zip(prompt_token_ids, mm))]
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(mm)
+        rows = [(list(p), vllm_prompt(p, m, sample=i), limit)
+                for i, (p, m, limit) in enumerate(zip(prompt_token_ids, mm, limits))]
         sizes = None
         if self.tp_group is not None:  # every rank of the group must submit the same requests
             per_rank = [None] * len(self.group_ranks)
             torch.distributed.all_gather_object(per_rank, rows, group=self.tp_group)
             rows, sizes = flatten_group(per_rank)
         self.calls += 1
+        if not rows:  # (partial rollout: a rank may have nothing left to generate in a round)
+            return []
         params = SamplingParams(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
-                                max_tokens=max_new_tokens, logprobs=0, detokenize=False,
+                                max_tokens=rows[0][2], logprobs=0, detokenize=False,
                                 stop_token_ids=[self.eos_token_id], logit_bias=self.logit_bias)
-        if self.tp_group is not None:  # per-request seeds, identical across the group, keep its ranks in step
+        if self.tp_group is not None or isinstance(max_new_tokens, list):
+            # per-request limits; per-request seeds, identical across a TP group, keep its ranks in step
             base = self.seed * 1_000_003 + self.calls * 10_007
             params = [params.clone() for _ in rows]
-            for i, p in enumerate(params):
-                p.seed = (base + i) % (2**31)
-        outputs = self.llm.generate([request for _, request in rows], params, use_tqdm=False)
+            for i, (p, (_, _, limit)) in enumerate(zip(params, rows)):
+                p.max_tokens = limit
+                if self.tp_group is not None:
+                    p.seed = (base + i) % (2**31)
+        outputs = self.llm.generate([request for _, request, _ in rows], params, use_tqdm=False)
         gens = []
-        for i, ((ids, request), out) in enumerate(zip(rows, outputs)):
+        for i, ((ids, request, _), out) in enumerate(zip(rows, outputs)):
             if "multi_modal_data" in request and list(out.prompt_token_ids) != ids:  # image-token accounting
                 raise ConfigError(f"prompt {i}: vLLM expanded it to {len(out.prompt_token_ids)} tokens, "
                                  f"the trainer's has {len(ids)}: "

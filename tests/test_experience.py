@@ -146,7 +146,7 @@ def test_packed_equals_padded(tiny_model_dir, chunk_size):
     (lp, ent, grads), (plp, pent, pgrads) = results
     assert torch.allclose(lp * exp.action_mask, plp, atol=1e-5) and torch.allclose(ent * exp.action_mask, pent, atol=1e-5)
     assert (plp * (1 - exp.action_mask)).abs().sum() == 0  # zeros on the padding
-    assert all(torch.allclose(grads[n], pgrads[n], atol=1e-5) for n in grads)
+    assert all(torch.allclose(grads[n], pgrads[n], rtol=1e-4, atol=1e-5) for n in grads)
     other = exp.input_ids.clone()
     other[1, -3] = 77  # a response token of sample 1
     with torch.no_grad():

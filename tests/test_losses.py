@@ -344,3 +344,27 @@ def test_policy_token_counts():
     masks = [torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]), torch.tensor([[1, 1, 1, 1]])]
     assert policy_token_counts(masks) == (8.0, 8.0)
     assert policy_token_counts(masks, 0.2) == (8.0, 2.0)  # round(0.8) = 1 and round(0.8) = 1
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_behaviour_weights_truncated_or_masked(mode):
+    """Off-policy tokens (partial rollout: sampled by older weights) are weighted by pi_old / pi_behaviour:
+    truncated at the cap, or masked above it; the weights' mean, max and capped fraction are logged."""
+    mb = _micro_batch(0)
+    mb.rollout_logprobs = mb.old_logprobs - torch.linspace(-1.5, 1.5, 30).reshape(6, 5)  # weights e^-1.5..e^1.5
+    logprobs = mb.old_logprobs.clone().requires_grad_()
+    entropy = torch.zeros(6, 5)
+    n = float(mb.action_mask.sum())
+    s = LossSettings(tis_cap=2.0, tis_mode=mode, num_tokens=torch.tensor(n), num_pg_tokens=torch.tensor(n),
+                     num_seqs=6)
+    loss, metrics = actor_loss(logprobs, entropy, mb, s)
+    raw = (mb.old_logprobs - mb.rollout_logprobs).exp()
+    weights = raw.clamp(max=2.0) if mode == "truncate" else raw * (raw <= 2.0)
+    want, _ = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.action_mask, 0.2, "token-mean", n,
+                          is_weights=weights)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    mask = mb.action_mask.bool()
+    assert metrics["is_weight_mean"].item() == pytest.approx(raw[mask].mean().item(), rel=1e-6)
+    assert metrics["is_weight_max"].item() == pytest.approx(raw[mask].max().item(), rel=1e-6)
+    assert metrics["is_capped_frac"].item() == pytest.approx((raw[mask] > 2.0).float().mean().item())
+    assert 0 < metrics["is_capped_frac"].item() < 1

@@ -84,7 +84,7 @@ def test_response_logprobs_against_full_log_softmax(tiny_model_dir, temperature)
         want = [logp[t - 1, ids[b, real][t]].item() for t in range(real.sum() - 3, real.sum())]
         want_entropy = [-(logp[t - 1].exp() * logp[t - 1]).sum().item() for t in range(real.sum() - 3, real.sum())]
         assert logprobs[b].tolist() == pytest.approx(want, abs=1e-5)
-        assert entropy[b].tolist() == pytest.approx(want_entropy, abs=1e-5)
+        assert entropy[b].tolist() == pytest.approx(want_entropy, abs=1e-5, rel=1e-5)  # fp32 sums over the vocab
 
 
 @pytest.mark.parametrize("dtype, temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.0),

@@ -207,10 +207,10 @@ def test_prompt_file(tiny_model_dir, tmp_path):
     assert all(0 <= r["eval/pass@1"] <= r["eval/pass@3"] <= 1 for r in eval_rows)
 
 
-def test_default_model_two_steps(tmp_path):
-    """The acceptance command: the embedded SmolLM2-135M, default flags, two steps."""
-    run(["--max_steps", "2", "--output_dir", str(tmp_path)])
-    check_outputs(str(tmp_path))
+def test_default_model_one_step(tmp_path):
+    """The acceptance command: the embedded SmolLM2-135M, default flags, one step (and both evals)."""
+    run(["--max_steps", "1", "--output_dir", str(tmp_path)])
+    check_outputs(str(tmp_path), steps=1)
 
 
 BY_ROWS = ["--micro_train_batch_size", "1"]
@@ -290,13 +290,21 @@ def chars(p, completions, l, **kw):
 """
 
 
+PARTIAL = ["--partial_rollout", "--max_token_budget", "3", "--max_staleness", "1"]
+
+
 def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_model_dir, tmp_path):
     """Killed with SIGKILL during step 3 and resumed from checkpoint-2, a run logs the same steps 3 and 4
-    as an uninterrupted run with the same seed (everything but timings); each step once in metrics.jsonl."""
+    as an uninterrupted run with the same seed (everything but timings); each step once in metrics.jsonl.
+    With partial rollout on, so that samples wait in the buffer at the checkpoint and continue after the
+    resume (the synchronous loop's state is the same less the buffer)."""
+    extra = PARTIAL
     (tmp_path / "rw.py").write_text(BLOCKING_REWARD)
     args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "4", "--save_steps", "2", "--max_ckpt_num", "1",
-            "--reward_fn", f"{tmp_path}/rw.py:chars", "--actor_learning_rate", "1e-3", "--ema_beta", "0.5"]
+            "--reward_fn", f"{tmp_path}/rw.py:chars", "--actor_learning_rate", "1e-3", "--ema_beta", "0.5", *extra]
     run([*args, "--output_dir", str(tmp_path / "straight")])
+    rows = read_metrics(str(tmp_path / "straight"))[0]
+    assert rows[1]["rollout/buffered"] > 0 and rows[2]["rollout/resumed"] > 0  # in the buffer at the save
     killed = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", "BLOCK_AFTER": str(killed / "checkpoint-2")}
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ppo.py"), *args, "--output_dir", str(killed)],
@@ -322,3 +330,27 @@ def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_model_dir, tmp_path)
         a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / name).state_dict()
         b = AutoModelForCausalLM.from_pretrained(killed / name).state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_partial_rollout(tiny_model_dir, tmp_path, chars_reward):
+    """A budget of at least --generate_max_len gives the synchronous run, step for step; a budget of 3 of 8
+    tokens keeps samples in the buffer, continues them in later steps, and trains no token older than
+    --max_staleness versions; TIS weights are logged."""
+    base = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "2", "--reward_fn", chars_reward,
+            "--actor_learning_rate", "1e-3", "--tis_cap", "2"]
+    rows = []
+    for i, extra in enumerate([[], ["--partial_rollout", "--max_token_budget", "8"],
+                               ["--partial_rollout", "--max_token_budget", "3", "--max_staleness", "1",
+                                "--max_steps", "5"]]):
+        run([*base, *extra, "--output_dir", str(tmp_path / str(i))])
+        rows.append(read_metrics(str(tmp_path / str(i)))[0])
+    partial_keys = ("perf/", "rollout/buffered", "rollout/resumed", "rollout/finished_from_buffer",
+                    "rollout/dropped_stale", "rollout/staleness")
+    for a, b in zip(rows[0], rows[1]):
+        assert {k: v for k, v in a.items() if not k.startswith(partial_keys)} == \
+            {k: v for k, v in b.items() if not k.startswith(partial_keys)}
+    assert all(r["rollout/staleness_max"] == 0 and r["rollout/buffered"] == 0 for r in rows[1])
+    cut = rows[2]
+    assert sum(r["rollout/resumed"] for r in cut) > 0 and sum(r["rollout/finished_from_buffer"] for r in cut) > 0
+    assert all(r["rollout/staleness_max"] <= 1 for r in cut) and max(r["rollout/staleness_max"] for r in cut) == 1
+    assert all(r["train/is_weight_mean"] > 0 and r["rollout/tokens_generated"] > 0 for r in cut)

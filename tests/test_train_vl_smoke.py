@@ -70,7 +70,8 @@ def test_estimators_with_images(tmp_path, estimator, chars_reward):
 
 def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
     """Every flag of train_ppo.py exists in train_ppo_vl.py; those that cannot apply are refused in one line,
-    the others run (--optimizer_offload, --system_prompt)."""
+    the others run (--optimizer_offload, --system_prompt, --partial_rollout: image prompts continued from
+    their token ids with their images)."""
     import dataclasses
 
     import train_ppo
@@ -84,10 +85,12 @@ def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
         monkeypatch.setattr(sys, "argv", ["train_ppo_vl.py", *flags, "--output_dir", str(tmp_path)])
         with pytest.raises(ValueError, match=message):
             train_ppo_vl.main()
-    run_vl([*VL_TINY, "--max_steps", "1", "--optimizer_offload", "--system_prompt", "answer with a word .",
-            "--reward_fn", chars_reward, "--output_dir", str(tmp_path / "out")])
+    run_vl([*VL_TINY, "--max_steps", "3", "--optimizer_offload", "--system_prompt", "answer with a word .",
+            "--reward_fn", chars_reward, "--partial_rollout", "--max_token_budget", "2", "--max_staleness", "1",
+            "--output_dir", str(tmp_path / "out")])
     rows, _ = read_metrics(str(tmp_path / "out"))
     assert rows[0]["train/grad_norm"] > 0
+    assert sum(r["rollout/resumed"] for r in rows) > 0 and all(r["rollout/staleness_max"] <= 1 for r in rows)
 
 
 def test_deepspeed_zero3_matches_ddp(tmp_path, chars_reward):

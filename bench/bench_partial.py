@@ -1,0 +1,129 @@
+"""Partial rollout against the synchronous loop on a heavy-tailed workload (issue 16's measurement).
+
+The task: "Write the whole numbers from 1 to N" with N heavy-tailed (80% in 3-15, 20% in 40-150), so most
+answers are short and a few are long; reward 1 for exactly 1..N, else half the share of correct leading
+numbers. SmolLM2-135M (embedded), 32 prompts x 8 samples, --generate_max_len 512, held-out accuracy every
+10 steps. Each seed runs the synchronous loop and --partial_rollout (budget 64 tokens, staleness 2), with
+the same flags otherwise; prints one JSON line per run: samples trained per second, tokens generated per
+second, the decode slots' utilization (rollout/slot_utilization), reward and accuracy against step and time,
+and the completions' length tail (p99 / median, in characters, from every completion scored).
+
+    python bench/bench_partial.py --seeds 0 1 2 --steps 40              # one H100 (vLLM)
+    python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 -- --engine_type hf   # a CPU smoke run
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def task_rows(n, seed):
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        top = rng.randint(3, 15) if rng.random() < 0.8 else rng.randint(40, 150)
+        rows.append({"prompt": f"Write the whole numbers from 1 to {top}, separated by single spaces, and "
+                               "nothing else.", "label": str(top)})
+    return rows
+
+
+def reward(prompts, completions, labels):
+    """1 for exactly 1..N; else half the share of the leading numbers that are right. Appends every
+    completion's length (characters) to $COUNT_LENGTHS, for the tail statistics."""
+    out = []
+    for completion, label in zip(completions, labels):
+        words, want = completion.split(), [str(i) for i in range(1, int(label) + 1)]
+        right = next((i for i, (w, x) in enumerate(zip(words, want)) if w != x), min(len(words), len(want)))
+        out.append(1.0 if words == want else 0.5 * right / len(want))
+    if os.environ.get("COUNT_LENGTHS"):
+        with open(os.environ["COUNT_LENGTHS"], "a") as f:
+            f.write("".join(f"{len(c)}\n" for c in completions))
+    return {"correct": [float(r == 1.0) for r in out], "partial": [r if r < 1 else 0.0 for r in out]}
+
+
+def summarise(out_dir, lengths_file, skip, samples_per_step):
+    rows, evals = [], []
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            (rows if "perf/step_time_s" in r else evals).append(r)
+    steady = rows[skip:] or rows
+    seconds = sum(r["perf/step_time_s"] for r in steady)
+    lengths = sorted(int(x) for x in open(lengths_file)) if os.path.exists(lengths_file) else []
+    return {
+        "steps": len(rows), "steady_steps": len(steady),
+        "step_s_median": statistics.median(r["perf/step_time_s"] for r in steady),
+        "generate_s_median": statistics.median(r["perf/generate_s"] for r in steady),
+        "samples_per_s": samples_per_step * len(steady) / seconds,
+        "tokens_generated_per_s": sum(r["rollout/tokens_generated"] for r in steady) / seconds,
+        "slot_utilization": statistics.mean(r["rollout/slot_utilization"] for r in steady),
+        "staleness_max": max(r.get("rollout/staleness_max", 0) for r in rows),
+        "length_p50_chars": lengths[len(lengths) // 2] if lengths else None,
+        "length_p99_chars": lengths[int(len(lengths) * 0.99)] if lengths else None,
+        "reward_by_step": [round(r["rollout/reward_mean"], 4) for r in rows],
+        "time_by_step": [round(sum(r["perf/step_time_s"] for r in rows[:i + 1]), 2)
+                         for i in range(len(rows))],
+        "eval": [(r["step"], r.get("eval/accuracy"), r.get("eval/reward_mean")) for r in evals],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--max_len", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the rates")
+    parser.add_argument("--timeout", type=int, default=1200)
+    parser.add_argument("--root", default="/tmp/rft_partial")
+    args, extra = parser.parse_known_args()
+    extra = [x for x in extra if x != "--"]
+    out = os.environ.get("OUT", args.root)
+    os.makedirs(args.root, exist_ok=True)
+    data, evals = os.path.join(args.root, "count.jsonl"), os.path.join(args.root, "count_eval.jsonl")
+    for path, rows in ((data, task_rows(4000, 0)), (evals, task_rows(64, 1))):
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    modes = {"sync": [], "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
+                                     "--max_staleness", "2"]}
+    for seed in args.seeds:
+        for mode, flags in modes.items():
+            name = f"{mode}-seed{seed}"
+            run_dir = os.path.join(args.root, "runs", name)
+            lengths = os.path.join(args.root, f"{name}.lengths")
+            if os.path.exists(lengths):
+                os.remove(lengths)
+            cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data,
+                   "--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward",
+                   "--rollout_batch_size", "32",
+                   "--n_samples_per_prompt", "8", "--generate_max_len", str(args.max_len), "--max_steps",
+                   str(args.steps), "--eval_steps", "10", "--seed", str(seed), "--output_dir", run_dir,
+                   "--no_resume", *flags, *extra]
+            env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": ROOT}
+            start = time.time()
+            with open(os.path.join(out, f"{name}.log"), "w") as log:
+                try:
+                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        timeout=args.timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            result = {"run": name, "rc": rc, "wall_s": round(time.time() - start, 1), "flags": flags + extra}
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+                config = json.load(open(os.path.join(run_dir, "config.json")))
+                per_step = config["rollout_batch_size"] * config["n_samples_per_prompt"]
+                result.update(summarise(run_dir, lengths, args.skip, per_step))
+            line = json.dumps(result)
+            print(line, flush=True)
+            with open(os.path.join(out, "partial.jsonl"), "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The rollout of one step: this rank's prompts drawn from the data stream, each sampled n times by the
+engine, decoded, scored, shaped (DAPO's overlong penalty), and kept by whole groups (DAPO's dynamic sampling
+drops the groups whose rewards are all equal and draws fresh prompts, for at most `max_rounds` rounds).
+
+Partial rollout (`--partial_rollout`; Kimi k1.5's partial rollouts, AReaL's staleness bound): a generation
+round gives each unfinished sample at most `token_budget` new tokens. A sample that reaches the budget
+unfinished keeps its token ids, the engine's logprobs and the policy version of every token, and continues
+in a later round or step from prompt + response so far (token ids in, token ids out: nothing is decoded and
+re-tokenized), under whatever weights the engine has then. A group is scored, and can be trained, once all
+its samples have finished. Each step trains on k finished groups: those waiting in the buffer first (oldest
+first), then groups of fresh prompts, k - ready of them drawn per round; rounds continue while a rank is
+short, at most `max_rounds`; in the last one the oldest groups still needed generate without a budget, so
+every step has its k groups. Staleness: a group whose first tokens are `max_staleness` versions old
+generates without a budget (it finishes now, so no trained token is older than that); a finished group that
+waited past the bound (more were ready than a step takes) is dropped and its prompt drawn again later.
+"""
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from rft_core.data import batches
+from rft_core.engine import Generation
+from rft_core.experience import Sample
+from rft_core.rewards import overlong_penalty
+
+
+@dataclass
+class RolloutSettings:
+    group_size: int  # responses per prompt
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    dynamic_sampling: bool = False
+    max_rounds: int = 1  # generation rounds per step at most (dynamic sampling)
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    strict_rewards: bool = False
+    partial: bool = False  # partial rollout: the fields below
+    token_budget: Optional[int] = None  # new tokens per unfinished sample per round
+    max_staleness: int = 2  # in policy versions (weight syncs)
+    eos_token_id: Optional[int] = None  # a response that ends in it has finished
+
+
+@dataclass
+class Group:
+    """A prompt's n samples in the partial-rollout buffer; each generation holds its tokens so far."""
+    samples: list
+    version: int  # the policy version that sampled its first tokens
+    done: list = field(default_factory=list)  # per sample: finished
+    ready: bool = False  # finished and scored: it can be trained
+
+
+class Rollouts:
+    """Each step's samples for this rank: rollout_batch_size // world prompts (whole groups), in the order the
+    prompt stream (the same on every rank, reshuffled every episode) hands them out. Its state (batches drawn;
+    with partial rollout the buffer and the prompts in hand) is part of a checkpoint."""
+
+    def __init__(self, prompts, rollout_batch_size, seed, rank, world, settings, device):
+        self.data = batches(prompts, rollout_batch_size, seed)
+        self.drawn = 0  # batches taken from the stream
+        self.k = rollout_batch_size // world  # this rank's prompts per step
+        self.rank, self.settings, self.device = rank, settings, device
+        self.queue = []  # partial rollout: this rank's prompts drawn from the stream, not yet started
+        self.buffer = []  # partial rollout: Groups unfinished, or finished and waiting
+
+    def state_dict(self):
+        return {"batches_drawn": self.drawn}
+
+    def buffer_state(self):
+        """The partial-rollout buffer and queue as plain containers (torch.load's weights_only takes them)."""
+        groups = [{"version": g.version, "done": g.done, "ready": g.ready,
+                   "samples": [{**asdict(s), "generation": asdict(s.generation)} for s in g.samples]}
+                  for g in self.buffer]
+        return {"groups": groups, "queue": [asdict(s) for s in self.queue]}
+
+    def load_state_dict(self, state, buffer=None):
+        for _ in range(state["batches_drawn"]):  # the data stream where it stopped
+            next(self.data)
+        self.drawn = state["batches_drawn"]
+        if buffer:
+            self.queue = [Sample(**s) for s in buffer["queue"]]
+            self.buffer = [Group([Sample(**{**s, "generation": Generation(**s["generation"])})
+                                  for s in g["samples"]], g["version"], g["done"], g["ready"])
+                           for g in buffer["groups"]]
+
+    def draw(self):
+        """This rank's next prompts, each repeated group_size times (a group stays on one rank)."""
+        batch = next(self.data)[self.rank * self.k:(self.rank + 1) * self.k]
+        self.drawn += 1
+        return [p for p in batch for _ in range(self.settings.group_size)]
+
+    def collect(self, engine, tokenizer, score_all, reduce_sum, step):
+        """(samples, metrics) of one step. reduce_sum: the sum over ranks (a collective, called the same
+        number of times on every rank); the step stops with RewardError when too many rewards failed."""
+        if self.settings.partial:
+            return self._collect_partial(engine, tokenizer, score_all, reduce_sum, step)
+        cfg, n = self.settings, self.settings.group_size
+        kept, dropped, counts = [], [], [0, 0]  # counts: reward errors, samples scored
+        self.generated = self.slots = 0
+        for rounds in range(1, cfg.max_rounds + 1):
+            batch = self.draw()
+            generations = self._generate(engine, [p.prompt_ids for p in batch], cfg.max_new_tokens,
+                                         [p.mm for p in batch])
+            samples = [replace(p, generation=g) for p, g in zip(batch, generations)]
+            groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+            self._score(groups, tokenizer, score_all, kept, dropped, counts)
+            short = torch.tensor(float(len(kept) < self.k), device=self.device)
+            if not cfg.dynamic_sampling or not reduce_sum(short):
+                break  # every rank has its k groups
+        return self._finish(kept, dropped, counts, score_all, reduce_sum, step,
+                            {"rollout/generation_rounds": rounds})
+
+    def _score(self, groups, tokenizer, score_all, kept, dropped, counts):
+        """Decode and score whole groups (lists of samples), shape their rewards, and append each to kept or
+        (dynamic sampling, all rewards equal) to dropped."""
+        cfg = self.settings
+        samples = [s for group in groups for s in group]
+        if not samples:
+            return
+        token_ids = [s.generation.token_ids for s in samples]
+        completions = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+        for s, c in zip(samples, completions):
+            s.completion = c
+        counts[0] += score_all(samples, cfg.strict_rewards)  # sets their reward and components
+        counts[1] += len(samples)
+        for s in samples if cfg.overlong_buffer_len else []:  # DAPO's soft overlong punishment
+            s.components["overlong"] = overlong_penalty(
+                len(s.generation.token_ids), cfg.max_new_tokens, cfg.overlong_buffer_len,
+                cfg.overlong_penalty_factor)
+            s.reward += s.components["overlong"]
+        for group in groups:  # dynamic sampling keeps the groups whose rewards differ
+            informative = not cfg.dynamic_sampling or len({s.reward for s in group}) > 1
+            (kept if informative else dropped).append(group)
+
+    def _finish(self, kept, dropped, counts, score_all, reduce_sum, step, metrics):
+        num_filled = max(0, self.k - len(kept))  # the rounds ran out: zero-variance groups fill the batch
+        samples = [s for group in kept[:self.k] + dropped[:num_filled] for s in group]
+        failed, total = reduce_sum(torch.tensor(counts, device=self.device)).tolist()
+        score_all.check(failed, total, step)
+        return samples, {"rollout/reward_errors": counts[0], "rollout/filled_groups": num_filled,
+                         "rollout/tokens_generated": self.generated,
+                         "rollout/slot_utilization": self.generated / max(1, self.slots), **metrics}
+
+    def _generate(self, engine, prompts, limits, mm):
+        """engine.generate, counting the tokens generated and the decode slots the call held (its requests x
+        its longest output): their ratio is the share of the batch still generating, the tail's idle rest."""
+        cfg = self.settings
+        outputs = engine.generate(prompts, limits, cfg.temperature, cfg.top_p, mm=mm)
+        lengths = [len(g.token_ids) for g in outputs]
+        self.generated += sum(lengths)
+        self.slots += len(lengths) * max(lengths, default=0)
+        return outputs
+
+    def _collect_partial(self, engine, tokenizer, score_all, reduce_sum, step):
+        cfg, n, version = self.settings, self.settings.group_size, step - 1  # version: weight syncs so far
+        dropped, counts = [], [0, 0]
+        self.generated = self.slots = 0
+        # finished groups that waited too long (more were ready than a step takes): never trained
+        stale = [g for g in self.buffer if version - g.version > cfg.max_staleness]
+        for g in stale:  # their prompts are drawn again, first
+            self.queue.insert(0, replace(g.samples[0], generation=None, completion=None, reward=None,
+                                         components=None))
+        ready = [g for g in self.buffer if g.ready and g not in stale]
+        pending = [g for g in self.buffer if not g.ready and g not in stale]
+        resumed = sum(not d for g in pending for d in g.done)
+        for rounds in range(1, cfg.max_rounds + 1):
+            need = self.k - len(ready)
+            pending += [self._new_group(version) for _ in range(need)]
+            # no budget for a group at the staleness bound, nor (last round) for the oldest ones still needed
+            urgent = [g for g in pending if version - g.version >= cfg.max_staleness]
+            if rounds == cfg.max_rounds:
+                urgent += sorted(pending, key=lambda g: g.version)[:max(0, need)]
+            requests = [(g, i) for g in pending for i in range(n) if not g.done[i]]
+            limits = []
+            for g, i in requests:
+                left = cfg.max_new_tokens - len(g.samples[i].generation.token_ids)
+                limits.append(left if any(g is u for u in urgent) else min(cfg.token_budget, left))
+            prompts = [g.samples[i].prompt_ids + g.samples[i].generation.token_ids for g, i in requests]
+            outputs = self._generate(engine, prompts, limits, [g.samples[i].mm for g, i in requests])
+            for (g, i), limit, new in zip(requests, limits, outputs):
+                gen = g.samples[i].generation
+                gen.token_ids, gen.logprobs = gen.token_ids + new.token_ids, gen.logprobs + new.logprobs
+                gen.versions = gen.versions + [version] * len(new.token_ids)
+                ended = bool(new.token_ids) and new.token_ids[-1] == cfg.eos_token_id
+                g.done[i] = ended or len(new.token_ids) < limit or len(gen.token_ids) >= cfg.max_new_tokens
+            finished = [g for g in pending if all(g.done)]
+            pending = [g for g in pending if not all(g.done)]
+            kept = []
+            self._score([g.samples for g in finished], tokenizer, score_all, kept, dropped, counts)
+            for g in finished:
+                g.ready = any(group is g.samples for group in kept)
+            ready += [g for g in finished if g.ready]
+            if not reduce_sum(torch.tensor(float(len(ready) < self.k), device=self.device)):
+                break  # every rank has its k groups
+        ready.sort(key=lambda g: g.version)  # oldest first (stable: in order of finishing otherwise)
+        trained, self.buffer = ready[:self.k], ready[self.k:] + pending
+        ages = [version - v for g in trained for s in g.samples for v in s.generation.versions]
+        metrics = {"rollout/generation_rounds": rounds, "rollout/resumed": resumed,
+                   "rollout/buffered": sum(not d for g in pending for d in g.done),
+                   "rollout/finished_from_buffer": n * sum(g.version < version for g in trained),
+                   "rollout/dropped_stale": n * len(stale),
+                   "rollout/staleness_mean": sum(ages) / max(1, len(ages)),
+                   "rollout/staleness_max": max(ages, default=0)}
+        kept = [g.samples for g in trained]
+        return self._finish(kept, dropped, counts, score_all, reduce_sum, step, metrics)
+
+    def _new_group(self, version):
+        if not self.queue:
+            self.queue = self.draw()[::self.settings.group_size]  # this rank's next prompts, once each
+        prompt = self.queue.pop(0)
+        n = self.settings.group_size
+        samples = [replace(prompt, generation=Generation([], [], [])) for _ in range(n)]
+        return Group(samples, version, [False] * n)
