@@ -3,10 +3,11 @@
 The task: "Write the whole numbers from 1 to N" with N heavy-tailed (80% in 3-15, 20% in 40-150), so most
 answers are short and a few are long; reward 1 for exactly 1..N, else half the share of correct leading
 numbers. SmolLM2-135M (embedded), 32 prompts x 8 samples, --generate_max_len 512, held-out accuracy every
-10 steps. Each seed runs the synchronous loop and --partial_rollout (budget 64 tokens, staleness 2), with
-the same flags otherwise; prints one JSON line per run: samples trained per second, tokens generated per
-second, the decode slots' utilization (rollout/slot_utilization), reward and accuracy against step and time,
-and the completions' length tail (p99 / median, in characters, from every completion scored).
+10 steps. Each seed runs the synchronous loop and --partial_rollout (budget 128 tokens, staleness 3: a
+512-token answer spreads over 4 steps without generating unbudgeted), the same flags otherwise. One JSON
+line per run: samples trained per second, tokens generated per second, the decode slots' utilization
+(rollout/slot_utilization), reward and accuracy against step and time, and the completions' length tail
+(p99 / median, in characters, from every completion scored).
 
     python bench/bench_partial.py --seeds 0 1 2 --steps 40              # one H100 (vLLM)
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 -- --engine_type hf   # a CPU smoke run
@@ -79,7 +80,8 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--max_len", type=int, default=512)
-    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--staleness", type=int, default=3)
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the rates")
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--root", default="/tmp/rft_partial")
@@ -92,7 +94,7 @@ def main():
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     modes = {"sync": [], "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
-                                     "--max_staleness", "2"]}
+                                     "--max_staleness", str(args.staleness)]}
     for seed in args.seeds:
         for mode, flags in modes.items():
             name = f"{mode}-seed{seed}"
