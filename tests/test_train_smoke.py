@@ -16,6 +16,7 @@ from conftest import ROOT, read_metrics, run_script
 TINY_BY_TOKENS = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
                   "--micro_rollout_batch_size", "4", "--generate_max_len", "8"]
 TINY = [*TINY_BY_TOKENS, "--micro_train_batch_size", "2"]
+PARTIAL = ["--partial_rollout", "--max_token_budget", "3", "--max_staleness", "1"]
 
 
 def run(args, **kwargs):
@@ -179,15 +180,18 @@ def test_accelerate_launch(tiny_model_dir, tmp_path):
 
 def test_two_processes_cpu(tiny_model_dir, tmp_path, chars_reward):
     """Two data-parallel ranks over gloo (torchrun + ACCELERATE_USE_CPU): PPO with its critic under DDP, global
-    whitening, metric gathers, both optimizers' state moved out between updates, and the final export."""
+    whitening, metric gathers, both optimizers' state moved out between updates, and the final export; with
+    partial rollout, whose ranks continue different samples in the same number of rounds."""
     os.environ["ACCELERATE_USE_CPU"] = "true"
     try:
         run(["--pretrain", tiny_model_dir, *TINY, "--micro_train_batch_size", "1", "--reward_fn", chars_reward,
-             "--advantage_estimator", "gae", "--optimizer_offload", "--output_dir", str(tmp_path)], launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
+             "--advantage_estimator", "gae", "--optimizer_offload", "--output_dir", str(tmp_path), *PARTIAL,
+             "--max_steps", "3"], launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"))
     finally:
         del os.environ["ACCELERATE_USE_CPU"]
     steps_rows, eval_rows = read_metrics(str(tmp_path))
-    assert [r["step"] for r in steps_rows] == [1, 2] and [r["step"] for r in eval_rows] == [0, 2]
+    assert [r["step"] for r in steps_rows] == [1, 2, 3] and [r["step"] for r in eval_rows] == [0, 3]
+    assert sum(r["rollout/resumed"] for r in steps_rows) > 0
     assert all(r["train/grad_norm"] > 0 and r["train/critic_grad_norm"] > 0 for r in steps_rows)
     assert json.load(open(tmp_path / "config.json"))["world_size"] == 2
     assert os.path.isfile(tmp_path / "model" / "config.json")
@@ -288,9 +292,6 @@ def chars(p, completions, l, **kw):
         time.sleep(600)  # the test kills the run here, in step 3, after checkpoint-2 is complete
     return [len(c) / 10 for c in completions]
 """
-
-
-PARTIAL = ["--partial_rollout", "--max_token_budget", "3", "--max_staleness", "1"]
 
 
 def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_model_dir, tmp_path):
