@@ -582,9 +582,8 @@ def main():
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
         metrics = gather_metrics(local)  # over the ranks: means, and sums of counts
-        metrics.update({"train/kl_coef": kl_coef,
-                        "train/lr": scheduler.get_last_lr()[0], "perf/engine_slept": float(slept),
-                        **perf.metrics()})
+        metrics.update({"train/kl_coef": kl_coef, "train/lr": scheduler.get_last_lr()[0],
+                        "perf/engine_slept": float(slept), **perf.metrics()})
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
             kl_coef = adaptive_kl_coef(kl_coef, metrics["rollout/kl"], args.kl_target, args.kl_horizon,
                                        samples_per_step)
