@@ -15,7 +15,7 @@ generates without a budget (it finishes now, so no trained token is older than t
 waited past the bound (more were ready than a step takes) is dropped and its prompt drawn again later.
 """
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
@@ -43,12 +43,12 @@ class RolloutSettings:
     eos_token_id: Optional[int] = None  # a response that ends in it has finished
 
 
-@dataclass
+@dataclass(eq=False)  # a group is itself: membership tests compare identity, not samples (and their images)
 class Group:
     """A prompt's n samples in the partial-rollout buffer; each generation holds its tokens so far."""
     samples: list
     version: int  # the policy version that sampled its first tokens
-    done: list = field(default_factory=list)  # per sample: finished
+    done: list  # per sample: finished
     ready: bool = False  # finished and scored: it can be trained
 
 
@@ -94,11 +94,11 @@ class Rollouts:
     def collect(self, engine, tokenizer, score_all, reduce_sum, step):
         """(samples, metrics) of one step. reduce_sum: the sum over ranks (a collective, called the same
         number of times on every rank); the step stops with RewardError when too many rewards failed."""
+        self.generated = self.slots = 0  # counted by _generate
         if self.settings.partial:
             return self._collect_partial(engine, tokenizer, score_all, reduce_sum, step)
         cfg, n = self.settings, self.settings.group_size
         kept, dropped, counts = [], [], [0, 0]  # counts: reward errors, samples scored
-        self.generated = self.slots = 0
         for rounds in range(1, cfg.max_rounds + 1):
             batch = self.draw()
             generations = self._generate(engine, [p.prompt_ids for p in batch], cfg.max_new_tokens,
@@ -156,7 +156,6 @@ class Rollouts:
     def _collect_partial(self, engine, tokenizer, score_all, reduce_sum, step):
         cfg, n, version = self.settings, self.settings.group_size, step - 1  # version: weight syncs so far
         dropped, counts = [], [0, 0]
-        self.generated = self.slots = 0
         # finished groups that waited too long (more were ready than a step takes): never trained
         stale = [g for g in self.buffer if version - g.version > cfg.max_staleness]
         for g in stale:  # their prompts are drawn again, first
@@ -169,14 +168,14 @@ class Rollouts:
             need = self.k - len(ready)
             pending += [self._new_group(version) for _ in range(need)]
             # no budget for a group at the staleness bound, nor (last round) for the oldest ones still needed
-            urgent = [g for g in pending if version - g.version >= cfg.max_staleness]
+            urgent = {g for g in pending if version - g.version >= cfg.max_staleness}
             if rounds == cfg.max_rounds:
-                urgent += sorted(pending, key=lambda g: g.version)[:max(0, need)]
+                urgent.update(sorted(pending, key=lambda g: g.version)[:max(0, need)])
             requests = [(g, i) for g in pending for i in range(n) if not g.done[i]]
             limits = []
             for g, i in requests:
                 left = cfg.max_new_tokens - len(g.samples[i].generation.token_ids)
-                limits.append(left if any(g is u for u in urgent) else min(cfg.token_budget, left))
+                limits.append(left if g in urgent else min(cfg.token_budget, left))
             prompts = [g.samples[i].prompt_ids + g.samples[i].generation.token_ids for g, i in requests]
             outputs = self._generate(engine, prompts, limits, [g.samples[i].mm for g, i in requests])
             for (g, i), limit, new in zip(requests, limits, outputs):
@@ -189,8 +188,9 @@ class Rollouts:
             pending = [g for g in pending if not all(g.done)]
             kept = []
             self._score([g.samples for g in finished], tokenizer, score_all, kept, dropped, counts)
+            kept_ids = {id(group) for group in kept}
             for g in finished:
-                g.ready = any(group is g.samples for group in kept)
+                g.ready = id(g.samples) in kept_ids
             ready += [g for g in finished if g.ready]
             if not reduce_sum(torch.tensor(float(len(ready) < self.k), device=self.device)):
                 break  # every rank has its k groups
