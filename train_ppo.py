@@ -31,8 +31,9 @@ generation round gives each unfinished sample at most --max_token_budget new tok
 its longest response. A sample cut off keeps its token ids, engine logprobs and the policy version (weight
 syncs so far) of each token in a buffer, and continues in the next round or step from its token ids under
 the newer weights. A group trains once all its samples finished; each step takes k finished groups, the
-buffer's oldest first, then fresh prompts (k - ready per round, at most --max_num_gen_batches rounds; the
-last completes the oldest still needed, without a budget). --max_staleness K: a group whose first tokens
+buffer's oldest first, then fresh prompts, drawn until --inflight_ratio x k groups are in hand, so each
+round generates a full batch (at most --max_num_gen_batches rounds; the last completes the oldest still
+needed, without a budget). --max_staleness K: a group whose first tokens
 are K versions old finishes without a budget, so no trained token is older than K (a finished group that
 waited past K is dropped and its prompt re-queued: counted). Off-policy correction as AReaL's decoupled
 PPO: the ratio is against the trainer's logprobs before the update (the proximal policy), and each token is
@@ -197,6 +198,9 @@ class Args:
     """with --partial_rollout: new tokens per unfinished sample per round (default: generate_max_len // 4)"""
     max_staleness: int = 2
     """with --partial_rollout: no trained token is older than this many policy versions (weight syncs)"""
+    inflight_ratio: float = 1.0
+    """with --partial_rollout: groups in hand per round (generating or ready), in steps' worth of groups;
+    fresh prompts fill it, so every round generates a full batch (1: draw only the groups still needed)"""
     ema_beta: Optional[float] = None
     """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
     pretrain_data: Optional[str] = None
@@ -450,7 +454,7 @@ def main():
         args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p, args.dynamic_sampling,
         args.max_num_gen_batches, args.overlong_buffer_len, args.overlong_penalty_factor, args.strict_rewards,
         args.partial_rollout, args.max_token_budget or max(1, args.generate_max_len // 4), args.max_staleness,
-        tokenizer.eos_token_id)
+        tokenizer.eos_token_id, args.inflight_ratio)
     rollouts = Rollouts(prompts["train"], args.rollout_batch_size, args.seed, rank, world, settings, device)
     start, first_eval = 0, None  # the last step done, the step-0 eval
     if resume_from:

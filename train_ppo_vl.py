@@ -186,6 +186,9 @@ class Args:
     """with --partial_rollout: new tokens per unfinished sample per round (default: generate_max_len // 4)"""
     max_staleness: int = 2
     """with --partial_rollout: no trained token is older than this many policy versions (weight syncs)"""
+    inflight_ratio: float = 1.0
+    """with --partial_rollout: groups in hand per round (generating or ready), in steps' worth of groups;
+    fresh prompts fill it, so every round generates a full batch (1: draw only the groups still needed)"""
     ema_beta: Optional[float] = None
     """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
     pretrain_data: Optional[str] = None
@@ -444,7 +447,7 @@ def main():
         args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p, args.dynamic_sampling,
         args.max_num_gen_batches, args.overlong_buffer_len, args.overlong_penalty_factor, args.strict_rewards,
         args.partial_rollout, args.max_token_budget or max(1, args.generate_max_len // 4), args.max_staleness,
-        tokenizer.eos_token_id)
+        tokenizer.eos_token_id, args.inflight_ratio)
     rollouts = Rollouts(prompts["train"], args.rollout_batch_size, args.seed, rank, world, settings, device)
     start, first_eval = 0, None  # the last step done, the step-0 eval
     if resume_from:

@@ -55,6 +55,8 @@ def summarise(out_dir, lengths_file, skip, samples_per_step):
         for line in f:
             r = json.loads(line)
             (rows if "perf/step_time_s" in r else evals).append(r)
+    if not rows:
+        return {"steps": 0}
     steady = rows[skip:] or rows
     seconds = sum(r["perf/step_time_s"] for r in steady)
     lengths = sorted(int(x) for x in open(lengths_file)) if os.path.exists(lengths_file) else []
@@ -85,6 +87,7 @@ def main():
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the rates")
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--root", default="/tmp/rft_partial")
+    parser.add_argument("--modes", nargs="+", default=["sync", "partial"])
     args, extra = parser.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = os.environ.get("OUT", args.root)
@@ -96,7 +99,7 @@ def main():
     modes = {"sync": [], "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
                                      "--max_staleness", str(args.staleness)]}
     for seed in args.seeds:
-        for mode, flags in modes.items():
+        for mode, flags in ((m, modes[m]) for m in args.modes):
             name = f"{mode}-seed{seed}"
             run_dir = os.path.join(args.root, "runs", name)
             lengths = os.path.join(args.root, f"{name}.lengths")
@@ -108,7 +111,8 @@ def main():
                    "--n_samples_per_prompt", "8", "--generate_max_len", str(args.max_len), "--max_steps",
                    str(args.steps), "--eval_steps", "10", "--seed", str(seed), "--output_dir", run_dir,
                    "--no_resume", *flags, *extra]
-            env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": ROOT}
+            path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU's packages
+            env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path}
             start = time.time()
             with open(os.path.join(out, f"{name}.log"), "w") as log:
                 try:

@@ -87,6 +87,7 @@ RANGES = {
     "ptx_coef": (lambda v: v >= 0, ">= 0"),
     "overlong_penalty_factor": (lambda v: v >= 0, ">= 0"),
     "lora_alpha": (lambda v: v > 0, "> 0"),
+    "inflight_ratio": (lambda v: v >= 1, ">= 1"),
     "image_max_pixels": (lambda v: v >= 28 * 28, ">= 784 (28 x 28 pixels: one token)"),
 }
 AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size",
@@ -189,7 +190,8 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
         (args.use_kl_loss, ("kl_estimator",), "it is the KL loss's estimator, but --use_kl_loss is off"),
         (args.dynamic_sampling or args.partial_rollout, ("max_num_gen_batches",),
          "it bounds the rounds of --dynamic_sampling and --partial_rollout, which are off"),
-        (args.partial_rollout, ("max_token_budget", "max_staleness"), "--partial_rollout is off"),
+        (args.partial_rollout, ("max_token_budget", "max_staleness", "inflight_ratio"),
+         "--partial_rollout is off"),
         (args.tis_cap is not None or args.partial_rollout, ("tis_mode",), "--tis_cap is off"),
         (args.overlong_buffer_len > 0, ("overlong_penalty_factor",), "it scales the overlong penalty, but "
          "--overlong_buffer_len is 0"),

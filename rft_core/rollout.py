@@ -8,13 +8,16 @@ unfinished keeps its token ids, the engine's logprobs and the policy version of 
 in a later round or step from prompt + response so far (token ids in, token ids out: nothing is decoded and
 re-tokenized), under whatever weights the engine has then. A group is scored, and can be trained, once all
 its samples have finished. Each step trains on k finished groups: those waiting in the buffer first (oldest
-first), then groups of fresh prompts, k - ready of them drawn per round; rounds continue while a rank is
+first), then groups of fresh prompts, drawn each round until `inflight_ratio` x k groups are in hand
+(generating or ready; at least the k - ready still needed), so a round's batch stays full while long samples
+continue over later steps (AReaL keeps its engine full the same way); rounds continue while a rank is
 short, at most `max_rounds`; in the last one the oldest groups still needed generate without a budget, so
 every step has its k groups. Staleness: a group whose first tokens are `max_staleness` versions old
 generates without a budget (it finishes now, so no trained token is older than that); a finished group that
 waited past the bound (more were ready than a step takes) is dropped and its prompt drawn again later.
 """
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
@@ -41,6 +44,7 @@ class RolloutSettings:
     token_budget: Optional[int] = None  # new tokens per unfinished sample per round
     max_staleness: int = 2  # in policy versions (weight syncs)
     eos_token_id: Optional[int] = None  # a response that ends in it has finished
+    inflight_ratio: float = 1.0  # groups in hand per round (generating or ready), in steps' worth of groups
 
 
 @dataclass(eq=False)  # a group is itself: membership tests compare identity, not samples (and their images)
@@ -164,9 +168,14 @@ class Rollouts:
         ready = [g for g in self.buffer if g.ready and g not in stale]
         pending = [g for g in self.buffer if not g.ready and g not in stale]
         resumed = sum(not d for g in pending for d in g.done)
+        # groups to hold per round; where nothing is cut off (a budget of the whole length, or K = 0) only
+        # what the step needs is drawn: the synchronous loop
+        can_cut = cfg.token_budget < cfg.max_new_tokens and cfg.max_staleness > 0
+        in_hand = math.ceil(self.k * cfg.inflight_ratio) if can_cut else self.k
         for rounds in range(1, cfg.max_rounds + 1):
             need = self.k - len(ready)
-            pending += [self._new_group(version) for _ in range(need)]
+            fresh = max(need, in_hand - len(ready) - len(pending))
+            pending += [self._new_group(version) for _ in range(fresh)]
             # no budget for a group at the staleness bound, nor (last round) for the oldest ones still needed
             urgent = {g for g in pending if version - g.version >= cfg.max_staleness}
             if rounds == cfg.max_rounds:

@@ -1,6 +1,7 @@
 """Partial rollout (rft_core/rollout.py) against a scripted engine whose responses have known lengths, and the
 transformers engine's continuation of a cut-off response."""
 
+import math
 import random
 
 import pytest
@@ -59,9 +60,9 @@ def prompts():
     return [Sample([i, 0, 99], str(i), f"p{i}") for i in range(N_PROMPTS)]
 
 
-def make(partial=True, budget=4, staleness=1, rounds=2, max_len=24, prompts_=None):
+def make(partial=True, budget=4, staleness=1, rounds=2, max_len=24, prompts_=None, inflight=1.0):
     settings = RolloutSettings(GROUP, max_len, max_rounds=rounds, partial=partial, token_budget=budget,
-                               max_staleness=staleness, eos_token_id=EOS)
+                               max_staleness=staleness, eos_token_id=EOS, inflight_ratio=inflight)
     r = Rollouts(prompts_ or prompts(), 4, seed=0, rank=0, world=1, settings=settings, device="cpu")
     return r
 
@@ -90,9 +91,9 @@ def per_sample(**kw):
     return r
 
 
-@pytest.mark.parametrize("staleness", [0, 1, 3])
-def test_every_step_trains_k_finished_groups_within_the_staleness_bound(staleness):
-    r, engine = per_sample(staleness=staleness), ScriptedEngine()
+@pytest.mark.parametrize("staleness,inflight", [(0, 1.0), (1, 1.0), (3, 1.0), (0, 2.0), (1, 2.0), (3, 2.5)])
+def test_every_step_trains_k_finished_groups_within_the_staleness_bound(staleness, inflight):
+    r, engine = per_sample(staleness=staleness, inflight=inflight), ScriptedEngine()
     seen = {"resumed": 0, "from_buffer": 0}
     for step in range(1, 13):
         samples, m = collect(r, engine, step)
@@ -115,10 +116,11 @@ def test_every_step_trains_k_finished_groups_within_the_staleness_bound(stalenes
 
 
 def test_a_budget_of_the_whole_length_is_the_synchronous_rollout():
-    """With a budget >= max_len nothing is cut off: the same requests, the same samples as without."""
+    """With a budget >= max_len nothing is cut off: the same requests, the same samples as without (the
+    in-flight ratio then draws only what a step needs)."""
     outs = []
     for partial in (False, True):
-        r, engine = make(partial=partial, budget=24), ScriptedEngine()
+        r, engine = make(partial=partial, budget=24, inflight=2.0), ScriptedEngine()
         r.__class__ = PerSample
         steps = [collect(r, engine, step)[0] for step in range(1, 4)]
         outs.append(([[(s.prompt_ids, s.generation.token_ids, s.reward) for s in ss] for ss in steps],
@@ -186,3 +188,16 @@ def test_slot_utilization_rises_with_a_budget():
             assert m["rollout/tokens_generated"] == sum(lengths)
             assert m["rollout/slot_utilization"] == pytest.approx(sum(lengths) / (len(lengths) * max(lengths)))
     assert util[True] > util[False] + 0.2
+
+
+def test_the_inflight_ratio_keeps_rounds_full():
+    """--inflight_ratio R: fresh prompts are drawn until R x k groups are in hand (generating or ready), so
+    the first round holds R x k groups and later rounds top it up; the steps need fewer rounds than with 1
+    (only the groups still needed); every step still trains k groups (the staleness test, parametrized)."""
+    rounds = {}
+    for inflight in (1.0, 2.5):
+        r, engine = per_sample(staleness=3, inflight=inflight), ScriptedEngine()
+        steps = [collect(r, engine, step)[1] for step in range(1, 13)]
+        assert engine.calls[0][0] == GROUP * math.ceil(4 * inflight)  # k = 4 groups a step
+        rounds[inflight] = sum(m["rollout/generation_rounds"] for m in steps)
+    assert rounds[2.5] < rounds[1.0]

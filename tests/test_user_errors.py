@@ -57,6 +57,8 @@ def main_raises(monkeypatch, script, args, match):
     (["--max_token_budget", "16"], "--max_token_budget 16: --partial_rollout is off"),
     (["--partial_rollout", "--max_token_budget", "0"], "--max_token_budget 0: must be >= 1"),
     (["--partial_rollout", "--max_staleness", "-1"], "--max_staleness -1: must be >= 0"),
+    (["--partial_rollout", "--inflight_ratio", "0.5"], "--inflight_ratio 0.5: must be >= 1"),
+    (["--inflight_ratio", "2"], "--inflight_ratio 2.0: --partial_rollout is off"),
     (["--tis_mode", "mask"], "--tis_mode mask: --tis_cap is off"),
     (["--tis_cap", "2", "--tis_mode", "clip"], "--tis_mode 'clip': choose truncate or mask"),
     (["--eps_clip", "0.3", "--eps_clip_low_high", "0.2", "0.28"], "--eps_clip 0.3: --eps_clip_low_high replaces"),
