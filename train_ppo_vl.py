@@ -35,10 +35,10 @@ from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, t
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
 from rft_core.data import shapes_task, text_batches  # VL
-from rft_core.distributed import (accumulate_over, accumulation_divisor, configure_deepspeed, grad_norm_value,
+from rft_core.distributed import (accumulate_over, accumulation_divisor, configure_deepspeed,
                                   micro_batch_splits, move_optimizer_state, prepare_frozen,
-                                  process_group_kwargs)
-from rft_core.engine import create_engine, resolve_engine_type
+                                  process_group_kwargs, step_optimizers)
+from rft_core.engine import create_engine, engine_options, resolve_engine_type
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
 from rft_core.health import HealthGuard
@@ -50,7 +50,7 @@ from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollo
 from rft_core.models import compile_blocks, export_hf, lm_loss, lora_model
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
 from rft_core.plots import write_plots
-from rft_core.rewards import RewardScorer, RunningMoments, reward_sources
+from rft_core.rewards import RewardScorer, RunningMoments, reward_sources, shape_rewards
 from rft_core.rollout import RolloutSettings, Rollouts
 
 
@@ -210,11 +210,9 @@ class Args:
     train_batch_size: Optional[int] = None
     """samples per optimizer step, over all ranks (default: rollout_batch_size * n_samples_per_prompt)"""
     max_tokens_per_micro_batch: Optional[int] = None
-    """per-rank micro-batches by tokens: samples of similar length grouped up to this many padded tokens per
-    forward/backward of the update (the logprob passes, without activations to keep, take twice as many);
-    every rank runs the same number; the losses stay normalised by the whole optimizer step (default: 16384;
-    on a GPU as many as fit, up to 32768, beside the awake engine, else while it sleeps, else 16384 with
-    gradient checkpointing)"""
+    """per-rank micro-batches by tokens: samples of similar length, up to this many padded tokens per update
+    forward/backward (twice as many per logprob pass); default on a GPU: the most that fit, up to 32768,
+    beside the awake engine, else while it sleeps, else 16384 with gradient checkpointing (CPU: 16384)"""
     micro_train_batch_size: Optional[int] = None
     """per-rank samples per forward/backward instead (fixed-size micro-batches, in order)"""
     max_epochs: int = 1
@@ -227,7 +225,8 @@ class Args:
     """gradient clipping norm"""
     # ---- engine, precision, memory ----
     engine_type: str = "auto"
-    """rollout engine: vllm | hf (transformers generate) | auto (vllm when it imports and a GPU is present)"""
+    """rollout engine: vllm | sglang | hf (transformers generate) | auto (vllm when it imports and a GPU is
+    present)"""
     engine_tp_size: int = 1
     """vLLM tensor-parallel size: groups of this many consecutive ranks share one engine"""
     engine_mem_util: float = 0.3
@@ -414,15 +413,10 @@ def main():
     # micro-batches by rows or by tokens (planned from the measured activations on a GPU), checkpointing
     split, logprob_split = micro_batch_splits(args, accelerator, model, trained_nets, chunk_size)
     optimizers = [opt for _, opt, _ in trained.values()]
-    engine = create_engine(
-        args.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
-        micro_batch_size=args.micro_rollout_batch_size, bf16=args.bf16, tp_size=args.engine_tp_size,
-        mem_util=args.engine_mem_util, sleep_level=args.engine_sleep_level,
-        sleep="always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto",
-        enforce_eager=args.engine_enforce_eager,
-        limit_mm_per_prompt=args.limit_mm_image_per_prompt, static_prefix=args.freeze_prefix,  # VL
-        max_model_len=args.prompt_max_len + args.generate_max_len, requests=samples_per_step // world,
-        seed=args.seed)
+    engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
+                           limit_mm_per_prompt=args.limit_mm_image_per_prompt,  # VL
+                           static_prefix=args.freeze_prefix,  # VL
+                           **engine_options(args, requests=samples_per_step // world))
 
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,
@@ -443,11 +437,7 @@ def main():
     guard = HealthGuard(args.output_dir, accelerator.unwrap_model(model).config.get_text_config().vocab_size)
 
     # ---- resume ----
-    settings = RolloutSettings(
-        args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p, args.dynamic_sampling,
-        args.max_num_gen_batches, args.overlong_buffer_len, args.overlong_penalty_factor, args.strict_rewards,
-        args.partial_rollout, args.max_token_budget or max(1, args.generate_max_len // 4), args.max_staleness,
-        tokenizer.eos_token_id, args.inflight_ratio)
+    settings = RolloutSettings.from_args(args, tokenizer.eos_token_id)
     rollouts = Rollouts(prompts["train"], args.rollout_batch_size, args.seed, rank, world, settings, device)
     start, first_eval = 0, None  # the last step done, the step-0 eval
     if resume_from:
@@ -481,12 +471,8 @@ def main():
         perf.phase("rewards")
         exp = build_experience([s.prompt_ids for s in samples], [s.generation for s in samples],
                                tokenizer.pad_token_id, device, mm=[s.mm for s in samples])
-        exp.rewards = torch.tensor([s.reward for s in samples], device=device, dtype=torch.float32)  # (B,)
-        if moments is not None:  # running normalisation over every rank's rewards
-            moments.update(accelerator.gather(exp.rewards).tolist())
-            exp.rewards = (exp.rewards - moments.mean) / (moments.std + 1e-8)
-        if args.reward_clip is not None:
-            exp.rewards = exp.rewards.clamp(-args.reward_clip, args.reward_clip)
+        rewards = torch.tensor([s.reward for s in samples], device=device, dtype=torch.float32)  # (B,)
+        exp.rewards = shape_rewards(rewards, moments, args.reward_clip, accelerator.gather)  # both optional
 
         # ---- logprobs (old, reference) and values ----
         perf.phase("logprob")
@@ -553,16 +539,9 @@ def main():
                         m["values"] = masked_mean(values.detach(), mb.action_mask)
                         loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward
                     accelerator.backward(loss * scale)  # the losses are already the step's
-                    if accelerator.sync_gradients:  # the optimizer step's last micro-batch
-                        for key, (net, _, _) in stepped.items():
-                            norm = accelerator.clip_grad_norm_(net.parameters(), args.max_norm)
-                            m[key] = grad_norm_value(norm)
-                        for key in stepped:  # finite, not exploding: the one host sync per optimizer step
-                            guard.grad_norm(key, m[key], step)
-                    for _, opt, sched in stepped.values():
-                        opt.step()
-                        sched.step()
-                        opt.zero_grad()
+                    # clipped norms (finite, not exploding: checked) on the step's last micro-batch
+                    step_optimizers(accelerator, stepped, args.max_norm, m,
+                                    check=lambda key, norm: guard.grad_norm(key, norm, step))
                     if ema is not None and accelerator.sync_gradients and not frozen:
                         weights = [p.detach() for p in model.parameters()]
                         torch._foreach_lerp_(ema, weights, 1.0 - args.ema_beta)

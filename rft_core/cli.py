@@ -103,7 +103,7 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
     """Refuse the flag values and combinations of a training script's Args that cannot work, naming the flag,
     the value and the fix, before anything loads: ranges, batch sizes that must divide, and flags set (away
     from their default) that do nothing in this run. world: processes; deepspeed: accelerate's DeepSpeed
-    plugin or None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved rollout engine, "hf" or "vllm"."""
+    plugin or None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved rollout engine (hf, vllm, sglang)."""
     def check(ok, message):
         if not ok:
             raise ConfigError(message)
@@ -176,10 +176,10 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
     token_level = estimator in TOKEN_LEVEL
     kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0
     inert = [  # (whether they act here, the flags, why they do not)
-        (engine_type == "vllm", ("engine_tp_size", "engine_mem_util", "enable_engine_sleep",
-                                 "disable_engine_sleep", "engine_sleep_level", "engine_enforce_eager"),
-         "it sets the vLLM engine, but this run uses the transformers engine (--engine_type hf, or auto "
-         "without a GPU or without vllm)"),
+        (engine_type != "hf", ("engine_tp_size", "engine_mem_util", "enable_engine_sleep",
+                               "disable_engine_sleep", "engine_sleep_level", "engine_enforce_eager"),
+         "it sets the vLLM / SGLang engine, but this run uses the transformers engine (--engine_type hf, or "
+         "auto without a GPU or without vllm)"),
         (estimator == "gae", ("critic_pretrain", "critic_learning_rate", "value_clip", "lambd",
                               "freezing_actor_steps"),
          f"it is the critic's (gae), but --advantage_estimator is {estimator}"),

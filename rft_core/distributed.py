@@ -172,6 +172,22 @@ def grad_norm_value(norm):
     return float("nan") if norm is None else float(norm)
 
 
+def step_optimizers(accelerator, stepped, max_norm, metrics, check):
+    """Step every (net, optimizer, scheduler) in stepped (a dict by the name its gradient norm is logged
+    under); on the optimizer step's last micro-batch first clip each net's gradients, put the norms in metrics
+    and pass them to check(name, norm) (the one host sync per optimizer step). Before it, accelerate's
+    wrapped optimizers and schedulers skip their step (gradient accumulation)."""
+    if accelerator.sync_gradients:
+        for key, (net, _, _) in stepped.items():
+            metrics[key] = grad_norm_value(accelerator.clip_grad_norm_(net.parameters(), max_norm))
+        for key in stepped:
+            check(key, metrics[key])
+    for _, optimizer, scheduler in stepped.values():
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+
 def move_optimizer_state(optimizers, device):
     """Move the optimizers' state tensors (AdamW's moments; FSDP2's are DTensors) to `device`: to the CPU
     after an update, so the rollout's KV cache never shares the GPU with them, and back before the next."""

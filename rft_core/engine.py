@@ -112,19 +112,29 @@ def hf_architecture(model):
 
 
 def resolve_engine_type(engine_type):
-    """"hf" or "vllm" for --engine_type ("auto": vllm with a GPU and vllm installed, else hf); raises naming
-    the fix when vllm is asked for and cannot run here."""
+    """"hf", "vllm" or "sglang" for --engine_type ("auto": vllm with a GPU and vllm installed, else hf);
+    raises naming the fix when vllm or sglang is asked for and cannot run here."""
     has_vllm = importlib.util.find_spec("vllm") is not None
     if engine_type == "auto":
         return "vllm" if has_vllm and torch.cuda.is_available() else "hf"
-    if engine_type not in ("hf", "vllm"):
-        raise ConfigError(f"--engine_type {engine_type!r}: choose auto, hf or vllm")
-    if engine_type == "vllm" and not has_vllm:
-        raise MissingDependency("--engine_type vllm needs vllm (pip install vllm==0.26.0); or use "
-                                "--engine_type hf")
-    if engine_type == "vllm" and not torch.cuda.is_available():
-        raise ConfigError("--engine_type vllm needs a CUDA GPU; use --engine_type hf on CPU")
+    if engine_type not in ("hf", "vllm", "sglang"):
+        raise ConfigError(f"--engine_type {engine_type!r}: choose auto, hf, vllm or sglang")
+    install = {"vllm": "pip install vllm==0.26.0", "sglang": "pip install sglang==0.5.17"}
+    if engine_type != "hf" and importlib.util.find_spec(engine_type) is None:
+        raise MissingDependency(f"--engine_type {engine_type} needs {engine_type} ({install[engine_type]}); "
+                                "or use --engine_type hf")
+    if engine_type != "hf" and not torch.cuda.is_available():
+        raise ConfigError(f"--engine_type {engine_type} needs a CUDA GPU; use --engine_type hf on CPU")
     return engine_type
+
+
+def engine_options(args, requests):
+    """create_engine's keywords from the training scripts' engine flags; requests: one generate call's."""
+    sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
+    return dict(micro_batch_size=args.micro_rollout_batch_size, bf16=args.bf16, tp_size=args.engine_tp_size,
+                mem_util=args.engine_mem_util, sleep=sleep, sleep_level=args.engine_sleep_level,
+                enforce_eager=args.engine_enforce_eager, requests=requests, seed=args.seed,
+                max_model_len=args.prompt_max_len + args.generate_max_len)
 
 
 def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_size=32, bf16=False,
@@ -165,7 +175,19 @@ def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_
                       static_prefix=static_prefix)  # a frozen vision tower is synced once
     budget = mem_util * torch.cuda.mem_get_info()[1]
     kv_bytes = kv_cache_bytes(model.config, max(1, requests or 1) * tp_size, max_len, budget)
-    engine = VLLMEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
-                        max_len, enforce_eager, kv_bytes=kv_bytes, **vision)
+    if engine_type == "sglang":
+        from rft_core.sglang_engine import SGLangEngine
+
+        if processor is not None:
+            raise ConfigError("--engine_type sglang serves text models for now (image prompts: "
+                              "--engine_type vllm)")
+        # the same cap of a small model's KV cache, in tokens; bf16 weights, per engine
+        tokens = 2 * max(1, requests or 1) * tp_size * max_len if kv_bytes else None
+        weight_bytes = 2 * sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        engine = SGLangEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
+                              max_len, enforce_eager, max_total_tokens=tokens, weight_bytes=weight_bytes)
+    else:
+        engine = VLLMEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
+                            max_len, enforce_eager, kv_bytes=kv_bytes, **vision)
     engine.update_weights(model)
     return engine

@@ -208,6 +208,15 @@ class RunningMoments:
         self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
 
 
+def shape_rewards(rewards, moments, clip, gather):
+    """rewards (B,) normalised by the running moments of every rank's rewards (gather: all ranks' values),
+    when moments is given, then clipped to [-clip, clip], when clip is given."""
+    if moments is not None:
+        moments.update(gather(rewards).tolist())
+        rewards = (rewards - moments.mean) / (moments.std + 1e-8)
+    return rewards if clip is None else rewards.clamp(-clip, clip)
+
+
 def _rows(reward_fn, prompts, completions, labels, timeout=None):
     """One {component: value} dict per sample; raises if the call fails, takes longer than timeout seconds or
     returns something malformed."""

@@ -46,6 +46,15 @@ class RolloutSettings:
     eos_token_id: Optional[int] = None  # a response that ends in it has finished
     inflight_ratio: float = 1.0  # groups in hand per round (generating or ready), in steps' worth of groups
 
+    @classmethod
+    def from_args(cls, args, eos_token_id):
+        """The rollout flags of the training scripts."""
+        budget = args.max_token_budget or max(1, args.generate_max_len // 4)
+        return cls(args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p,
+                   args.dynamic_sampling, args.max_num_gen_batches, args.overlong_buffer_len,
+                   args.overlong_penalty_factor, args.strict_rewards, args.partial_rollout, budget,
+                   args.max_staleness, eos_token_id, args.inflight_ratio)
+
 
 @dataclass(eq=False)  # a group is itself: membership tests compare identity, not samples (and their images)
 class Group:

@@ -46,7 +46,7 @@ def main_raises(monkeypatch, script, args, match):
     (["--eps_clip", "-0.2"], "--eps_clip -0.2: must be in (0, 1)"),
     (["--generate_max_len", "0"], "--generate_max_len 0: must be >= 1"),
     (["--max_steps", "0"], "--max_steps 0: must be >= 1"),
-    (["--engine_tp_size", "3"], "--engine_tp_size 3: it sets the vLLM engine, but this run uses the transformers"),
+    (["--engine_tp_size", "3"], "--engine_tp_size 3: it sets the vLLM / SGLang engine, but this run uses the transformers"),
     (["--loss_agg_mode", "mean"], "--loss_agg_mode 'mean': choose one of"),
     (["--advantage_estimator", "ppo"], "--advantage_estimator 'ppo': choose one of"),
     (["--n_samples_per_prompt", "1"], "--n_samples_per_prompt 1 with group_norm: the group baseline is the sample"),

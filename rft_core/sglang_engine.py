@@ -1,0 +1,190 @@
+"""SGLang rollout engine, colocated (`--engine_type sglang`): the vLLM engine's interface and behaviour.
+
+SGLang's offline `sglang.Engine` keeps its tokenizer manager in the calling process and runs the model in
+one scheduler subprocess per GPU (its own CUDA context, on the trainer's GPU). Ranks form groups of
+`--engine_tp_size` consecutive ranks, as with vLLM; the group's first rank owns the engine (tp_size
+schedulers on the group's GPUs); every rank of the group sends it its prompts (gathered) and gets back its
+own outputs, in order (broadcast). Token ids in, token ids out: the engine starts without a tokenizer.
+
+Step lifecycle, as vLLM's: generate -> sleep (release_memory_occupation: KV cache and weights; needs
+enable_memory_saver) -> train -> update_weights (resume the weights, load the new ones bucket by bucket with
+update_weights_from_tensor: CUDA tensors travel as IPC handles, so nothing is copied through the host; each
+scheduler loads its shard) -> wake_up (KV cache). The engine starts from random weights (load_format
+dummy); the first sync, before step 0, gives it the trained model.
+
+Sampling logprobs come from the temperature-scaled distribution before top-p (vLLM's processed logprobs
+are after it: equal at the default top_p 1). Not supported yet: image prompts (SGLang re-tokenizes
+input_ids that come with raw images, which would break token-in / token-out).
+"""
+
+import socket
+
+import torch
+
+from rft_core.engine import Generation
+from rft_core.errors import ConfigError, OutOfMemory
+from rft_core.vllm_engine import buckets, flatten_group, iter_weights, slice_for_rank, tp_groups
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sampling_params(limits, temperature, top_p, eos_token_id):
+    """One SGLang sampling-params dict per request (its own max_new_tokens); temperature 0 is greedy."""
+    return [{"max_new_tokens": limit, "temperature": temperature, "top_p": top_p if temperature else 1.0,
+             "stop_token_ids": [eos_token_id], "skip_special_tokens": False} for limit in limits]
+
+
+def generation_of(out, eos_token_id):
+    """A Generation from one SGLang output dict: its token ids and each one's sampling logprob
+    (meta_info["output_token_logprobs"] holds (logprob, token id, text) per generated token)."""
+    ids = list(out["output_ids"])
+    pairs = out["meta_info"]["output_token_logprobs"]
+    if [t for _, t, _ in pairs] != ids:
+        raise RuntimeError(f"SGLang returned logprobs for other tokens than its output ids ({len(pairs)} "
+                           f"logprobs, {len(ids)} tokens)")
+    return Generation(ids, [float(lp) for lp, _, _ in pairs])
+
+
+class SGLangEngine:
+    def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
+                 max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256,
+                 max_total_tokens=None, weight_bytes=0):
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        groups = tp_groups(world, tp_size)
+        self.group_ranks = groups[rank // tp_size]
+        self.group_index = rank % tp_size
+        self.tp_group = None
+        if tp_size > 1:  # created on every rank, as torch.distributed requires
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups)
+        self.sleep_mode, self.dtype, self.bucket_bytes = sleep, dtype, bucket_mb << 20
+        self.eos_token_id, self.sleeping, self.slept_bytes = eos_token_id, set(), 0
+        self.weight_bytes = weight_bytes // tp_size  # of this GPU's scheduler
+        self.llm = None
+        if self.group_index == 0:
+            self.llm = self._start(model_dir, tp_size, mem_util, sleep, sleep_level, seed + rank // tp_size,
+                                   max_model_len, enforce_eager, dtype, max_total_tokens)
+        self._barrier()
+
+    def _start(self, model_dir, tp_size, mem_util, sleep, sleep_level, seed, max_model_len, enforce_eager,
+               dtype, max_total_tokens):
+        import sglang
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()  # CUDA tensors sent to the schedulers name their GPU by UUID
+        device = torch.cuda.current_device()
+        if tp_size > 1 and device + tp_size > torch.cuda.device_count():
+            raise ConfigError(f"--engine_tp_size {tp_size}: the group's GPUs must be cuda:{device} and the "
+                              "next ones on this node (one process per GPU, in local-rank order)")
+        torch.cuda.empty_cache()  # SGLang takes its share of the memory free when it starts
+        free, total = torch.cuda.mem_get_info()
+        fraction = min(0.95, mem_util * total / free)  # of the free memory: mem_util of the whole GPU
+        extra = {"max_total_tokens": max_total_tokens} if max_total_tokens else {}
+        return sglang.Engine(
+            model_path=model_dir, load_format="dummy", skip_tokenizer_init=True,
+            dtype=str(dtype).removeprefix("torch."), tp_size=tp_size, base_gpu_id=device,
+            nccl_port=_free_port(), random_seed=seed,
+            mem_fraction_static=fraction, context_length=max_model_len, disable_cuda_graph=enforce_eager,
+            enable_memory_saver=sleep != "never", enable_weights_cpu_backup=sleep_level == 1,
+            log_level="error", **extra)
+
+    def _barrier(self):
+        if self.tp_group is not None:
+            torch.distributed.barrier(group=self.tp_group)
+
+    def _any(self, flag):
+        """Whether flag holds on any rank of the group (they act together)."""
+        if self.tp_group is None:
+            return bool(flag)
+        t = torch.tensor(float(flag), device="cuda")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+        return bool(t.item())
+
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
+        """max_new_tokens: one for all, or a list (one per prompt)."""
+        n = len(prompt_token_ids)
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+        rows = [(list(p), limit) for p, limit in zip(prompt_token_ids, limits)]
+        sizes = None
+        if self.tp_group is not None:  # the group's first rank generates everyone's requests
+            per_rank = [None] * len(self.group_ranks)
+            torch.distributed.all_gather_object(per_rank, rows, group=self.tp_group)
+            rows, sizes = flatten_group(per_rank)
+        gens = []
+        if self.llm is not None and rows:
+            params = sampling_params([limit for _, limit in rows], temperature, top_p, self.eos_token_id)
+            outs = self.llm.generate(input_ids=[ids for ids, _ in rows], sampling_params=params,
+                                     return_logprob=True)
+            gens = [generation_of(out, self.eos_token_id) for out in outs]
+        if self.tp_group is not None:
+            box = [gens]
+            torch.distributed.broadcast_object_list(box, group_src=0, group=self.tp_group)
+            gens = box[0]
+        return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
+
+    def sleep(self, needed_bytes=None):
+        """Free the engine's memory for training; auto: only when the free memory and PyTorch's cached blocks
+        are short of needed_bytes on some GPU of the group (None, the first step: unknown, so sleep)."""
+        if self.sleep_mode == "never" or self.sleeping:
+            return False
+        short = True
+        if self.sleep_mode == "auto" and needed_bytes is not None:
+            free, _ = torch.cuda.mem_get_info()
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            short = free + cached <= needed_bytes * 1.1 + (1 << 30)
+        if not self._any(short):
+            return False
+        before, _ = torch.cuda.mem_get_info()
+        if self.llm is not None:
+            self.llm.release_memory_occupation(tags=["kv_cache", "weights"])
+        self._barrier()
+        self.slept_bytes = torch.cuda.mem_get_info()[0] - before  # this GPU's weights and KV cache, measured
+        self.sleeping = {"weights", "kv_cache"}
+        return True
+
+    def _wake_bytes(self, tags):
+        need = {"weights": self.weight_bytes, "kv_cache": max(0, self.slept_bytes - self.weight_bytes)}
+        return sum(need[t] for t in tags)
+
+    def can_wake(self):
+        """Whether what sleeps would fit on this GPU now (the trainer's cached blocks released)."""
+        torch.cuda.empty_cache()
+        return self._wake_bytes(self.sleeping) + (256 << 20) <= torch.cuda.mem_get_info()[0]
+
+    def wake_up(self, tags=None):
+        """Map the slept memory back (tags: "weights", "kv_cache"; default both), after releasing the
+        trainer's cached blocks and checking that it fits on every GPU of the group."""
+        tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
+        if not tags:
+            return
+        torch.cuda.empty_cache()
+        need = self._wake_bytes(tags)
+        free, total = torch.cuda.mem_get_info()
+        if self._any(need + (256 << 20) > free):
+            raise OutOfMemory(
+                f"SGLang needs {need / 2**30:.1f} GiB to wake its {' and '.join(tags)}, but only "
+                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free on this rank's GPU (or too few on "
+                "another of its group): lower --engine_mem_util, or add --optimizer_offload (DDP / FSDP2) or "
+                "--lora_rank, or shard over more GPUs (accelerate_configs/deepspeed_zero3.yaml, fsdp2.yaml)")
+        if self.llm is not None:
+            self.llm.resume_memory_occupation(tags=tags)
+        self._barrier()
+        self.sleeping -= set(tags)
+
+    @torch.no_grad()
+    def update_weights(self, model):
+        """Load the trainer's weights into the engine, bucket by bucket, cast to the engine's dtype. Every
+        rank takes part in the gather (ZeRO-3 / FSDP2); the group's first rank sends."""
+        self.wake_up(["weights"])  # the KV cache stays asleep until wake_up()
+        for bucket in buckets(iter_weights(model, self.dtype), self.bucket_bytes):
+            if self.llm is not None:
+                ok, message = self.llm.update_weights_from_tensor(bucket, flush_cache=False)
+                if not ok:
+                    raise RuntimeError(f"SGLang refused the weights: {message}")
+        if self.llm is not None:
+            self.llm.flush_cache()  # cached KV blocks were computed by the old weights
+        self._barrier()
