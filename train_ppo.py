@@ -52,7 +52,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
-from transformers import get_scheduler
 
 from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, token_level_advantages
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -406,8 +405,9 @@ def main():
 
     def optimizer_and_scheduler(net, lr):
         optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-        return optimizer, get_scheduler("constant_with_warmup", optimizer,
-                                        num_warmup_steps=math.ceil(args.lr_warmup_ratio * num_updates))
+        warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # linear, then constant
+        schedule = lambda i: min(1.0, i / warmup) if warmup else 1.0  # noqa: E731 (transformers' rule)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
     # what one optimizer step updates, by the name its gradient norm is logged under
     actor_optim = optimizer_and_scheduler(model, args.actor_learning_rate)

@@ -195,22 +195,31 @@ def _usable(prompt):
 
 
 def encode_rows(tokenizer, rows, max_len, apply_chat_template=True, system_prompt=None):
-    """([Sample] of the rows' prompts encoded, number skipped for being longer than max_len tokens)."""
+    """([Sample] of the rows' prompts encoded, number skipped for being longer than max_len tokens). The texts
+    are tokenized in one batch: a call per prompt took 2 s of every run's start on the built-in task."""
     from rft_core.experience import Sample
 
-    samples = [Sample(encode_prompt(tokenizer, r["prompt"], apply_chat_template, system_prompt), r["label"],
-                      r["prompt"]) for r in rows]
+    texts = [prompt_text(tokenizer, r["prompt"], apply_chat_template, system_prompt) for r in rows]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    samples = [Sample(list(i), r["label"], r["prompt"]) for i, r in zip(ids, rows)]
     kept = [s for s in samples if len(s.prompt_ids) <= max_len]
     return kept, len(samples) - len(kept)
 
 
-def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):
-    """Token ids of a prompt given as a string or a list of chat messages."""
+def prompt_text(tokenizer, prompt, apply_chat_template=True, system_prompt=None):
+    """The text the model reads for a prompt given as a string (as is, without the chat template) or a list of
+    chat messages (through the tokenizer's chat template, with the generation prompt)."""
     if isinstance(prompt, str):
         if not apply_chat_template:
-            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return prompt
         prompt = [{"role": "user", "content": prompt}]
     if system_prompt and prompt[0]["role"] != "system":
         prompt = [{"role": "system", "content": system_prompt}] + list(prompt)
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):
+    """Token ids of a prompt given as a string or a list of chat messages (the template holds the special
+    tokens, so none are added)."""
+    return tokenizer(prompt_text(tokenizer, prompt, apply_chat_template, system_prompt),
+                     add_special_tokens=False)["input_ids"]

@@ -35,10 +35,10 @@ def _free_port():
 def sampling_params(limits, temperature, top_p, eos_token_id):
     """One SGLang sampling-params dict per request (its own max_new_tokens); temperature 0 is greedy."""
     return [{"max_new_tokens": limit, "temperature": temperature, "top_p": top_p if temperature else 1.0,
-             "stop_token_ids": [eos_token_id], "skip_special_tokens": False} for limit in limits]
+             "stop_token_ids": [eos_token_id]} for limit in limits]
 
 
-def generation_of(out, eos_token_id):
+def generation_of(out):
     """A Generation from one SGLang output dict: its token ids and each one's sampling logprob
     (meta_info["output_token_logprobs"] holds (logprob, token id, text) per generated token)."""
     ids = list(out["output_ids"])
@@ -119,7 +119,7 @@ class SGLangEngine:
             params = sampling_params([limit for _, limit in rows], temperature, top_p, self.eos_token_id)
             outs = self.llm.generate(input_ids=[ids for ids, _ in rows], sampling_params=params,
                                      return_logprob=True)
-            gens = [generation_of(out, self.eos_token_id) for out in outs]
+            gens = [generation_of(out) for out in outs]
         if self.tp_group is not None:
             box = [gens]
             torch.distributed.broadcast_object_list(box, group_src=0, group=self.tp_group)

@@ -25,11 +25,11 @@ def test_sampling_params_per_request():
 def test_generation_of_an_output():
     out = {"output_ids": [5, 9, 2], "meta_info": {"output_token_logprobs": [(-0.5, 5, None), (-1.25, 9, None),
                                                                              (-0.125, 2, None)]}}
-    gen = generation_of(out, eos_token_id=2)
+    gen = generation_of(out)
     assert gen.token_ids == [5, 9, 2] and gen.logprobs == [-0.5, -1.25, -0.125]
     out["meta_info"]["output_token_logprobs"] = out["meta_info"]["output_token_logprobs"][:2]
     with pytest.raises(RuntimeError, match="2 logprobs, 3 tokens"):
-        generation_of(out, eos_token_id=2)
+        generation_of(out)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
