@@ -162,6 +162,9 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
     check(not (args.partial_rollout and engine_type == "hf" and sharded), "--partial_rollout with the "
           "transformers engine under ZeRO-3 / FSDP2: ranks continue different numbers of samples, which its "
           "sharded generate cannot; use vLLM (--engine_type vllm) or the multi_gpu config")
+    tp = args.engine_tp_size
+    check(engine_type == "hf" or world % tp == 0, f"--engine_tp_size {tp}: must divide the {world} processes "
+          "(groups of consecutive ranks share an engine)")
     check(not (args.enable_engine_sleep and args.disable_engine_sleep),
           "--enable_engine_sleep or --disable_engine_sleep: pick one")
     if "images_key" in names:  # train_ppo_vl.py: the text script's flags that cannot apply to images

@@ -23,7 +23,8 @@ import torch
 
 from rft_core.engine import Generation
 from rft_core.errors import ConfigError, OutOfMemory
-from rft_core.vllm_engine import buckets, flatten_group, iter_weights, slice_for_rank, tp_groups
+from rft_core.vllm_engine import (buckets, engine_group, flatten_group, iter_weights, short_for_training,
+                                  slice_for_rank)
 
 
 def _free_port():
@@ -53,14 +54,8 @@ class SGLangEngine:
     def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
                  max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256,
                  max_total_tokens=None, weight_bytes=0):
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        groups = tp_groups(world, tp_size)
-        self.group_ranks = groups[rank // tp_size]
-        self.group_index = rank % tp_size
-        self.tp_group = None
-        if tp_size > 1:  # created on every rank, as torch.distributed requires
-            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups)
+        self.group_ranks, self.group_index, self.tp_group = engine_group(tp_size)
+        rank = self.group_ranks[self.group_index]
         self.sleep_mode, self.dtype, self.bucket_bytes = sleep, dtype, bucket_mb << 20
         self.eos_token_id, self.sleeping, self.slept_bytes = eos_token_id, set(), 0
         self.weight_bytes = weight_bytes // tp_size  # of this GPU's scheduler
@@ -127,15 +122,11 @@ class SGLangEngine:
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def sleep(self, needed_bytes=None):
-        """Free the engine's memory for training; auto: only when the free memory and PyTorch's cached blocks
-        are short of needed_bytes on some GPU of the group (None, the first step: unknown, so sleep)."""
+        """Free the engine's memory for training; auto: only when training is short of needed_bytes on some
+        GPU of the group."""
         if self.sleep_mode == "never" or self.sleeping:
             return False
-        short = True
-        if self.sleep_mode == "auto" and needed_bytes is not None:
-            free, _ = torch.cuda.mem_get_info()
-            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-            short = free + cached <= needed_bytes * 1.1 + (1 << 30)
+        short = self.sleep_mode == "always" or short_for_training(needed_bytes)
         if not self._any(short):
             return False
         before, _ = torch.cuda.mem_get_info()

@@ -42,6 +42,26 @@ def tp_groups(world_size, tp_size):
     return [list(range(i, i + tp_size)) for i in range(0, world_size, tp_size)]
 
 
+def engine_group(tp_size):
+    """(the ranks of this rank's engine group, its index in them, their torch.distributed subgroup or None):
+    groups of tp_size consecutive ranks, as vLLM forms them. Collective: every rank calls it."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    groups = tp_groups(world, tp_size)
+    subgroup = torch.distributed.new_subgroups_by_enumeration(groups)[0] if tp_size > 1 else None
+    return groups[rank // tp_size], rank % tp_size, subgroup
+
+
+def short_for_training(needed_bytes):
+    """Whether what training can allocate on this GPU (the free memory and the blocks PyTorch has cached) is
+    short of needed_bytes, the update's measured transient memory (None, the first step: unknown, so yes)."""
+    if needed_bytes is None:
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return free + cached <= needed_bytes * 1.1 + (1 << 30)
+
+
 def flatten_group(per_rank):
     """Concatenate the ranks' lists in rank order; returns (flat, sizes)."""
     return [x for items in per_rank for x in items], [len(items) for items in per_rank]
@@ -120,12 +140,7 @@ class VLLMEngine:
         _ensure_dist_env()
         from vllm import LLM
 
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        groups = tp_groups(world, tp_size)
-        self.group_ranks = groups[rank // tp_size]
-        self.group_index = rank % tp_size
-        self.tp_group = None
         self.sleep_mode, self.sleep_level, self.dtype = sleep, sleep_level, dtype
         self.bucket_bytes = bucket_mb << 20
         self.seed, self.calls, self.sleeping = seed + rank // tp_size, 0, set()  # sleeping: tags asleep
@@ -143,8 +158,7 @@ class VLLMEngine:
                        distributed_executor_backend="external_launcher", gpu_memory_utilization=mem_util,
                        enable_sleep_mode=sleep != "never", seed=self.seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **extra)
-        if tp_size > 1:  # created on every rank, as torch.distributed requires
-            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(groups)
+        self.group_ranks, self.group_index, self.tp_group = engine_group(tp_size)
 
     def _runner_model(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
@@ -189,16 +203,11 @@ class VLLMEngine:
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def sleep(self, needed_bytes=None):
-        """Free the engine's memory for training. auto: only when what training can allocate (the free memory
-        and the blocks PyTorch has cached) is short of needed_bytes, the update's measured transient memory
-        (None, the first step: unknown, so sleep)."""
+        """Free the engine's memory for training. auto: only when training is short of needed_bytes."""
         if self.sleep_mode == "never" or self.sleeping:
             return False
-        if self.sleep_mode == "auto" and needed_bytes is not None:
-            free, _ = torch.cuda.mem_get_info()
-            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-            if free + cached > needed_bytes * 1.1 + (1 << 30):
-                return False
+        if self.sleep_mode == "auto" and not short_for_training(needed_bytes):
+            return False
         before, _ = torch.cuda.mem_get_info()
         self.llm.sleep(level=self.sleep_level)
         self.slept_bytes = torch.cuda.mem_get_info()[0] - before  # weights and KV cache, as measured
