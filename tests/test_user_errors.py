@@ -391,3 +391,17 @@ def test_a_deleted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
     said = []
     assert latest_checkpoint(str(tmp_path), log=said.append) == str(tmp_path / "checkpoint-2")
     assert said == ["[resume] checkpoint-4 is damaged (missing): skipping it"]
+
+
+def test_engine_groups_must_divide_the_processes():
+    """--engine_tp_size with vLLM or SGLang: groups of consecutive ranks share an engine, so it must divide the
+    processes; refused before anything starts (the transformers engine ignores it, with its own message)."""
+    import train_ppo
+    from rft_core.cli import check_args
+
+    args = train_ppo.Args(engine_tp_size=2, rollout_batch_size=12)  # 12 prompts: over 3 or 4 processes
+    args.train_batch_size = args.rollout_batch_size * args.n_samples_per_prompt
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(UserError, match=re.escape("--engine_tp_size 2: must divide the 3 processes")):
+            check_args(args, 3, engine_type=engine)
+        check_args(args, 4, engine_type=engine)
