@@ -24,7 +24,7 @@ import torch
 from rft_core.engine import Generation
 from rft_core.errors import ConfigError, OutOfMemory
 from rft_core.vllm_engine import (buckets, engine_group, flatten_group, iter_weights, short_for_training,
-                                  slice_for_rank)
+                                  slice_for_rank, wake_error)
 
 
 def _free_port():
@@ -143,24 +143,18 @@ class SGLangEngine:
 
     def can_wake(self):
         """Whether what sleeps would fit on this GPU now (the trainer's cached blocks released)."""
-        torch.cuda.empty_cache()
-        return self._wake_bytes(self.sleeping) + (256 << 20) <= torch.cuda.mem_get_info()[0]
+        return wake_error("SGLang", self._wake_bytes(self.sleeping), self.sleeping) is None
 
     def wake_up(self, tags=None):
-        """Map the slept memory back (tags: "weights", "kv_cache"; default both), after releasing the
-        trainer's cached blocks and checking that it fits on every GPU of the group."""
+        """Map the slept memory back (tags: "weights", "kv_cache"; default both), once wake_error finds that
+        it fits on every GPU of the group."""
         tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
         if not tags:
             return
-        torch.cuda.empty_cache()
-        need = self._wake_bytes(tags)
-        free, total = torch.cuda.mem_get_info()
-        if self._any(need + (256 << 20) > free):
-            raise OutOfMemory(
-                f"SGLang needs {need / 2**30:.1f} GiB to wake its {' and '.join(tags)}, but only "
-                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free on this rank's GPU (or too few on "
-                "another of its group): lower --engine_mem_util, or add --optimizer_offload (DDP / FSDP2) or "
-                "--lora_rank, or shard over more GPUs (accelerate_configs/deepspeed_zero3.yaml, fsdp2.yaml)")
+        error = wake_error("SGLang", self._wake_bytes(tags), tags)
+        if self._any(error is not None):
+            raise error or OutOfMemory("SGLang cannot wake: another GPU of its group is short of memory (its "
+                                       "rank's error says how much)")
         if self.llm is not None:
             self.llm.resume_memory_occupation(tags=tags)
         self._barrier()

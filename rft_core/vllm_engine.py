@@ -62,6 +62,22 @@ def short_for_training(needed_bytes):
     return free + cached <= needed_bytes * 1.1 + (1 << 30)
 
 
+def wake_error(engine, need, tags):
+    """The OutOfMemory to raise if `need` bytes (the engine's slept `tags`) do not fit in this GPU's free
+    memory now, else None. The trainer's cached blocks are released first: the engine maps physical memory of
+    its own, which PyTorch's cache would hold on to (the 0.4B crash of issue 15)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()  # (PyTorch's own counters include the engine's unmapped memory)
+    if need + (256 << 20) <= free:
+        return None
+    return OutOfMemory(
+        f"{engine} needs {need / 2**30:.1f} GiB to wake its {' and '.join(tags)}, but only "
+        f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free, the rest held by the trainer's weights, "
+        "gradients and optimizer state and the engine's awake parts: lower --engine_mem_util, or add "
+        "--optimizer_offload (DDP / FSDP2) or --lora_rank, or shard over more GPUs "
+        "(accelerate_configs/deepspeed_zero3.yaml, fsdp2.yaml)")
+
+
 def flatten_group(per_rank):
     """Concatenate the ranks' lists in rank order; returns (flat, sizes)."""
     return [x for items in per_rank for x in items], [len(items) for items in per_rank]
@@ -216,8 +232,7 @@ class VLLMEngine:
 
     def can_wake(self):
         """Whether what sleeps would fit on the GPU now (the trainer's cached blocks released)."""
-        torch.cuda.empty_cache()
-        return self._wake_bytes(self.sleeping) + (256 << 20) <= torch.cuda.mem_get_info()[0]
+        return wake_error("vLLM", self._wake_bytes(self.sleeping), self.sleeping) is None
 
     def _wake_bytes(self, tags):
         weights = sum(p.numel() * p.element_size() for p in self._runner_model().parameters())
@@ -225,22 +240,14 @@ class VLLMEngine:
         return sum(need[t] for t in tags)
 
     def wake_up(self, tags=None):
-        """Map the slept memory back (tags: "weights", "kv_cache"; default both). The trainer's cached blocks
-        are released first: vLLM maps physical memory of its own, which PyTorch's cache would hold on to (the
-        0.4B crash of issue 15). What is about to be mapped is checked against the free memory."""
+        """Map the slept memory back (tags: "weights", "kv_cache"; default both), once wake_error finds that
+        it fits."""
         tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
         if not tags:
             return
-        torch.cuda.empty_cache()
-        need = self._wake_bytes(tags)
-        free, total = torch.cuda.mem_get_info()
-        if need + (256 << 20) > free:  # (PyTorch's own counters include the engine's unmapped memory)
-            raise OutOfMemory(
-                f"vLLM needs {need / 2**30:.1f} GiB to wake its {' and '.join(tags)}, but only "
-                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free, the rest held by the trainer's "
-                "weights, gradients and optimizer state and the engine's awake parts: lower "
-                "--engine_mem_util, or add --optimizer_offload (DDP / FSDP2) or --lora_rank, or shard over "
-                "more GPUs (accelerate_configs/deepspeed_zero3.yaml, fsdp2.yaml)")
+        error = wake_error("vLLM", self._wake_bytes(tags), tags)
+        if error:
+            raise error
         self.llm.wake_up(tags=tags)
         self.sleeping -= set(tags)
 
