@@ -107,7 +107,9 @@ def test_greedy_equals_transformers_after_sync(engine_and_model):
             continue
         with torch.no_grad():
             logits = bf16(torch.tensor([p + b[:k]], device="cuda")).logits[0, -1].float()
-        assert logits[b[k]] - logits[a[k]] < 0.5, (k, a, b)
+        # bf16 logits near 30 are 0.125 apart; other attention kernels (SGLang's FlashInfer) move them by a few
+        # steps: a gap of 0.5 was seen there (31.25 vs 30.75)
+        assert logits[b[k]] - logits[a[k]] <= 1.0, (k, a, b)
 
 
 @gpu
