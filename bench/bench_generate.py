@@ -57,23 +57,20 @@ def main():
     torch.cuda.empty_cache()
     variants = (sglang_variants if args.engine == "sglang" else vllm_variants)(engine, prompts, args.max_new)
 
-    def timed(fn):
-        times, outs = [], None
-        for _ in range(args.repeats + 1):  # the first is a warm-up
+    # every variant once per round, rounds repeated: drift (clocks, caches) falls on all of them alike
+    variants = {"engine": (lambda: engine.generate(prompts, args.max_new, 1.0, 1.0),
+                           lambda gen: len(gen.token_ids)), **variants}
+    times = {name: [] for name in variants}
+    lengths = {}
+    for _ in range(args.repeats + 1):  # the first round is a warm-up
+        for name, (fn, length) in variants.items():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             outs = fn()
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:]), outs
-
-    results = []
-    secs, gens = timed(lambda: engine.generate(prompts, args.max_new, 1.0, 1.0))
-    lengths = [len(g.token_ids) for g in gens]
-    results.append(("engine", secs, lengths))
-    for name, (fn, length) in variants.items():
-        secs, outs = timed(fn)
-        results.append((name, secs, [length(o) for o in outs]))
+            times[name].append(time.perf_counter() - t0)
+            lengths[name] = [length(o) for o in outs]
+    results = [(name, statistics.median(times[name][1:]), lengths[name]) for name in variants]
     for name, secs, lengths in results:
         steps = max(lengths)
         print(json.dumps({"size": args.size, "engine": args.engine, "variant": name,
