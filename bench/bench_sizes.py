@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -115,11 +116,19 @@ def main():
         cmd += extra
         started = time.time()
         with open(os.path.join(out_root, f"{name}.log"), "w") as log:
+            run = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:
-                run = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
-                rc = run.returncode
-            except subprocess.TimeoutExpired:
+                rc = run.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:  # where it was (every thread's stack), then a clean stop
                 rc = "timeout"
+                run.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                run.terminate()
+                try:
+                    run.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    run.kill()
+                    run.wait()
         result = {"run": name, "gpu": gpu, "rc": rc, "wall_s": round(time.time() - started, 1),
                   "flags": cmd[2:]}
         if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):

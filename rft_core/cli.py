@@ -4,6 +4,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import faulthandler
 import os
 import signal
 import sys
@@ -242,12 +243,13 @@ class StopSignals:
     """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption) ask the loop to stop at the end of the current
     step, after its checkpoint if one is due; a second SIGINT stops at once. `requested(reduce_sum, device)`
     is the signal any rank got (None, "SIGINT" or "SIGTERM"): every rank calls it at the same point, so that
-    they stop together."""
+    they stop together. SIGUSR1 prints every thread's stack and goes on (where a stuck run waits)."""
 
     def __init__(self):
         self.received = 0  # 1: SIGINT, 100: SIGTERM (summed over ranks, SIGTERM wins)
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.received:

@@ -18,6 +18,7 @@ input_ids that come with raw images, which would break token-in / token-out).
 """
 
 import socket
+import time
 
 import torch
 
@@ -131,6 +132,7 @@ class SGLangEngine:
             return False
         before, _ = torch.cuda.mem_get_info()
         if self.llm is not None:
+            self._flush()  # release asserts an idle scheduler
             self.llm.release_memory_occupation(tags=["kv_cache", "weights"])
         self._barrier()
         self.slept_bytes = torch.cuda.mem_get_info()[0] - before  # this GPU's weights and KV cache, measured
@@ -171,5 +173,14 @@ class SGLangEngine:
                 if not ok:
                     raise RuntimeError(f"SGLang refused the weights: {message}")
         if self.llm is not None:
-            self.llm.flush_cache()  # cached KV blocks were computed by the old weights
+            self._flush()  # cached KV blocks were computed by the old weights
         self._barrier()
+
+    def _flush(self, timeout_s=60.0):
+        """Empty the prefix cache once the scheduler is idle: with overlap scheduling it may hold the last
+        batch a moment after generate returned, and then SGLang declines the flush (its release asserts)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.llm.flush_cache().success:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SGLang's scheduler stayed busy {timeout_s:.0f} s after generating")
+            time.sleep(0.005)

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from rft_core.sglang_engine import generation_of, sampling_params
+from rft_core.sglang_engine import SGLangEngine, generation_of, sampling_params
 import test_vllm_engine as same  # its GPU checks take any engine: run here on SGLang's
 from test_vllm_engine import _prompts
 
@@ -31,6 +31,26 @@ def test_generation_of_an_output():
     out["meta_info"]["output_token_logprobs"] = out["meta_info"]["output_token_logprobs"][:2]
     with pytest.raises(RuntimeError, match="2 logprobs, 3 tokens"):
         generation_of(out)
+
+
+def test_flush_waits_for_an_idle_scheduler():
+    """SGLang declines a flush (and asserts in a release) while its overlap scheduler still holds the last
+    batch: the engine retries until the flush succeeds, and gives up with a message if it never does."""
+    class Busy:
+        def __init__(self, busy_calls):
+            self.calls, self.busy_calls = 0, busy_calls
+
+        def flush_cache(self):
+            self.calls += 1
+            return type("Out", (), {"success": self.calls > self.busy_calls})()
+
+    engine = SGLangEngine.__new__(SGLangEngine)
+    engine.llm = Busy(3)
+    engine._flush()
+    assert engine.llm.calls == 4
+    engine.llm = Busy(10 ** 9)
+    with pytest.raises(RuntimeError, match="stayed busy 0 s"):
+        engine._flush(timeout_s=0.02)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")

@@ -352,7 +352,8 @@ def chars(p, completions, l, **kw):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, sig, code):
     """SIGINT / SIGTERM during step 2: the step finishes, one line says what is intact, the exit status says
-    which signal; with --save_on_sigterm a checkpoint of that step is written first."""
+    which signal; with --save_on_sigterm a checkpoint of that step is written first. SIGUSR1 before it only
+    prints the stacks (where a stuck run waits)."""
     (tmp_path / "rw.py").write_text(SLOW)
     out = tmp_path / "out"
     args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "20", "--reward_fn", f"{tmp_path}/rw.py:chars",
@@ -365,9 +366,13 @@ def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, s
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.2)
     time.sleep(1.0)  # inside the next step
+    if sig == signal.SIGTERM:  # first SIGUSR1: every thread's stack is printed and the run goes on
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.3)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == code and "Traceback" not in stderr, stderr[-2000:]
+    assert ("(most recent call first)" in stderr) == (sig == signal.SIGTERM), stderr[-2000:]
     stopped = [line for line in stderr.splitlines() if line.startswith("stopped: ")]
     step = len(read_metrics(str(out))[0])
     assert stopped == [f"stopped: {signal.Signals(sig).name} after step {step}: checkpoint-{step} is intact; "
