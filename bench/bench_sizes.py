@@ -9,6 +9,8 @@ model FLOPs utilisation (6 x trained parameters x tokens / update time / the GPU
 
     python bench/bench_sizes.py 135m 0.5b --steps 12                 # one H100
     python bench/bench_sizes.py 7b --steps 10 -- --lora_rank 64      # flags after -- go to train_ppo.py
+    python bench/bench_sizes.py 7b --steps 5 --config accelerate_configs/deepspeed_zero3.yaml --gpus 2
+        # through accelerate launch; the MFU's peak is that of all the GPUs, memory figures are rank 0's
 """
 
 import argparse
@@ -95,6 +97,8 @@ def main():
     parser.add_argument("--root", default="/tmp/rft_sizes")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--config", help="an accelerate config: the run goes through accelerate launch")
+    parser.add_argument("--gpus", type=int, default=1, help="with --config: its --num_processes")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -107,7 +111,11 @@ def main():
     for size in args.sizes:
         name = f"{size}-{args.generate_max_len}{args.tag}"
         out_dir = os.path.join(args.root, "runs", name)
-        cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--rollout_batch_size", "32",
+        launch = [sys.executable]
+        if args.config:
+            launch += ["-m", "accelerate.commands.launch", "--config_file", args.config, "--num_processes",
+                       str(args.gpus)]
+        cmd = [*launch, os.path.join(ROOT, "train_ppo.py"), "--rollout_batch_size", "32",
                "--n_samples_per_prompt", "8", "--generate_max_len", str(args.generate_max_len),
                "--max_steps", str(args.steps), "--output_dir", out_dir, "--no_resume"]
         if size != "135m":
@@ -129,8 +137,8 @@ def main():
                 except subprocess.TimeoutExpired:
                     run.kill()
                     run.wait()
-        result = {"run": name, "gpu": gpu, "rc": rc, "wall_s": round(time.time() - started, 1),
-                  "flags": cmd[2:]}
+        result = {"run": name, "gpu": gpu, "gpus": args.gpus, "rc": rc,
+                  "wall_s": round(time.time() - started, 1), "flags": cmd[len(launch) + 1:]}
         if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
             med = summarise(out_dir, args.skip)
             result.update({k: round(v, 4) for k, v in med.items()})
@@ -139,7 +147,7 @@ def main():
                 lora = "--lora_rank" in extra
                 if peak and not lora and size != "135m":
                     flops = 6 * trained_parameters(path) * med["perf/tokens"]
-                    result["update_mfu"] = round(flops / med["perf/update_s"] / peak, 3)
+                    result["update_mfu"] = round(flops / med["perf/update_s"] / (peak * args.gpus), 3)
         print(json.dumps(result), flush=True)
         with open(os.path.join(out_root, "sizes.jsonl"), "a") as f:
             f.write(json.dumps(result) + "\n")
