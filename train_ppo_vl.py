@@ -34,9 +34,10 @@ from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, t
 from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
 from rft_core.data import shapes_task, text_batches  # VL
-from rft_core.distributed import (accumulate_over, accumulation_divisor, configure_deepspeed,
-                                  micro_batch_splits, move_optimizer_state, prepare_frozen,
-                                  process_group_kwargs, step_optimizers)
+from rft_core.distributed import (accumulate_over, accumulation_divisor, adamw_with_warmup,
+                                  configure_deepspeed, micro_batch_splits, move_optimizer_state,
+                                  offload_after_update, prepare_frozen, process_group_kwargs,
+                                  step_optimizers)
 from rft_core.engine import create_engine, engine_options, resolve_engine_type
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
@@ -46,9 +47,8 @@ from rft_core.experience import (batched_logprobs, batched_values, build_experie
 from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
                              value_loss)
 from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics, update_metrics
-from rft_core.models import compile_blocks, export_hf, lm_loss, lora_model
+from rft_core.models import compile_blocks, export_hf, lora_model, named_like, text_lm_loss
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
-from rft_core.plots import write_plots
 from rft_core.rewards import RewardScorer, RunningMoments, reward_sources, shape_rewards
 from rft_core.rollout import RolloutSettings, Rollouts
 
@@ -395,18 +395,14 @@ def main():
     num_steps = min(args.max_steps, args.num_episodes * (len(prompts["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
 
-    def optimizer_and_scheduler(net, lr):
-        optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-        warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # linear, then constant
-        schedule = lambda i: min(1.0, i / warmup) if warmup else 1.0  # noqa: E731 (transformers' rule)
-        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # optimizer steps of linear warm-up
 
     # what one optimizer step updates, by the name its gradient norm is logged under
-    actor_optim = optimizer_and_scheduler(model, args.actor_learning_rate)
+    actor_optim = adamw_with_warmup(model, args.actor_learning_rate, warmup)
     model, optimizer, scheduler = accelerator.prepare(model, *actor_optim)
     trained = {"grad_norm": (model, optimizer, scheduler)}
     if critic is not None:
-        critic_optim = optimizer_and_scheduler(critic, args.critic_learning_rate)
+        critic_optim = adamw_with_warmup(critic, args.critic_learning_rate, warmup)
         trained["critic_grad_norm"] = accelerator.prepare(critic, *critic_optim)
         critic = trained["critic_grad_norm"][0]
     trained_nets = [net for net, _, _ in trained.values()]  # as prepared (DDP- or DeepSpeed-wrapped)
@@ -433,7 +429,9 @@ def main():
     # the run's record starts here, once everything has loaded: a failed start leaves output_dir as it was
     config = {**asdict(args), "world_size": world}
     log = MetricsLog(args.output_dir, config, accelerator, args.wandb_project if trackers else None,
-                     keep_until=int(resume_from.rsplit("-", 1)[1]) if resume_from else None)
+                     keep_until=int(resume_from.rsplit("-", 1)[1]) if resume_from else None,
+                     samples_every=args.log_samples_steps, plot_every=args.plot_every,
+                     max_len=args.generate_max_len)
     guard = HealthGuard(args.output_dir, accelerator.unwrap_model(model).config.get_text_config().vocab_size)
 
     # ---- resume ----
@@ -525,9 +523,7 @@ def main():
                             args.packing_samples)  # (B, T) each
                     loss, m = actor_loss(logprobs, entropy, mb, settings)  # (B, T) each -> scalar
                     if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
-                        enc = tokenizer(next(ptx_batches), return_tensors="pt", padding=True, truncation=True,
-                                        max_length=args.prompt_max_len).to(device)
-                        ptx_loss = lm_loss(model, enc["input_ids"], enc["attention_mask"])
+                        ptx_loss = text_lm_loss(model, tokenizer, next(ptx_batches), args.prompt_max_len)
                         loss = loss + args.ptx_coef * ptx_loss / settings.micro_batches_per_step
                         m["ptx_loss"] = ptx_loss.detach()
                     if critic is not None:
@@ -546,12 +542,9 @@ def main():
                         weights = [p.detach() for p in model.parameters()]
                         torch._foreach_lerp_(ema, weights, 1.0 - args.ema_beta)
                 stats.add(m)  # device tensors: read once, after the update
-        if args.optimizer_offload is None and not deepspeed:  # auto, once: if vLLM cannot wake beside it
-            args.optimizer_offload = not engine.can_wake()
-            accelerator.print(f"[memory] optimizer state on the CPU between updates: "
-                              f"{args.optimizer_offload}")
-        if args.optimizer_offload:
-            move_optimizer_state(optimizers, "cpu")
+        # auto (None): decided once, now, by whether the engine can wake beside the optimizer state
+        args.optimizer_offload = offload_after_update(optimizers, args.optimizer_offload, engine, deepspeed,
+                                                      accelerator.print)
 
         # ---- weight sync ----
         perf.phase("weight_sync")
@@ -571,12 +564,7 @@ def main():
                                        samples_per_step)
         log.write(step, metrics, print_line=step % args.logging_steps == 0)
         guard.entropy(metrics["train/entropy"], step)
-        if args.log_samples_steps and step % args.log_samples_steps == 0:
-            log.samples(step, [{"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion,
-                                "label": s.label, "reward": s.reward} for s in samples[:4]])
-        plot = args.plot_every and (step % args.plot_every == 0 or step == num_steps)
-        if plot and accelerator.is_main_process:
-            write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
+        log.samples_and_plots(step, samples, tokenizer, exp.action_mask.sum(-1).tolist(), step == num_steps)
 
         # ---- eval and checkpoint (and a stop asked for by SIGINT / SIGTERM) ----
         stop = stops.requested(reduce_sum, device)
@@ -598,13 +586,11 @@ def main():
     if start < num_steps:  # the final weights pass the checks a checkpoint's do
         guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator, step)
     last_eval = run_eval(num_steps) if prompts["eval"] else None
-    if args.plot_every and accelerator.is_main_process:  # the curves again, with the final eval point
-        write_plots(args.output_dir, exp.action_mask.sum(-1).tolist(), args.generate_max_len)
+    log.plots(exp.action_mask.sum(-1).tolist())  # the curves again, with the final eval point
     accelerator.wait_for_everyone()
     export(os.path.join(args.output_dir, "model"))
     if ema is not None:  # the same architecture with the averaged weights
-        names = [name for name, _ in accelerator.unwrap_model(model).named_parameters()]
-        export(os.path.join(args.output_dir, "ema_model"), {name: e.cpu() for name, e in zip(names, ema)})
+        export(os.path.join(args.output_dir, "ema_model"), named_like(accelerator.unwrap_model(model), ema))
     if first_eval:
         accelerator.print(f"[done] {eval_summary(first_eval, last_eval)}; model in {args.output_dir}/model")
     accelerator.end_training()  # last: it also tears down the process group

@@ -201,6 +201,26 @@ def move_optimizer_state(optimizers, device):
         torch.cuda.empty_cache()  # hand the freed blocks back, for vLLM's wake-up
 
 
+def offload_after_update(optimizers, offload, engine, deepspeed, log):
+    """After an update, --optimizer_offload: the optimizer state to the CPU if offload; None (auto) decides
+    it now, once: on only if the engine could not wake beside the state (DeepSpeed keeps its own, so off
+    there). Returns the decision."""
+    if offload is None and not deepspeed:
+        offload = not engine.can_wake()
+        log(f"[memory] optimizer state on the CPU between updates: {offload}")
+    if offload:
+        move_optimizer_state(optimizers, "cpu")
+    return offload
+
+
+def adamw_with_warmup(net, lr, warmup):
+    """(AdamW over net's parameters, its schedule: linear warm-up over `warmup` optimizer steps, then
+    constant: transformers' constant_with_warmup, as a torch LambdaLR)."""
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = lambda i: min(1.0, i / warmup) if warmup else 1.0  # noqa: E731
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
 AUTO_MAX_TOKENS = 32768  # larger micro-batches gain little and take memory from the engine
 
 

@@ -135,15 +135,18 @@ class MetricsLog:
     """The run's record in its output directory: config.json, one JSON object per step in metrics.jsonl (and
     the accelerate trackers, wandb and TensorBoard), samples.jsonl; and the console line."""
 
-    def __init__(self, output_dir, config=None, accelerator=None, project=None, keep_until=None):
+    def __init__(self, output_dir, config=None, accelerator=None, project=None, keep_until=None,
+                 samples_every=0, plot_every=0, max_len=None):
         """Writes config (a dict) to config.json and starts metrics.jsonl: a resumed run (keep_until, its
         checkpoint's step) keeps the rows up to that step and drops those logged after it by the run that
         died; a new run (None) starts the file empty. With a project name, the accelerator's trackers start
         too, with the config's scalars and strings (TensorBoard's hparams refuse anything else).
+        samples_every, plot_every (steps; 0: never), max_len (of a response): samples_and_plots below.
         Only the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_every, self.plot_every, self.max_len = samples_every, plot_every, max_len
         if self.enabled:
             os.makedirs(output_dir, exist_ok=True)
             if config is not None:
@@ -184,6 +187,23 @@ class MetricsLog:
             self.accelerator.get_tracker("wandb").log_table("samples", columns=["step", *rows[0]],
                                                             data=[[step, *x.values()] for x in rows],
                                                             step=step)
+
+    def samples_and_plots(self, step, samples, tokenizer, lengths, last=False):
+        """Every samples_every steps, the first 4 samples (rollout Samples) to samples.jsonl; every plot_every
+        steps and at the last, the plots (lengths: this step's response lengths)."""
+        if self.samples_every and step % self.samples_every == 0:
+            self.samples(step, [{"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion,
+                                 "label": s.label, "reward": s.reward} for s in samples[:4]])
+        if self.plot_every and (step % self.plot_every == 0 or last):
+            self.plots(lengths)
+
+    def plots(self, lengths):
+        """curves.png and gen_len.png in the output directory (with plot_every; lengths: the latest
+        rollout's response lengths)."""
+        if self.enabled and self.plot_every:
+            from rft_core.plots import write_plots
+
+            write_plots(os.path.dirname(self.path), lengths, self.max_len)
 
     @staticmethod
     def line(step, metrics, keys=None):

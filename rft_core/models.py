@@ -158,6 +158,18 @@ def lm_loss(model, input_ids, attention_mask):
                  position_ids=positions(attention_mask), labels=labels, use_cache=False).loss
 
 
+def text_lm_loss(model, tokenizer, texts, max_len):
+    """lm_loss of a batch of texts (the ptx loss's), each cut to max_len tokens."""
+    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
+    enc = enc.to(next(model.parameters()).device)  # model may be wrapped (DDP, DeepSpeed)
+    return lm_loss(model, enc["input_ids"], enc["attention_mask"])
+
+
+def named_like(model, tensors):
+    """{parameter name: tensor on the CPU}: tensors listed in model.parameters()'s order (an EMA's), named."""
+    return {name: t.cpu() for (name, _), t in zip(model.named_parameters(), tensors)}
+
+
 @torch.no_grad()
 def merged_state_dict(model, state_dict=None, modules=None):
     """The weights to serve: a LoRA (peft) model's adapters merged into its base weights, under the
