@@ -217,3 +217,24 @@ def test_sharded_configs_with_vllm(tmp_path, config):
     steps, _ = read_metrics(str(tmp_path))
     assert len(steps) == 2 and all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)
     assert os.path.isfile(tmp_path / "model" / "model.safetensors")
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_adamw_warmup_is_transformers_constant_with_warmup(warmup):
+    """The scripts' schedule (a torch LambdaLR: importing transformers' get_scheduler pulled in peft, 7 s of
+    every start) gives the learning rates of transformers' constant_with_warmup, step for step."""
+    from transformers import get_constant_schedule_with_warmup
+
+    from rft_core.distributed import adamw_with_warmup
+
+    def rates(optimizer, scheduler):
+        out = []
+        for _ in range(8):
+            out.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    reference = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+    theirs = rates(reference, get_constant_schedule_with_warmup(reference, warmup))
+    assert rates(*adamw_with_warmup(torch.nn.Linear(2, 2), 1e-3, warmup)) == pytest.approx(theirs)
