@@ -8,7 +8,8 @@ the same 256 token prompts (32 prompts x 8 samples of the built-in arithmetic ta
 - `vllm_nolp`: the same without logprobs; `vllm_flat`: logprobs as vLLM's FlatLogprobs;
 - `vllm_greedy`, `vllm_fixed`: temperature 0 / every response exactly max_tokens long (ignore_eos).
 With `--engine sglang` (SGLangEngine): `engine`, then `sglang` (`llm.generate` with the same sampling-params
-dicts and return_logprob, our Python around it left out), `sglang_nolp`, `sglang_fixed` (ignore_eos).
+dicts and return_logprob, our Python around it left out), `sglang_nolp`, `sglang_fixed` (ignore_eos) and
+`engine_fixed` (our engine with ignore_eos: the same work as sglang_fixed, so the fairest pair).
 Prints one JSON line per variant: median seconds over --repeats, new tokens, decode steps, ms per step.
 
     python bench/bench_generate.py 0.5b --max_new 128          # a Qwen2 shape of bench_sizes.py
@@ -100,9 +101,9 @@ def vllm_variants(engine, prompts, max_new):
 
 def sglang_variants(engine, prompts, max_new):
     """name -> (a call of SGLang's own offline generate on the same requests, an output's length)."""
-    from rft_core.sglang_engine import sampling_params
+    import rft_core.sglang_engine as sglang_engine
 
-    params = sampling_params([max_new] * len(prompts), 1.0, 1.0, engine.eos_token_id)
+    params = sglang_engine.sampling_params([max_new] * len(prompts), 1.0, 1.0, engine.eos_token_id)
     fixed = [{**p, "ignore_eos": True} for p in params]
     ids = [list(p) for p in prompts]
     call = engine.llm.generate
@@ -110,9 +111,18 @@ def sglang_variants(engine, prompts, max_new):
     def length(out):
         return len(out["output_ids"])
 
+    def engine_fixed():  # our engine with every response max_new long: the same work as sglang_fixed
+        plain = sglang_engine.sampling_params
+        sglang_engine.sampling_params = lambda *a: [{**p, "ignore_eos": True} for p in plain(*a)]
+        try:
+            return engine.generate(prompts, max_new, 1.0, 1.0)
+        finally:
+            sglang_engine.sampling_params = plain
+
     return {"sglang": (lambda: call(input_ids=ids, sampling_params=params, return_logprob=True), length),
             "sglang_nolp": (lambda: call(input_ids=ids, sampling_params=params), length),
-            "sglang_fixed": (lambda: call(input_ids=ids, sampling_params=fixed, return_logprob=True), length)}
+            "sglang_fixed": (lambda: call(input_ids=ids, sampling_params=fixed, return_logprob=True), length),
+            "engine_fixed": (engine_fixed, lambda gen: len(gen.token_ids))}
 
 
 if __name__ == "__main__":
