@@ -21,7 +21,8 @@ case "$mode" in
       > "$OUT/sglang_tests.log" 2>&1; echo "tests rc=$?"; tail -30 "$OUT/sglang_tests.log";;
   generate)  # engine overhead: SGLangEngine.generate against SGLang's own offline generate, same requests
     for size in 135m 0.5b; do
-      python bench/bench_generate.py $size --engine sglang 2> "$OUT/generate_$size.err" | tee -a "$OUT/generate.jsonl"
+      python bench/bench_generate.py $size --engine sglang --repeats 10 2> "$OUT/generate_$size.err" \
+        | tee -a "$OUT/generate.jsonl"
       tail -3 "$OUT/generate_$size.err"
     done;;
   default)  # the default job, held-out accuracy and step line, as the README's vLLM run
