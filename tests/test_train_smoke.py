@@ -52,13 +52,14 @@ def test_tiny_estimators_kl_and_epochs(tiny_model_dir, tmp_path, estimator, mode
          "--eval_steps", "1", "--save_steps", "2", "--output_dir", str(tmp_path)])
     steps_rows, eval_rows = read_metrics(str(tmp_path))
     assert len(steps_rows) == 2 and [r["step"] for r in eval_rows] == [0, 1, 2]
-    assert steps_rows[0]["train/grad_norm"] > 0
+    assert all(math.isfinite(r["train/policy_loss"]) and r["train/grad_norm"] > 0 for r in steps_rows)
     assert steps_rows[1]["train/kl"] > 0  # the policy has moved away from the reference
     assert any(r["train/ppo_kl"] != 0 for r in steps_rows)  # later updates see ratios != 1
     assert os.path.isfile(tmp_path / "checkpoint-2" / "trainer_state.json") and (tmp_path / "latest").read_text() == "checkpoint-2"
 
 
-@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "cpgd", "reinforce", "reinforce_baseline", "gae"])
+# dr_grpo and rloo run above (two steps, two epochs each, with the same checks): CI time
+@pytest.mark.parametrize("estimator", ["group_norm", "cpgd", "reinforce", "reinforce_baseline", "gae"])
 def test_every_estimator_three_steps(tiny_model_dir, tmp_path, chars_reward, estimator):
     run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--advantage_estimator", estimator,
          "--reward_fn", chars_reward, "--actor_learning_rate", "1e-3", "--output_dir", str(tmp_path)])
