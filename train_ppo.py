@@ -363,7 +363,8 @@ def main():
     args.train_batch_size = args.train_batch_size or samples_per_step
     deepspeed = accelerator.state.deepspeed_plugin
     sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed and deepspeed.zero_stage == 3)
-    check_args(args, world, deepspeed, sharded, resolve_engine_type(args.engine_type))
+    check_args(args, world, deepspeed, sharded, resolve_engine_type(args.engine_type),
+               accelerator.parallelism_config)
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
     rows_per_update = args.train_batch_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL

@@ -100,14 +100,23 @@ AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps
                  "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
 
 
-def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf"):
+def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", parallelism=None):
     """Refuse the flag values and combinations of a training script's Args that cannot work, naming the flag,
     the value and the fix, before anything loads: ranges, batch sizes that must divide, and flags set (away
     from their default) that do nothing in this run. world: processes; deepspeed: accelerate's DeepSpeed
-    plugin or None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved rollout engine (hf, vllm, sglang)."""
+    plugin or None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved rollout engine (hf, vllm, sglang);
+    parallelism: accelerate's ParallelismConfig or None."""
     def check(ok, message):
         if not ok:
             raise ConfigError(message)
+
+    # the scripts do not shard a sample's tokens or a layer's weights across ranks yet (issue 18): a run with
+    # them would feed whole sequences where the sharded attention expects slices
+    for dim in ("sp", "cp", "tp"):
+        size = getattr(parallelism, f"{dim}_size", None) or 1
+        check(size == 1, f"the accelerate config's parallelism_config_{dim}_size is {size}: sequence, "
+              "context and tensor parallelism are not supported by the training scripts yet; remove it (data "
+              "parallelism and ZeRO / FSDP2 sharding are)")
 
     names = {f.name for f in dataclasses.fields(args)}
     for name in names & set(RANGES):

@@ -410,3 +410,23 @@ def test_engine_groups_must_divide_the_processes():
         with pytest.raises(UserError, match=re.escape("--engine_tp_size 2: must divide the 3 processes")):
             check_args(args, 3, engine_type=engine)
         check_args(args, 4, engine_type=engine)
+
+
+def test_sequence_tensor_and_context_parallelism_are_refused():
+    """An accelerate config whose parallelism_config asks for sequence (Ulysses), context or tensor parallelism
+    is refused in one line before anything loads: the scripts feed whole sequences and weights, which the
+    sharded attention would take for slices (issue 18). Seen end to end on CPU through DeepSpeed ZeRO-3 with
+    parallelism_config_sp_size 2; data parallelism alone passes."""
+    import types
+
+    import train_ppo
+    from rft_core.cli import check_args
+
+    args = train_ppo.Args()
+    args.train_batch_size = args.rollout_batch_size * args.n_samples_per_prompt
+    for dim in ("sp", "cp", "tp"):
+        sizes = {"sp_size": 1, "cp_size": 1, "tp_size": 1, f"{dim}_size": 2}
+        with pytest.raises(UserError, match=f"parallelism_config_{dim}_size is 2: .* not supported"):
+            check_args(args, 2, parallelism=types.SimpleNamespace(**sizes))
+    check_args(args, 2, parallelism=types.SimpleNamespace(sp_size=1, cp_size=1, tp_size=1, dp_shard_size=2))
+    check_args(args, 2, parallelism=None)
