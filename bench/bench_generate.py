@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -56,11 +57,10 @@ def main():
     engine.update_weights(model)
     del model
     torch.cuda.empty_cache()
-    variants = (sglang_variants if args.engine == "sglang" else vllm_variants)(engine, prompts, args.max_new)
-
+    own = (sglang_variants if args.engine == "sglang" else vllm_variants)(engine, prompts, args.max_new)
     # every variant once per round, rounds repeated: drift (clocks, caches) falls on all of them alike
     variants = {"engine": (lambda: engine.generate(prompts, args.max_new, 1.0, 1.0),
-                           lambda gen: len(gen.token_ids)), **variants}
+                           lambda gen: len(gen.token_ids)), **own}
     times = {name: [] for name in variants}
     lengths = {}
     for _ in range(args.repeats + 1):  # the first round is a warm-up
@@ -111,13 +111,12 @@ def sglang_variants(engine, prompts, max_new):
     def length(out):
         return len(out["output_ids"])
 
+    plain = sglang_engine.sampling_params
+
     def engine_fixed():  # our engine with every response max_new long: the same work as sglang_fixed
-        plain = sglang_engine.sampling_params
-        sglang_engine.sampling_params = lambda *a: [{**p, "ignore_eos": True} for p in plain(*a)]
-        try:
+        with mock.patch.object(sglang_engine, "sampling_params",
+                               lambda *a: [{**p, "ignore_eos": True} for p in plain(*a)]):
             return engine.generate(prompts, max_new, 1.0, 1.0)
-        finally:
-            sglang_engine.sampling_params = plain
 
     return {"sglang": (lambda: call(input_ids=ids, sampling_params=params, return_logprob=True), length),
             "sglang_nolp": (lambda: call(input_ids=ids, sampling_params=params), length),

@@ -3,8 +3,8 @@
 import argparse
 import ast
 import dataclasses
-import inspect
 import faulthandler
+import inspect
 import os
 import signal
 import sys
