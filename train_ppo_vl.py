@@ -51,6 +51,7 @@ from rft_core.models import compile_blocks, export_hf, lora_model, named_like, t
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
 from rft_core.rewards import RewardScorer, RunningMoments, reward_sources, shape_rewards
 from rft_core.rollout import RolloutSettings, Rollouts
+from rft_core.sequence_parallel import SequenceParallel
 
 
 @dataclass
@@ -358,7 +359,9 @@ def main():
                accelerator.parallelism_config)
     args.actor_learning_rate = args.actor_learning_rate or (1e-6 if args.pretrain else 3e-3)  # VL
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
-    rows_per_update = args.train_batch_size // world  # local samples per optimizer step
+    # sequence parallelism: each group of sp_size ranks trains the same samples, a slice of every row each
+    sp_size = getattr(accelerator.parallelism_config, "sp_size", 1)
+    rows_per_update = args.train_batch_size * sp_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL
     kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards
     kl_coef = args.init_kl_coef
@@ -408,12 +411,13 @@ def main():
         critic = trained["critic_grad_norm"][0]
     trained_nets = [net for net, _, _ in trained.values()]  # as prepared (DDP- or DeepSpeed-wrapped)
     # micro-batches by rows or by tokens (planned from the measured activations on a GPU), checkpointing
-    split, logprob_split = micro_batch_splits(args, accelerator, model, trained_nets, chunk_size)
+    sp = SequenceParallel.from_accelerator(accelerator)  # None without sequence parallelism
+    split, logprob_split = micro_batch_splits(args, accelerator, model, trained_nets, chunk_size, sp)
     optimizers = [opt for _, opt, _ in trained.values()]
     engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
                            limit_mm_per_prompt=args.limit_mm_image_per_prompt,  # VL
                            static_prefix=args.freeze_prefix,  # VL
-                           **engine_options(args, requests=samples_per_step // world))
+                           **engine_options(args, samples_per_step // world, sp_size))
 
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,
@@ -463,6 +467,7 @@ def main():
         engine.wake_up()  # the KV cache, if the engine slept
         perf.phase("generate")
         samples, rollout_stats = rollouts.collect(engine, tokenizer, score_all, reduce_sum, step)
+        samples = sp.gather_samples(samples, accelerator) if sp else samples  # the group's, on each rank
         perf.phase("sleep")
         slept = engine.sleep(needed_bytes=perf.extra_bytes("update"))  # auto: if training needs the memory
 
@@ -521,7 +526,7 @@ def main():
                     with torch.set_grad_enabled(not frozen):
                         logprobs, entropy = micro_batch_logprobs(
                             model, mb, args.temperature, "grad" if args.entropy_coef else True, chunk_size,
-                            args.packing_samples)  # (B, T) each
+                            args.packing_samples, sp)  # (B, T) each
                     loss, m = actor_loss(logprobs, entropy, mb, settings)  # (B, T) each -> scalar
                     if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
                         ptx_loss = text_lm_loss(model, tokenizer, next(ptx_batches), args.prompt_max_len)
@@ -554,7 +559,8 @@ def main():
         # ---- log ----
         shaped = exp.rewards if moments is not None or args.reward_clip is not None else None  # (B,)
         local = {**rollout_metrics(samples, args.generate_max_len, shaped, args.reward_clip),
-                 **update_metrics(stats), **rollout_stats, "perf/tokens": exp.attention_mask.sum().item()}
+                 **update_metrics(stats), **rollout_stats,
+                 "perf/tokens": exp.attention_mask.sum().item() / sp_size}  # this rank's share
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
         metrics = gather_metrics(local)  # over the ranks: means, and sums of counts

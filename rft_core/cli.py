@@ -110,13 +110,26 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
         if not ok:
             raise ConfigError(message)
 
-    # the scripts do not shard a sample's tokens or a layer's weights across ranks yet (issue 18): a run with
-    # them would feed whole sequences where the sharded attention expects slices
-    for dim in ("sp", "cp", "tp"):
+    # sequence parallelism is DeepSpeed's Ulysses (rft_core/sequence_parallel.py); context parallelism
+    # (FSDP2) and tensor parallelism would feed whole sequences or whole layers where shards are expected
+    for dim in ("cp", "tp"):
         size = getattr(parallelism, f"{dim}_size", None) or 1
-        check(size == 1, f"the accelerate config's parallelism_config_{dim}_size is {size}: sequence, "
-              "context and tensor parallelism are not supported by the training scripts yet; remove it (data "
-              "parallelism and ZeRO / FSDP2 sharding are)")
+        check(size == 1, f"the accelerate config's parallelism_config_{dim}_size is {size}: context and "
+              "tensor parallelism are not supported by the training scripts yet; remove it (sequence "
+              "parallelism under DeepSpeed is: accelerate_configs/deepspeed_zero3_sp2.yaml)")
+    sp = getattr(parallelism, "sp_size", None) or 1
+    if sp > 1:  # what Ulysses cannot do here: it drops attention masks and splits every sdpa forward
+        for flag, on, why in (
+                ("packing_samples", args.packing_samples, "sdpa would attend across the packed samples"),
+                ("use_gspo", args.use_gspo, "its sequence ratio needs every slice of a sequence"),
+                ("high_entropy_token_ratio", args.high_entropy_token_ratio, "its top tokens span the slices"),
+                ("pretrain_data", args.pretrain_data, "its padded text rows would lose their attention mask"),
+                ("reward_pretrain", args.reward_pretrain, "reward models would lose their attention mask")):
+            check(not on, f"--{flag} with sequence parallelism (parallelism_config_sp_size {sp}): {why}; "
+                  "drop one of them")
+        check(not hasattr(args, "images_key"), "train_ppo_vl.py with sequence parallelism "
+              f"(parallelism_config_sp_size {sp}): image rows are not split across ranks yet; use a config "
+              "without it")
 
     names = {f.name for f in dataclasses.fields(args)}
     for name in names & set(RANGES):

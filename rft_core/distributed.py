@@ -103,6 +103,8 @@ def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
+    if getattr(accelerator.parallelism_config, "sp_size", 1) > 1:
+        micro_batch_size = None  # Ulysses is set up for DeepSpeed's micro-batch: one row per forward
     micro_batch_size = micro_batch_size or 1
     grad_accum = rows_per_update // micro_batch_size
     plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro_batch_size,
@@ -286,12 +288,13 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     return checkpointing, tokens
 
 
-def micro_batch_splits(args, accelerator, model, nets, chunk_size):
+def micro_batch_splits(args, accelerator, model, nets, chunk_size, sp=None):
     """(update, logprob passes): Experience.split's keyword arguments. Fixed rows (--micro_train_batch_size),
     or samples grouped by tokens, as many micro-batches on every rank (under ZeRO-3 / FSDP2 each forward is a
     collective); on a GPU the budget, unless set, is planned from the measured activations
     (plan_update_memory). The logprob passes keep no activations: twice the update's budget. Turns on gradient
-    checkpointing in the prepared nets where the plan or the flag says so."""
+    checkpointing in the prepared nets where the plan or the flag says so. sp (SequenceParallel): a rank
+    computes a 1 / sp.size slice of each row, so the budget counts sp.size times its tokens."""
     device = accelerator.device
     sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
     by_tokens = None if args.micro_train_batch_size else args.max_tokens_per_micro_batch or 16384
@@ -306,5 +309,7 @@ def micro_batch_splits(args, accelerator, model, nets, chunk_size):
         # non-reentrant: with LoRA the checkpointed blocks' inputs need no gradient of their own
         kwargs = {"use_reentrant": False}
         accelerator.unwrap_model(net).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if sp is not None:
+        split.update(sp=sp, max_tokens=split["max_tokens"] and split["max_tokens"] * sp.size)
     return split, {**split, "micro_batch_size": args.micro_rollout_batch_size,
                    "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}

@@ -41,6 +41,8 @@ class Experience:
     mm: list = None  # per row, for vision-language models: image inputs (multimodal.py) or None
     # (B,) per sequence, broadcast over tokens by the loss, or (B, T) per token
     advantages: torch.Tensor = None
+    # (B,) each row's whole response length, where action_mask holds only a sequence-parallel slice's tokens
+    response_lens: torch.Tensor = None
 
     def __len__(self):
         return self.input_ids.shape[0]
@@ -58,11 +60,13 @@ class Experience:
         """The model's image inputs for these rows (None for a text-only batch)."""
         return mm_inputs(self.mm, self.input_ids)
 
-    def split(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
+    def split(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False, sp=None):
         """Micro-batches, each trimmed to its own longest prompt and response: micro_batch_size rows each, in
-        order, or by token budget (see micro_batch_rows)."""
-        return [self.select(rows)._trim()
-                for rows in self.micro_batch_rows(micro_batch_size, max_tokens, sync_count, packed)]
+        order, or by token budget (see micro_batch_rows); with sp, each narrowed to this rank's tokens
+        (SequenceParallel.shard)."""
+        batches = [self.select(rows)._trim()
+                   for rows in self.micro_batch_rows(micro_batch_size, max_tokens, sync_count, packed)]
+        return [sp.shard(mb) for mb in batches] if sp is not None else batches
 
     def micro_batch_rows(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
         """Row index lists of the micro-batches: micro_batch_size consecutive rows each, or, with max_tokens,
@@ -154,9 +158,13 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
                       rollout_logprobs.to(device), mm=mm)
 
 
-def micro_batch_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=None, packed=False):
+def micro_batch_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=None, packed=False,
+                         sp=None):
     """Response logprobs (and entropy, as response_logprobs) (B, T) of the micro-batch mb (an Experience):
-    from its padded rows or, packed, from one row without padding (models.packed_logprobs; text rows only)."""
+    from its padded rows or, packed, from one row without padding (models.packed_logprobs; text rows only);
+    with sp (sequence_parallel.SequenceParallel), those this rank's slice predicts, zeros elsewhere."""
+    if sp is not None:
+        return sp.logprobs(model, mb, temperature, with_entropy, chunk_size)
     if not packed:
         return response_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature,
                                  with_entropy, mb.mm_inputs(), chunk_size)
@@ -183,23 +191,25 @@ def micro_batch_values(critic, mb, packed=False):
 
 
 @torch.no_grad()
-def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
+def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False,
+                    sp=None):
     """fn(micro_batch) -> (b, t) per response token, over the whole experience in micro-batches (rows or a
-    token budget, as Experience.split): (B, T)."""
+    token budget, as Experience.split): (B, T). sp: fn gives this rank's slice's tokens; summed over the
+    group."""
     out = torch.zeros_like(experience.rollout_logprobs)  # (B, T)
     for rows in experience.micro_batch_rows(micro_batch_size, max_tokens, sync_count, packed):
         mb = experience.select(rows)._trim()
         values = fn(mb)  # (b, t), t <= T after trimming
         out[rows, :values.shape[1]] = values * mb.action_mask
-    return out
+    return sp.sum(out) if sp is not None else out
 
 
 def batched_logprobs(model, experience, temperature=1.0, chunk_size=None, **split):
     """Response logprobs (B, T) of `model` over the whole experience, in micro-batches (split:
-    batched_forward's micro_batch_size, max_tokens, sync_count, packed; chunk_size: response_logprobs')."""
-    packed = split.get("packed", False)
+    batched_forward's keywords; chunk_size: response_logprobs')."""
+    packed, sp = split.get("packed", False), split.get("sp")
     return batched_forward(experience, lambda mb: micro_batch_logprobs(
-        model, mb, temperature, chunk_size=chunk_size, packed=packed)[0], **split)
+        model, mb, temperature, chunk_size=chunk_size, packed=packed, sp=sp)[0], **split)
 
 
 def batched_values(critic, experience, **split):

@@ -58,10 +58,11 @@ class HealthGuard:
         mb = experience.split(**split)[0]  # split: Experience.split's arguments
         with accelerator.autocast():
             logprobs, entropy = micro_batch_logprobs(model, mb, temperature, True, chunk_size,
-                                                     split["packed"])
+                                                     split["packed"], split.get("sp"))
         mask = mb.action_mask
-        kl = ((mb.rollout_logprobs - logprobs.float()) * mask).sum() / mask.sum()  # samples of the old policy
-        means = accelerator.reduce(torch.stack([(entropy * mask).sum() / mask.sum(), kl]), "mean").tolist()
+        tokens = mask.sum().clamp(min=1)  # (a sequence-parallel slice may hold none)
+        kl = ((mb.rollout_logprobs - logprobs.float()) * mask).sum() / tokens  # samples of the old policy
+        means = accelerator.reduce(torch.stack([(entropy * mask).sum() / tokens, kl]), "mean").tolist()
         self.entropy(means[0], step, "the updated policy")
         if not means[1] <= self.max_update_kl:
             self.stop(f"the update moved the policy by {means[1]:.3g} nats per token (KL to the policy that "

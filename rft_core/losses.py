@@ -31,11 +31,13 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def aggregate_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None, max_len=None):
+def aggregate_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None, max_len=None,
+                   seq_lens=None):
     """Reduce a (B, T) per-token loss to a scalar; see the module docstring for the formulas.
 
     num_tokens / num_seqs: the optimizer step's totals (default: this batch's own). max_len: the
-    Dr.GRPO constant L (default: T).
+    Dr.GRPO constant L (default: T). seq_lens (B,): |o_i| (default: the mask's; sequence parallelism's
+    mask holds a slice of each sequence).
     """
     mask = mask.to(loss_mat.dtype)
     num_tokens = mask.sum() if num_tokens is None else num_tokens
@@ -46,7 +48,8 @@ def aggregate_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None
     if loss_agg_mode == "seq-mean-token-sum":
         return seq_sums.sum() / num_seqs
     if loss_agg_mode == "seq-mean-token-mean":
-        return (seq_sums / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+        lens = mask.sum(-1) if seq_lens is None else seq_lens.to(mask.dtype)
+        return (seq_sums / lens.clamp(min=1)).sum() / num_seqs
     if loss_agg_mode == "seq-mean-token-sum-norm":
         return seq_sums.sum() / (num_seqs * (max_len or loss_mat.shape[-1]))
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {LOSS_AGG_MODES}")
@@ -71,7 +74,7 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator="k3"):
 
 def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.2, loss_agg_mode="token-mean",
                 num_tokens=None, num_seqs=None, max_len=None, eps_clip_high=None, dual_clip=None,
-                use_gspo=False, is_weights=None, use_cpg_loss=False):
+                use_gspo=False, is_weights=None, use_cpg_loss=False, seq_lens=None):
     """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with
     variants:
 
@@ -112,7 +115,7 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.
         loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, -dual_clip * advantages), loss_mat)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len)
+    loss = aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len, seq_lens)
     with torch.no_grad():
         metrics = {
             "clip_frac": masked_mean((surr2 < surr1).float(), action_mask),
@@ -122,14 +125,14 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.
 
 
 def value_loss(values, old_values, returns, action_mask, value_clip=None, loss_agg_mode="token-mean",
-               num_tokens=None, num_seqs=None, max_len=None):
+               num_tokens=None, num_seqs=None, max_len=None, seq_lens=None):
     """PPO critic loss 0.5 (V - R)^2 (B, T) -> scalar; with value_clip c, the pessimistic
     max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), as in OpenAI's PPO2 baselines."""
     loss_mat = (values - returns).square()  # (B, T)
     if value_clip is not None:
         clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
         loss_mat = torch.maximum(loss_mat, (clipped - returns).square())
-    return 0.5 * aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len)
+    return 0.5 * aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len, seq_lens)
 
 
 def high_entropy_mask(entropy, action_mask, ratio):
@@ -210,7 +213,7 @@ def actor_loss(logprobs, entropy, mb, s):
     """
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
     mask = mb.action_mask
-    agg = dict(num_tokens=s.num_tokens, num_seqs=s.num_seqs, max_len=s.max_len)
+    agg = dict(num_tokens=s.num_tokens, num_seqs=s.num_seqs, max_len=s.max_len, seq_lens=mb.response_lens)
     # TIS: the engine samples with other numerics than the trainer's (and, with partial rollout, with older
     # weights): weight tokens by pi_old / pi_rollout (AReaL's decoupled PPO: pi_old is the proximal policy),
     # truncated at the cap, or masked above it
@@ -224,7 +227,7 @@ def actor_loss(logprobs, entropy, mb, s):
     pg_loss, metrics = policy_loss(logprobs, old, mb.advantages, pg_mask, s.eps_clip_low, s.loss_agg_mode,
                                    s.num_pg_tokens, s.num_seqs, s.max_len, eps_clip_high=s.eps_clip_high,
                                    dual_clip=s.dual_clip, use_gspo=s.use_gspo, is_weights=is_weights,
-                                   use_cpg_loss=s.use_cpg_loss)
+                                   use_cpg_loss=s.use_cpg_loss, seq_lens=mb.response_lens)
     loss = pg_loss
     if s.entropy_coef:
         loss = loss - s.entropy_coef * aggregate_loss(entropy, mask, s.loss_agg_mode, **agg)

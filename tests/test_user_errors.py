@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import ROOT, read_metrics, run_script
@@ -412,21 +414,33 @@ def test_engine_groups_must_divide_the_processes():
         check_args(args, 4, engine_type=engine)
 
 
-def test_sequence_tensor_and_context_parallelism_are_refused():
-    """An accelerate config whose parallelism_config asks for sequence (Ulysses), context or tensor parallelism
-    is refused in one line before anything loads: the scripts feed whole sequences and weights, which the
-    sharded attention would take for slices (issue 18). Seen end to end on CPU through DeepSpeed ZeRO-3 with
-    parallelism_config_sp_size 2; data parallelism alone passes."""
+def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_are_refused():
+    """An accelerate config whose parallelism_config asks for context or tensor parallelism is refused in one
+    line before anything loads (the scripts feed whole sequences and weights). Sequence parallelism (Ulysses)
+    passes, but not with the flags whose rows it cannot split, nor in train_ppo_vl.py; data parallelism
+    passes."""
     import types
 
     import train_ppo
+    import train_ppo_vl
     from rft_core.cli import check_args
+
+    def config(**sizes):
+        return types.SimpleNamespace(**{"sp_size": 1, "cp_size": 1, "tp_size": 1, **sizes})
 
     args = train_ppo.Args()
     args.train_batch_size = args.rollout_batch_size * args.n_samples_per_prompt
-    for dim in ("sp", "cp", "tp"):
-        sizes = {"sp_size": 1, "cp_size": 1, "tp_size": 1, f"{dim}_size": 2}
+    for dim in ("cp", "tp"):
         with pytest.raises(UserError, match=f"parallelism_config_{dim}_size is 2: .* not supported"):
-            check_args(args, 2, parallelism=types.SimpleNamespace(**sizes))
-    check_args(args, 2, parallelism=types.SimpleNamespace(sp_size=1, cp_size=1, tp_size=1, dp_shard_size=2))
+            check_args(args, 2, parallelism=config(**{f"{dim}_size": 2}))
+    check_args(args, 2, parallelism=config(sp_size=2))
+    check_args(args, 2, parallelism=config(dp_shard_size=2))
     check_args(args, 2, parallelism=None)
+    for flag, value in (("packing_samples", True), ("use_gspo", True), ("high_entropy_token_ratio", 0.2),
+                        ("pretrain_data", "x.jsonl"), ("reward_pretrain", "rm")):
+        with pytest.raises(UserError, match=f"--{flag} with sequence parallelism .*: .*; drop one of them"):
+            check_args(replace(args, **{flag: value}), 2, parallelism=config(sp_size=2))
+    vl = train_ppo_vl.Args()
+    vl.train_batch_size = vl.rollout_batch_size * vl.n_samples_per_prompt
+    with pytest.raises(UserError, match="train_ppo_vl.py with sequence parallelism .* not split across ranks"):
+        check_args(vl, 2, parallelism=config(sp_size=2))

@@ -1,0 +1,91 @@
+"""Run by tests/test_sequence_parallel.py under `accelerate launch --config_file deepspeed_zero3_sp2.yaml`
+(2 CPU ranks, gloo, DS_ACCELERATOR=cpu): the same batch through the unsharded model in one process (SP 1) and
+through Ulysses SP 2 under ZeRO-3, as the training scripts do it. Writes OUT_DIR/rank<r>.json per rank: the largest
+differences of the logprobs (batched_logprobs, summed over the group), of the loss (summed over the ranks)
+and of every parameter's gradient, per loss aggregation mode.
+
+    accelerate launch --config_file accelerate_configs/deepspeed_zero3_sp2.yaml tests/sp_worker.py \
+        MODEL_DIR CHUNK_SIZE OUT_DIR        (CHUNK_SIZE 0: the model's own logits)
+"""
+
+import copy
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rft_core.distributed import configure_deepspeed, process_group_kwargs
+from rft_core.experience import Experience, batched_logprobs, micro_batch_logprobs
+from rft_core.losses import LossSettings, actor_loss
+
+model_dir = sys.argv[1]
+chunk_size = int(sys.argv[2]) or None
+torch.manual_seed(0)
+whole = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")  # before ZeRO-3 exists
+trained = copy.deepcopy(whole)
+
+# three rows of different prompt and response lengths: [pad prompt | response pad], as build_experience
+prompt_lens, response_lens = [5, 9, 3], [11, 4, 20]
+P, T = max(prompt_lens), max(response_lens)
+input_ids = torch.zeros(3, P + T, dtype=torch.long)
+attention_mask = torch.zeros(3, P + T, dtype=torch.long)
+action_mask = torch.zeros(3, T, dtype=torch.long)
+for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+    input_ids[b, P - p:P + r] = torch.randint(5, 400, (p + r,))
+    attention_mask[b, P - p:P + r] = 1
+    action_mask[b, :r] = 1
+exp = Experience(input_ids, attention_mask, action_mask, rollout_logprobs=torch.zeros(3, T),
+                 advantages=torch.randn(3))
+with torch.no_grad():
+    want_logprobs = micro_batch_logprobs(whole, exp, 1.0, False, chunk_size)[0]
+# the engine's and the reference's logprobs near the policy's, so the TIS weights and the KL stay moderate
+exp.rollout_logprobs = (want_logprobs + 0.1 * torch.randn(3, T)) * action_mask
+exp.ref_logprobs = (want_logprobs + 0.1 * torch.randn(3, T)) * action_mask
+
+
+def loss_of(model, mb, mode, num_tokens, sp=None):
+    logprobs, entropy = micro_batch_logprobs(model, mb, 1.0, "grad", chunk_size, sp=sp)
+    settings = LossSettings(loss_agg_mode=mode, entropy_coef=0.01, use_kl_loss=True, kl_coef=0.1, tis_cap=2.0,
+                            num_tokens=num_tokens, num_pg_tokens=num_tokens, num_seqs=3, max_len=T)
+    return actor_loss(logprobs, entropy, mb, settings)[0]
+
+
+modes = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+want = {}
+for mode in modes:  # SP 1: the plain padded path, in this process alone
+    whole.zero_grad()
+    loss = loss_of(whole, exp, mode, torch.tensor(float(action_mask.sum())))
+    loss.backward()
+    want[mode] = loss.item(), {n: p.grad.clone() for n, p in whole.named_parameters()}
+
+from accelerate import Accelerator  # noqa: E402  (after the unsharded model: ZeRO-3 would partition it)
+from deepspeed.utils import safe_get_full_grad  # noqa: E402
+
+from rft_core.sequence_parallel import SequenceParallel  # noqa: E402
+
+accelerator = Accelerator(kwargs_handlers=process_group_kwargs())
+configure_deepspeed(accelerator, 1, None, 1e9)
+optimizer = torch.optim.SGD(trained.parameters(), lr=0.0)
+model, optimizer = accelerator.prepare(trained, optimizer)
+sp = SequenceParallel.from_accelerator(accelerator)
+world = accelerator.num_processes
+
+out = {"rank": accelerator.process_index, "sp_rank": sp.rank, "sp_size": sp.size, "world": world}
+logprobs = batched_logprobs(model, exp, 1.0, chunk_size, micro_batch_size=2, sp=sp)
+out["logprobs"] = ((logprobs - want_logprobs) * action_mask).abs().max().item()
+mb = sp.shard(exp)
+out["owned"] = int(mb.action_mask.sum())
+for mode in modes:
+    num_tokens = accelerator.reduce(mb.action_mask.sum().float(), "sum")  # each token counted once
+    loss = loss_of(model, mb, mode, num_tokens, sp)
+    model.backward(loss * world)  # the scripts' scale: DeepSpeed averages over the world (no step here)
+    total = accelerator.reduce(loss.detach().clone(), "sum").item()
+    grads = {n: safe_get_full_grad(p) for n, p in accelerator.unwrap_model(model).named_parameters()}
+    worst = max((grads[n] - g).abs().max().item() / (g.abs().max().item() + 1e-12)
+                for n, g in want[mode][1].items())
+    out[mode] = {"loss": total, "want": want[mode][0], "grad_rel": worst}
+    model.optimizer.zero_grad()
+with open(os.path.join(sys.argv[3], f"rank{accelerator.process_index}.json"), "w") as f:
+    json.dump(out, f)

@@ -1,0 +1,122 @@
+"""Sequence parallelism (issue 18): DeepSpeed's Ulysses through Accelerate's parallelism config, on CPU.
+
+On CPU Accelerate and DeepSpeed allow Ulysses under ZeRO-3 (gloo, DS_ACCELERATOR=cpu, sdpa). They do not allow
+FSDP2's context parallelism (torch's ring attention is CUDA only) nor flash-attention (so no packed rows under
+SP). The two-GPU checks are in bench/run_gpu_sp.sh."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rft_core.experience import Experience, micro_batch_logprobs
+from rft_core.sequence_parallel import SequenceParallel
+from conftest import read_metrics, run_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SP2 = os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3_sp2.yaml")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+
+
+def batch(prompt_lens=(5, 9, 3), response_lens=(11, 4, 20), seed=0):
+    """An Experience of rows [pad prompt | response pad] of these lengths (as build_experience lays them)."""
+    g = torch.Generator().manual_seed(seed)
+    P, T = max(prompt_lens), max(response_lens)
+    input_ids = torch.zeros(len(prompt_lens), P + T, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    action_mask = torch.zeros(len(prompt_lens), T, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        input_ids[b, P - p:P + r] = torch.randint(5, 400, (p + r,), generator=g)
+        attention_mask[b, P - p:P + r] = 1
+        action_mask[b, :r] = 1
+    return Experience(input_ids, attention_mask, action_mask, torch.zeros(len(prompt_lens), T))
+
+
+def test_slices_own_each_response_token_once():
+    """Every response token is scored by exactly one rank of a group, for groups of 2, 3 and 4; each rank's
+    slice is 1 / size of the row, which starts at position 0 and carries the next token as its target."""
+    exp = batch()
+    for size in (2, 3, 4):
+        owned = [SequenceParallel(size, rank, None).layout(exp)[3] for rank in range(size)]
+        assert torch.equal(sum(o.long() for o in owned), exp.action_mask)
+        inputs, targets, _, _ = SequenceParallel(size, 1, None).layout(exp)
+        width = inputs["input_ids"].shape[1]
+        assert width * size >= int(exp.attention_mask.sum(-1).max()) and inputs["position_ids"][0, 0] == width
+        whole = SequenceParallel(1, 0, None).layout(exp)[1]  # the unsplit row's targets
+        n = min(width, whole.shape[1] - width)
+        assert torch.equal(targets[:, :n], whole[:, width:width + n]) and not targets[:, n:].any()
+
+
+def test_one_rank_and_the_first_slice_equal_the_padded_path(tiny_model_dir):
+    """The unpadded-from-the-start layout of one rank (size 1) gives the padded path's logprobs and entropy;
+    the first of two slices (a prefix: causal attention needs no other rank) gives them on the tokens it owns.
+    Gradients too."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    exp = batch()
+    mask = exp.action_mask.float()
+    want, want_entropy = micro_batch_logprobs(model, exp, 0.7, "grad", chunk_size=8)
+    (want * mask).sum().backward()
+    want_grad = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad()
+    got, entropy = micro_batch_logprobs(model, exp, 0.7, "grad", 8, sp=SequenceParallel(1, 0, None))
+    (got * mask).sum().backward()
+    torch.testing.assert_close(got * mask, want * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy * mask, want_entropy * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.model.embed_tokens.weight.grad, want_grad, rtol=1e-4, atol=1e-6)
+    first = SequenceParallel(2, 0, None)
+    owned = first.shard(exp).action_mask.float()
+    assert 0 < owned.sum() < mask.sum()
+    with torch.no_grad():
+        got = micro_batch_logprobs(model, exp, 0.7, False, 8, sp=first)[0]
+    torch.testing.assert_close(got * owned, want.detach() * owned, rtol=1e-5, atol=1e-5)
+
+
+@needs_deepspeed
+def test_ulysses_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path):
+    """Two CPU ranks, ZeRO-3 with Ulysses SP 2 through accelerate_configs/deepspeed_zero3_sp2.yaml
+    (tests/sp_worker.py): the logprob pass summed over the group, the loss summed over the ranks and every
+    parameter's gradient equal the unsharded model's on one process, for three loss aggregations (with the KL
+    loss, the entropy bonus and TIS; the LM head chunked)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", SP2,
+                          os.path.join(ROOT, "tests", "sp_worker.py"), tiny_model_dir, "4", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert sorted(r["sp_rank"] for r in ranks) == [0, 1] and all(r["sp_size"] == 2 for r in ranks)
+    assert all(r["owned"] > 0 for r in ranks)  # both ranks score tokens
+    for r in ranks:
+        assert r["logprobs"] < 1e-5
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            assert abs(r[mode]["loss"] - r[mode]["want"]) <= 1e-5 * abs(r[mode]["want"]), (mode, r)
+            assert r[mode]["grad_rel"] < 1e-4, (mode, r)
+
+
+@needs_deepspeed
+def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, chars_reward):
+    """train_ppo.py end to end under deepspeed_zero3_sp2.yaml on two CPU ranks: both ranks of the group train
+    the group's 8 samples (gathered), the policy moves, a checkpoint is written and the run resumes from it."""
+    prompts = tmp_path / "prompts.jsonl"  # a file without an eval split: no held-out eval (time)
+    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "label": str(i)}) + "\n" for i in range(16)))
+    args = ["--pretrain", tiny_model_dir, "--prompt_data", str(prompts), "--reward_fn", chars_reward,
+            "--rollout_batch_size", "4",
+            "--n_samples_per_prompt", "2", "--generate_max_len", "12", "--actor_learning_rate", "1e-3",
+            "--max_steps", "2", "--save_steps", "1", "--output_dir", str(tmp_path / "run")]
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", SP2)
+    out = run_script("train_ppo.py", args, launcher=launcher, env=env).stdout
+    assert "2 processes" in out
+    steps, _ = read_metrics(str(tmp_path / "run"))
+    assert [m["step"] for m in steps] == [1, 2] and all(m["train/grad_norm"] > 0 for m in steps)
+    # the engine sampled the whole rows that the ranks scored in slices: the same logprobs
+    assert max(m["rollout/logprob_diff_mean"] for m in steps) < 1e-4
+    args[args.index("--max_steps") + 1] = "3"
+    out = run_script("train_ppo.py", args, launcher=launcher, env=env).stdout
+    assert "[resume] from" in out and "step 2" in out
+    assert [m["step"] for m in read_metrics(str(tmp_path / "run"))[0]] == [1, 2, 3]
