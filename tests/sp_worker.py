@@ -71,10 +71,13 @@ optimizer = torch.optim.SGD(trained.parameters(), lr=0.0)
 model, optimizer = accelerator.prepare(trained, optimizer)
 sp = SequenceParallel.from_accelerator(accelerator)
 world = accelerator.num_processes
+on = accelerator.device  # the reference ran on the CPU
+exp = Experience(**{k: v.to(on) if torch.is_tensor(v) else v for k, v in vars(exp).items()})
+want_logprobs = want_logprobs.to(on)
 
 out = {"rank": accelerator.process_index, "sp_rank": sp.rank, "sp_size": sp.size, "world": world}
 logprobs = batched_logprobs(model, exp, 1.0, chunk_size, micro_batch_size=2, sp=sp)
-out["logprobs"] = ((logprobs - want_logprobs) * action_mask).abs().max().item()
+out["logprobs"] = ((logprobs - want_logprobs) * exp.action_mask).abs().max().item()
 mb = sp.shard(exp)
 out["owned"] = int(mb.action_mask.sum())
 for mode in modes:
@@ -83,7 +86,7 @@ for mode in modes:
     model.backward(loss * world)  # the scripts' scale: DeepSpeed averages over the world (no step here)
     total = accelerator.reduce(loss.detach().clone(), "sum").item()
     grads = {n: safe_get_full_grad(p) for n, p in accelerator.unwrap_model(model).named_parameters()}
-    worst = max((grads[n] - g).abs().max().item() / (g.abs().max().item() + 1e-12)
+    worst = max((grads[n].cpu() - g).abs().max().item() / (g.abs().max().item() + 1e-12)
                 for n, g in want[mode][1].items())
     out[mode] = {"loss": total, "want": want[mode][0], "grad_rel": worst}
     model.optimizer.zero_grad()
