@@ -44,7 +44,6 @@ same GPUs, so staleness comes only from the buffer. rft_core/rollout.py.
 
 import math
 import os
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Tuple
 
@@ -65,7 +64,7 @@ from rft_core.engine import create_engine, engine_options, resolve_engine_type
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
 from rft_core.health import HealthGuard
-from rft_core.experience import (batched_logprobs, batched_values, build_experience, micro_batch_logprobs,
+from rft_core.experience import (build_experience, logprob_passes, micro_batch_logprobs,
                                  micro_batch_values, optimizer_chunks)
 from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
                              value_loss)
@@ -367,8 +366,7 @@ def main():
     check_args(args, world, deepspeed, sharded, resolve_engine_type(args.engine_type),
                accelerator.parallelism_config)
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
-    # sequence parallelism: each group of sp_size ranks trains the same samples, a slice of every row each
-    sp_size = getattr(accelerator.parallelism_config, "sp_size", 1)
+    sp_size = getattr(accelerator.parallelism_config, "sp_size", 1)  # ranks sharing samples, a slice of each
     rows_per_update = args.train_batch_size * sp_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL
     kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards
@@ -406,7 +404,6 @@ def main():
         raise DataError(f"{len(prompts['train'])} usable training prompts, fewer than --rollout_batch_size")
     num_steps = min(args.max_steps, args.num_episodes * (len(prompts["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
-
     warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # optimizer steps of linear warm-up
 
     # what one optimizer step updates, by the name its gradient norm is logged under
@@ -486,18 +483,10 @@ def main():
 
         # ---- logprobs (old, reference) and values ----
         perf.phase("logprob")
-        with accelerator.autocast():
-            if not reuse_old_logprobs:
-                exp.old_logprobs = batched_logprobs(model, exp, args.temperature, chunk_size,
-                                                    **logprob_split)  # (B, T)
-            if args.use_kl_loss or kl_in_reward:
-                # with LoRA the reference is the base model: the actor with its adapters switched off
-                base = accelerator.unwrap_model(model).disable_adapter() if args.lora_rank else nullcontext()
-                with base:
-                    exp.ref_logprobs = batched_logprobs(ref_model or model, exp, args.temperature, chunk_size,
-                                                        **logprob_split)
-            if critic is not None:
-                exp.values = batched_values(critic, exp, **logprob_split)  # (B, T)
+        with accelerator.autocast():  # (B, T) each, or None where not needed
+            exp.old_logprobs, exp.ref_logprobs, exp.values = logprob_passes(
+                exp, model, ref_model, critic, args.temperature, chunk_size, logprob_split,
+                old=not reuse_old_logprobs, ref=args.use_kl_loss or kl_in_reward, lora=bool(args.lora_rank))
 
         # ---- advantages ----
         perf.phase("advantages")
@@ -564,9 +553,8 @@ def main():
 
         # ---- log ----
         shaped = exp.rewards if moments is not None or args.reward_clip is not None else None  # (B,)
-        local = {**rollout_metrics(samples, args.generate_max_len, shaped, args.reward_clip),
-                 **update_metrics(stats), **rollout_stats,
-                 "perf/tokens": exp.attention_mask.sum().item() / sp_size}  # this rank's share
+        local = {**rollout_metrics(samples, args.generate_max_len, shaped, args.reward_clip), **rollout_stats,
+                 **update_metrics(stats), "perf/tokens": exp.attention_mask.sum().item() / sp_size}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
         metrics = gather_metrics(local)  # over the ranks: means, and sums of counts

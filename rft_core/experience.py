@@ -5,11 +5,12 @@ Layout of one Experience row: [pad ... prompt | response ... pad], prompts left-
 right-padded to T, so the response always occupies the last T columns.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 
 import torch
 
-from rft_core.logprobs import packed_logprobs, response_logprobs
+from rft_core.logprobs import packed_logprobs, response_logprobs, unwrap
 from rft_core.models import response_values
 from rft_core.multimodal import mm_inputs
 
@@ -216,6 +217,21 @@ def batched_values(critic, experience, **split):
     """The critic's values (B, T) over the whole experience, in micro-batches (as batched_logprobs)."""
     packed = split.get("packed", False)
     return batched_forward(experience, lambda mb: micro_batch_values(critic, mb, packed), **split)
+
+
+def logprob_passes(experience, policy, reference, critic, temperature, chunk_size, split, old=True, ref=False,
+                   lora=False):
+    """The passes before the update, (B, T) each or None where not asked for: the policy's logprobs (old), the
+    reference's (ref; with lora the policy with its adapters switched off: the base model) and the critic's
+    values (critic: a model or None). split: batched_forward's keywords."""
+    def logprobs(model):
+        return batched_logprobs(model, experience, temperature, chunk_size, **split)
+
+    base = unwrap(policy).disable_adapter() if lora and ref else nullcontext()
+    with base:
+        ref_logprobs = logprobs(reference or policy) if ref else None
+    return (logprobs(policy) if old else None, ref_logprobs,
+            batched_values(critic, experience, **split) if critic is not None else None)
 
 
 def optimizer_chunks(experience, rows_per_step, max_epochs, seed):
