@@ -88,7 +88,8 @@ def test_ulysses_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tm
     accelerate_configs/deepspeed_zero3_sp2.yaml (tests/sp_worker.py): the logprob pass summed over the group,
     the loss summed over the ranks and every parameter's gradient equal the unsharded model's on one process,
     for three loss aggregations (with the KL loss, the entropy bonus and TIS; the LM head chunked)."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": device, "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])  # (the GPU's packages)
+    env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": device, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", SP2,
                           os.path.join(ROOT, "tests", "sp_worker.py"), tiny_model_dir, "4", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
