@@ -3,7 +3,7 @@
 # FSDP2 with vLLM colocated at TP 1 and 2 (32 x 8 x 128, bench/bench_sizes.py's workload and JSON).
 # Needs, copied to the machine one run call per part: the ../shared/gpu bundle (groups vllm, model) in /tmp/gpu
 # and the deepspeed group (bundle.sh .gpu-ds deepspeed) in /tmp/ds. One device call per mode (each < 600 s).
-# Usage: bash bench/run_gpu_h200x2.sh zero3|fsdp2 [TP...]   (TP default: 1 2)
+# Usage: [EXTRA="train_ppo.py flags"] bash bench/run_gpu_h200x2.sh zero3|fsdp2 [TP...]   (TP default: 1 2)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -18,7 +18,7 @@ backend=$1; shift
 # the engine runs eager: a compiled start costs ~90 s per run of the 30 device minutes
 for tp in ${@:-1 2}; do
   python bench/bench_sizes.py 7b --steps 5 --skip 2 --timeout 280 --config $config --gpus 2 \
-    --tag=-$backend-tp$tp -- --engine_tp_size $tp --engine_enforce_eager
+    --tag=-$backend-tp$tp -- --engine_tp_size $tp --engine_enforce_eager $EXTRA
 done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for f in "$OUT"/*.log; do grep -h "\[memory\]\|error:\|Error" "$f" | head -5; done
