@@ -66,16 +66,21 @@ def wake_error(engine, need, tags):
     """The OutOfMemory to raise if `need` bytes (the engine's slept `tags`) do not fit in this GPU's free
     memory now, else None. The trainer's cached blocks are released first: the engine maps physical memory of
     its own, which PyTorch's cache would hold on to (the 0.4B crash of issue 15)."""
+    return memory_error(engine, need, f"wake its {' and '.join(tags)}")
+
+
+def memory_error(engine, need, what):
+    """The OutOfMemory to raise if `need` bytes, for `what` the engine does, do not fit in this GPU's free
+    memory (after releasing PyTorch's cached blocks), else None."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()  # (PyTorch's own counters include the engine's unmapped memory)
     if need + (256 << 20) <= free:
         return None
     return OutOfMemory(
-        f"{engine} needs {need / 2**30:.1f} GiB to wake its {' and '.join(tags)}, but only "
-        f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free, the rest held by the trainer's weights, "
-        "gradients and optimizer state and the engine's awake parts: lower --engine_mem_util, or add "
-        "--optimizer_offload (DDP / FSDP2) or --lora_rank, or shard over more GPUs "
-        "(accelerate_configs/deepspeed_zero3.yaml, fsdp2.yaml)")
+        f"{engine} needs {need / 2**30:.1f} GiB to {what}, but only {free / 2**30:.1f} of "
+        f"{total / 2**30:.1f} GiB are free, the rest held by the trainer's weights, gradients and optimizer "
+        "state (and the engine's awake parts): lower --engine_mem_util, or add --optimizer_offload (DDP / "
+        "FSDP2) or --lora_rank, or shard further (fsdp2.yaml, an *_offload.yaml config, more GPUs)")
 
 
 def flatten_group(per_rank):
@@ -170,6 +175,10 @@ class VLLMEngine:
                  if limit_mm_per_prompt else {})
         if kv_bytes:  # takes precedence over mem_util for the KV cache
             extra["kv_cache_memory_bytes"] = kv_bytes
+        start = f"start (--engine_mem_util {mem_util} of the GPU)"  # vLLM's own refusal is a traceback
+        error = None if kv_bytes else memory_error("vLLM", mem_util * torch.cuda.mem_get_info()[1], start)
+        if error:
+            raise error
         self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=tp_size, dtype=dtype,
                        distributed_executor_backend="external_launcher", gpu_memory_utilization=mem_util,
                        enable_sleep_mode=sleep != "never", seed=self.seed, max_model_len=max_model_len,

@@ -108,7 +108,8 @@ def test_ulysses_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tm
 @needs_deepspeed
 def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, chars_reward):
     """train_ppo.py end to end under deepspeed_zero3_sp2.yaml on two CPU ranks: both ranks of the group train
-    the group's 8 samples (gathered), the policy moves, a checkpoint is written and the run resumes from it."""
+    the group's 8 samples (gathered), the policy moves, a checkpoint and the model are written (resuming is the
+    ZeRO-3 resume test's path: per-rank states by process index)."""
     prompts = tmp_path / "prompts.jsonl"  # a file without an eval split: no held-out eval (time)
     prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "label": str(i)}) + "\n" for i in range(16)))
     args = ["--pretrain", tiny_model_dir, "--prompt_data", str(prompts), "--reward_fn", chars_reward,
@@ -123,7 +124,5 @@ def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, char
     assert [m["step"] for m in steps] == [1, 2] and all(m["train/grad_norm"] > 0 for m in steps)
     # the engine sampled the whole rows that the ranks scored in slices: the same logprobs
     assert max(m["rollout/logprob_diff_mean"] for m in steps) < 1e-4
-    args[args.index("--max_steps") + 1] = "3"
-    out = run_script("train_ppo.py", args, launcher=launcher, env=env).stdout
-    assert "[resume] from" in out and "step 2" in out
-    assert [m["step"] for m in read_metrics(str(tmp_path / "run"))[0]] == [1, 2, 3]
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-2") and os.path.isfile(tmp_path / "run" / "model" /
+                                                                                "config.json")
