@@ -6,10 +6,12 @@ Launch with a ZeRO-3 config that has `parallelism_config_sp_size: 2` (deepspeed_
 
 Each rank feeds its half of one sequence (global position_ids) through the prepared model and compares its
 logits with an unsharded forward of the whole sequence (eager attention, loaded before the Accelerator so
-ZeRO-3 does not partition it). Prints, per rank, accelerate's process_index / num_processes (the data-parallel
-view), the torch rank, the sequence-parallel rank and the largest logit difference.
-Seen 2026-11-23 (tiny Llama, sdpa): differences 1.8e-7 and 1.2e-7; accelerate reports 1 process, index 0 on
-both ranks (the two ranks of an SP group form one data-parallel rank).
+ZeRO-3 does not partition it). Prints, per rank, accelerate's process_index / num_processes, the torch rank,
+the sequence-parallel rank and the largest logit difference.
+Seen 2026-11-23 (tiny Llama, sdpa): differences 1.8e-7 and 1.2e-7. Accelerate reported 1 process, index 0 on
+both ranks: a bare Accelerator() under DeepSpeed without a GPU names no process-group backend, so it sees
+one process (the scripts pass distributed.process_group_kwargs(): gloo, two processes). The training
+scripts' version of this is rft_core/sequence_parallel.py, checked by tests/test_sequence_parallel.py.
 """
 
 import sys

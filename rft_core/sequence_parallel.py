@@ -30,6 +30,15 @@ from rft_core.logprobs import token_logprobs
 
 
 @dataclass
+class RowSlice:
+    """A rank's slice of a micro-batch's rows (SequenceParallel.layout)."""
+    inputs: dict  # the model's keywords: input_ids, position_ids (B, w)
+    targets: torch.Tensor  # (B, w): the token after each position
+    where: torch.Tensor  # (B, T): the column of the slice predicting each response token (clamped)
+    owned: torch.Tensor  # (B, T): the response tokens this slice predicts
+
+
+@dataclass
 class SequenceParallel:
     size: int  # ranks in a group
     rank: int  # this rank's place in its group
@@ -61,10 +70,7 @@ class SequenceParallel:
         return tensor
 
     def layout(self, mb):
-        """This rank's slice of the micro-batch mb (an Experience): (inputs, targets, where, owned).
-        inputs: the model's keywords (input_ids, position_ids (B, w)); targets (B, w): the token after each
-        position; where (B, T): the column of the slice predicting each response token (clamped);
-        owned (B, T): the response tokens this slice predicts."""
+        """This rank's RowSlice of the micro-batch mb (an Experience)."""
         num_actions = mb.action_mask.shape[1]
         prompt_lens = mb.attention_mask[:, :-num_actions].sum(-1)  # (B,)
         lengths = mb.attention_mask.sum(-1)  # (B,)
@@ -81,28 +87,29 @@ class SequenceParallel:
         pred = prompt_lens[:, None] + torch.arange(num_actions, device=cols.device) - 1  # (B, T)
         owned = mb.action_mask.bool() & (pred // w == self.rank)
         positions = cols[part].expand(len(ids), w)
-        inputs = dict(input_ids=ids[:, part], position_ids=positions, attention_mask=None)
-        return inputs, targets[:, part], (pred - self.rank * w).clamp(0, w - 1), owned
+        inputs = dict(input_ids=ids[:, part], position_ids=positions)
+        return RowSlice(inputs, targets[:, part], (pred - self.rank * w).clamp(0, w - 1), owned)
 
     def shard(self, mb):
         """mb with the action mask narrowed to the tokens this rank scores, and each row's whole response
         length kept (response_lens), for the loss."""
-        owned = self.layout(mb)[3]
-        return replace(mb, action_mask=owned.to(mb.action_mask.dtype), response_lens=mb.attention_mask.sum(-1)
-                       - mb.attention_mask[:, :-mb.action_mask.shape[1]].sum(-1))
+        owned = self.layout(mb).owned  # (B, T)
+        response = mb.attention_mask[:, -mb.action_mask.shape[1]:]  # (B, T): the response columns
+        return replace(mb, action_mask=owned.to(mb.action_mask.dtype), response_lens=response.sum(-1))
 
     def logprobs(self, model, mb, temperature=1.0, with_entropy=False, chunk_size=None):
         """(logprobs, entropy or None) (B, T) of mb's response tokens this rank's slice predicts, zeros
         elsewhere (as micro_batch_logprobs)."""
-        inputs, targets, where, owned = self.layout(mb)
+        part = self.layout(mb)
         rows = []
         with sharded_attention(model):
-            for b in range(len(targets)):  # Ulysses takes DeepSpeed's micro-batch of one row per forward
-                row = {key: value[b:b + 1] for key, value in inputs.items() if value is not None}
+            for b in range(len(part.targets)):  # Ulysses takes DeepSpeed's micro-batch of one row per forward
+                row = {key: value[b:b + 1] for key, value in part.inputs.items()}
                 rows.append(token_logprobs(model, {**row, "attention_mask": None, "logits_to_keep": 0},
-                                           targets[b:b + 1], temperature, with_entropy, chunk_size))  # (1, w)
-        logprobs = torch.cat([lp for lp, _ in rows]).gather(1, where) * owned  # (B, T)
-        entropy = torch.cat([e for _, e in rows]).gather(1, where) * owned if with_entropy else None
+                                           part.targets[b:b + 1], temperature, with_entropy, chunk_size))
+        pick = lambda x: torch.cat(x).gather(1, part.where) * part.owned  # noqa: E731  (B, w) each -> (B, T)
+        logprobs = pick([lp for lp, _ in rows])
+        entropy = pick([e for _, e in rows]) if with_entropy else None
         return logprobs, entropy
 
 

@@ -41,12 +41,12 @@ def test_slices_own_each_response_token_once():
     slice is 1 / size of the row, which starts at position 0 and carries the next token as its target."""
     exp = batch()
     for size in (2, 3, 4):
-        owned = [SequenceParallel(size, rank, None).layout(exp)[3] for rank in range(size)]
+        owned = [SequenceParallel(size, rank, None).layout(exp).owned for rank in range(size)]
         assert torch.equal(sum(o.long() for o in owned), exp.action_mask)
-        inputs, targets, _, _ = SequenceParallel(size, 1, None).layout(exp)
-        width = inputs["input_ids"].shape[1]
-        assert width * size >= int(exp.attention_mask.sum(-1).max()) and inputs["position_ids"][0, 0] == width
-        whole = SequenceParallel(1, 0, None).layout(exp)[1]  # the unsplit row's targets
+        part = SequenceParallel(size, 1, None).layout(exp)
+        targets, width = part.targets, part.inputs["input_ids"].shape[1]
+        assert width * size >= int(exp.attention_mask.sum(-1).max()) and part.inputs["position_ids"][0, 0] == width
+        whole = SequenceParallel(1, 0, None).layout(exp).targets  # the unsplit row's
         n = min(width, whole.shape[1] - width)
         assert torch.equal(targets[:, :n], whole[:, width:width + n]) and not targets[:, n:].any()
 
