@@ -107,14 +107,15 @@ def test_ulysses_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tm
 
 @needs_deepspeed
 def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, chars_reward):
-    """train_ppo.py end to end under deepspeed_zero3_sp2.yaml on two CPU ranks: both ranks of the group train
-    the group's 8 samples (gathered), the policy moves, a checkpoint and the model are written (resuming is the
+    """train_ppo.py end to end under deepspeed_zero3_sp2.yaml on two CPU ranks, with the KL loss against a
+    ZeRO-3 reference model: both ranks of the group train the group's 8 samples (gathered), the policy moves, a checkpoint and the model are written (resuming is the
     ZeRO-3 resume test's path: per-rank states by process index)."""
     prompts = tmp_path / "prompts.jsonl"  # a file without an eval split: no held-out eval (time)
     prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "label": str(i)}) + "\n" for i in range(16)))
     args = ["--pretrain", tiny_model_dir, "--prompt_data", str(prompts), "--reward_fn", chars_reward,
             "--rollout_batch_size", "4",
             "--n_samples_per_prompt", "2", "--generate_max_len", "12", "--actor_learning_rate", "1e-3",
+            "--use_kl_loss", "--init_kl_coef", "0.1",
             "--max_steps", "2", "--save_steps", "1", "--output_dir", str(tmp_path / "run")]
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", SP2)
@@ -122,7 +123,9 @@ def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, char
     assert "2 processes" in out
     steps, _ = read_metrics(str(tmp_path / "run"))
     assert [m["step"] for m in steps] == [1, 2] and all(m["train/grad_norm"] > 0 for m in steps)
-    # the engine sampled the whole rows that the ranks scored in slices: the same logprobs
+    # the engine sampled the whole rows that the ranks scored in slices: the same logprobs; and the reference
+    # model's sliced pass equals the policy's before the first update
     assert max(m["rollout/logprob_diff_mean"] for m in steps) < 1e-4
+    assert abs(steps[0]["train/kl"]) < 1e-6 < steps[1]["train/kl"]
     assert os.path.isdir(tmp_path / "run" / "checkpoint-2") and os.path.isfile(tmp_path / "run" / "model" /
                                                                                 "config.json")
