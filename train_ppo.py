@@ -406,6 +406,7 @@ def main():
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
     warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # optimizer steps of linear warm-up
 
+    sp = SequenceParallel.from_accelerator(accelerator, model)  # None without sequence parallelism
     # what one optimizer step updates, by the name its gradient norm is logged under
     actor_optim = adamw_with_warmup(model, args.actor_learning_rate, warmup)
     model, optimizer, scheduler = accelerator.prepare(model, *actor_optim)
@@ -416,7 +417,6 @@ def main():
         critic = trained["critic_grad_norm"][0]
     trained_nets = [net for net, _, _ in trained.values()]  # as prepared (DDP- or DeepSpeed-wrapped)
     # micro-batches by rows or by tokens (planned from the measured activations on a GPU), checkpointing
-    sp = SequenceParallel.from_accelerator(accelerator)  # None without sequence parallelism
     split, logprob_split = micro_batch_splits(args, accelerator, model, trained_nets, chunk_size, sp)
     optimizers = [opt for _, opt, _ in trained.values()]
     engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, processor,

@@ -52,10 +52,10 @@ def main():
     accelerator = Accelerator(mixed_precision="bf16", kwargs_handlers=process_group_kwargs())
     configure_deepspeed(accelerator, 1, None, 1.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    sp = SequenceParallel.from_accelerator(accelerator, model)
     model, optimizer = accelerator.prepare(model, optimizer)
     if args.checkpointing:
         accelerator.unwrap_model(model).gradient_checkpointing_enable({"use_reentrant": False})
-    sp = SequenceParallel.from_accelerator(accelerator)
     world, device = accelerator.num_processes, accelerator.device
     result = {"size": args.size, "gpus": world, "sp_size": sp.size if sp else 1,
               "checkpointing": args.checkpointing, "lengths": {},

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rft_core.errors import ConfigError
 from rft_core.logprobs import token_logprobs
 
 
@@ -41,20 +42,29 @@ class RowSlice:
 @dataclass
 class SequenceParallel:
     size: int  # ranks in a group
-    rank: int  # this rank's place in its group
-    group: object  # its torch process group
+    rank: int  # this rank's place in its group: groups are consecutive ranks, as DeepSpeed builds them
 
     @classmethod
-    def from_accelerator(cls, accelerator):
-        """The group of this rank, or None without sequence parallelism. After accelerator.prepare (which
-        makes the groups)."""
+    def from_accelerator(cls, accelerator, model):
+        """This rank's place in its group, or None without sequence parallelism. Before accelerator.prepare:
+        refuses in one line a model whose attention heads do not divide over the group (DeepSpeed's own
+        check, in prepare, is a traceback)."""
         config = accelerator.parallelism_config
         if config is None or (config.sp_size or 1) == 1:
             return None
-        from deepspeed.runtime.sequence_parallel import parallel_state_sp as groups
+        heads = model.config.get_text_config().num_attention_heads
+        if heads % config.sp_size:
+            raise ConfigError(f"the model's {heads} attention heads do not divide over "
+                              f"parallelism_config_sp_size {config.sp_size} (Ulysses gives each rank whole "
+                              "heads): set an sp_size that divides them")
+        return cls(config.sp_size, accelerator.process_index % config.sp_size)
 
-        return cls(groups.get_sequence_parallel_world_size(), groups.get_sequence_parallel_rank(),
-                   groups.get_sequence_parallel_group())
+    @property
+    def group(self):
+        """The torch process group of this rank's group (made by accelerator.prepare)."""
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        return parallel_state_sp.get_sequence_parallel_group()
 
     def gather_samples(self, samples, accelerator):
         """The samples of every rank of this group, in rank order (each rank rolled out its own)."""

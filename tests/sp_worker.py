@@ -61,6 +61,7 @@ for mode in modes:  # SP 1: the plain padded path, in this process alone
     want[mode] = loss.item(), {n: p.grad.clone() for n, p in whole.named_parameters()}
 
 from accelerate import Accelerator  # noqa: E402  (after the unsharded model: ZeRO-3 would partition it)
+from deepspeed.runtime.sequence_parallel import parallel_state_sp  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 from rft_core.sequence_parallel import SequenceParallel  # noqa: E402
@@ -68,9 +69,10 @@ from rft_core.sequence_parallel import SequenceParallel  # noqa: E402
 accelerator = Accelerator(kwargs_handlers=process_group_kwargs())
 configure_deepspeed(accelerator, 1, None, 1e9)
 optimizer = torch.optim.SGD(trained.parameters(), lr=0.0)
+sp = SequenceParallel.from_accelerator(accelerator, trained)
 model, optimizer = accelerator.prepare(trained, optimizer)
-sp = SequenceParallel.from_accelerator(accelerator)
 world = accelerator.num_processes
+assert sp.rank == parallel_state_sp.get_sequence_parallel_rank()  # groups of consecutive ranks, as assumed
 on = accelerator.device  # the reference ran on the CPU
 exp = Experience(**{k: v.to(on) if torch.is_tensor(v) else v for k, v in vars(exp).items()})
 want_logprobs = want_logprobs.to(on)

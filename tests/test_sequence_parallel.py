@@ -41,12 +41,12 @@ def test_slices_own_each_response_token_once():
     slice is 1 / size of the row, which starts at position 0 and carries the next token as its target."""
     exp = batch()
     for size in (2, 3, 4):
-        owned = [SequenceParallel(size, rank, None).layout(exp).owned for rank in range(size)]
+        owned = [SequenceParallel(size, rank).layout(exp).owned for rank in range(size)]
         assert torch.equal(sum(o.long() for o in owned), exp.action_mask)
-        part = SequenceParallel(size, 1, None).layout(exp)
+        part = SequenceParallel(size, 1).layout(exp)
         targets, width = part.targets, part.inputs["input_ids"].shape[1]
         assert width * size >= int(exp.attention_mask.sum(-1).max()) and part.inputs["position_ids"][0, 0] == width
-        whole = SequenceParallel(1, 0, None).layout(exp).targets  # the unsplit row's
+        whole = SequenceParallel(1, 0).layout(exp).targets  # the unsplit row's
         n = min(width, whole.shape[1] - width)
         assert torch.equal(targets[:, :n], whole[:, width:width + n]) and not targets[:, n:].any()
 
@@ -64,12 +64,12 @@ def test_one_rank_and_the_first_slice_equal_the_padded_path(tiny_model_dir):
     (want * mask).sum().backward()
     want_grad = model.model.embed_tokens.weight.grad.clone()
     model.zero_grad()
-    got, entropy = micro_batch_logprobs(model, exp, 0.7, "grad", 8, sp=SequenceParallel(1, 0, None))
+    got, entropy = micro_batch_logprobs(model, exp, 0.7, "grad", 8, sp=SequenceParallel(1, 0))
     (got * mask).sum().backward()
     torch.testing.assert_close(got * mask, want * mask, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy * mask, want_entropy * mask, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.model.embed_tokens.weight.grad, want_grad, rtol=1e-4, atol=1e-6)
-    first = SequenceParallel(2, 0, None)
+    first = SequenceParallel(2, 0)
     owned = first.shard(exp).action_mask.float()
     assert 0 < owned.sum() < mask.sum()
     with torch.no_grad():
@@ -129,3 +129,26 @@ def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, char
     assert abs(steps[0]["train/kl"]) < 1e-6 < steps[1]["train/kl"]
     assert os.path.isdir(tmp_path / "run" / "checkpoint-2") and os.path.isfile(tmp_path / "run" / "model" /
                                                                                 "config.json")
+
+
+def test_groups_and_the_heads_check():
+    """A rank's place in its group is its index modulo the group size (DeepSpeed's consecutive groups; the SP
+    worker checks it against DeepSpeed's); without SP there is no group; a model whose attention heads do not
+    divide over the group is refused in one line before DeepSpeed's traceback in prepare."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from rft_core.errors import ConfigError
+
+    def accelerator(sp_size, index):
+        return SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=sp_size), process_index=index)
+
+    model = SimpleNamespace(config=LlamaConfig(num_attention_heads=6, hidden_size=48))
+    assert SequenceParallel.from_accelerator(accelerator(2, 3), model) == SequenceParallel(2, 1)
+    assert SequenceParallel.from_accelerator(accelerator(3, 7), model) == SequenceParallel(3, 1)
+    assert SequenceParallel.from_accelerator(accelerator(1, 1), model) is None
+    assert SequenceParallel.from_accelerator(SimpleNamespace(parallelism_config=None), model) is None
+    with pytest.raises(ConfigError, match="the model's 6 attention heads do not divide over "
+                                          "parallelism_config_sp_size 4 .*: set an sp_size that divides them"):
+        SequenceParallel.from_accelerator(accelerator(4, 0), model)
