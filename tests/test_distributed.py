@@ -88,26 +88,6 @@ def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tm
     assert json.load(open(tmp_path / "z3" / "config.json"))["world_size"] == 2
 
 
-def test_chunked_logprobs_and_token_budget_match_the_plain_path(tiny_model_dir, tmp_path, chars_reward):
-    """The LM head chunked inside the model's forward (--fused_linear_logprob, on by default) with micro-batches
-    by a token budget of about one sample gives the plain path's step (its own logits, one-sample micro-batches):
-    the same grad norms, KL and entropy. One CPU process: accelerate runs FSDP2 on GPUs only (with --cpu it
-    starts the fsdp2 config as one plain process, with ACCELERATE_USE_CPU as DDP), which is what this test did
-    until it was found out; FSDP2's own gather is test_full_weights_sharded's (torch's fully_shard on CPU)."""
-    args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN, "--reward_fn", chars_reward]
-    i = args.index("--micro_train_batch_size")
-    by_tokens = args[:i] + args[i + 2:] + ["--max_tokens_per_micro_batch", "30"]
-    launch([sys.executable, *by_tokens, "--output_dir", str(tmp_path / "chunked")])
-    launch([sys.executable, *args, "--fused_linear_logprob", "false", "--output_dir", str(tmp_path / "plain")])
-    chunked, _ = read_metrics(str(tmp_path / "chunked"))
-    plain, _ = read_metrics(str(tmp_path / "plain"))
-    assert len(chunked) == len(plain) == 2 and chunked[0]["train/grad_norm"] > 0
-    assert chunked[0]["train/micro_batches"] > 1 and plain[0]["train/micro_batches"] > 1
-    for a, b in zip(chunked, plain):
-        for key in ("train/grad_norm", "train/kl", "train/entropy", "rollout/reward_mean"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-
-
 def test_hf_architecture_names_the_transformers_class(tiny_model_dir):
     """vLLM looks the model up by class name: FSDP2's FSDP<class> subclass and peft's wrapper map back."""
     from peft import LoraConfig, get_peft_model
