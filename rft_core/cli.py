@@ -127,6 +127,10 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
                 ("reward_pretrain", args.reward_pretrain, "reward models would lose their attention mask")):
             check(not on, f"--{flag} with sequence parallelism (parallelism_config_sp_size {sp}): {why}; "
                   "drop one of them")
+        dp = getattr(parallelism, "dp_shard_size", 1) * getattr(parallelism, "dp_replicate_size", 1)
+        check(world == sp * dp, f"{world} processes, but the accelerate config's parallelism_config makes "
+              f"{sp * dp} (sp_size {sp} x data-parallel {dp}): set parallelism_config_dp_shard_size to "
+              f"{world // sp} (DeepSpeed's batch arithmetic needs it)")
         check(not hasattr(args, "images_key"), "train_ppo_vl.py with sequence parallelism "
               f"(parallelism_config_sp_size {sp}): image rows are not split across ranks yet; use a config "
               "without it")

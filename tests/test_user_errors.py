@@ -434,6 +434,10 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
         with pytest.raises(UserError, match=f"parallelism_config_{dim}_size is 2: .* not supported"):
             check_args(args, 2, parallelism=config(**{f"{dim}_size": 2}))
     check_args(args, 2, parallelism=config(sp_size=2))
+    check_args(args, 4, parallelism=config(sp_size=2, dp_shard_size=2))  # 2 groups of 2 (data parallel)
+    with pytest.raises(UserError, match="4 processes, but the accelerate config's parallelism_config makes 2 "
+                                        ".*: set parallelism_config_dp_shard_size to 2"):
+        check_args(args, 4, parallelism=config(sp_size=2))
     check_args(args, 2, parallelism=config(dp_shard_size=2))
     check_args(args, 2, parallelism=None)
     for flag, value in (("packing_samples", True), ("use_gspo", True), ("high_entropy_token_ratio", 0.2),
