@@ -1,8 +1,9 @@
 """Run by tests/test_sequence_parallel.py under `accelerate launch --config_file deepspeed_zero3_sp2.yaml`
-(2 CPU ranks, gloo, DS_ACCELERATOR=cpu): the same batch through the unsharded model in one process (SP 1) and
-through Ulysses SP 2 under ZeRO-3, as the training scripts do it. Writes OUT_DIR/rank<r>.json per rank: the largest
-differences of the logprobs (batched_logprobs, summed over the group), of the loss (summed over the ranks)
-and of every parameter's gradient, per loss aggregation mode.
+(2 CPU ranks, gloo, DS_ACCELERATOR=cpu; or 4 with parallelism_config_dp_shard_size 2: two data-parallel groups
+that both take the batch): the same batch through the unsharded model in one process (SP 1) and through Ulysses
+SP 2 under ZeRO-3, as the training scripts do it. Writes OUT_DIR/rank<r>.json per rank: the largest differences
+of the logprobs (batched_logprobs, summed over the group), of the loss (summed over the ranks) and of every
+parameter's gradient, per loss aggregation mode.
 
     accelerate launch --config_file accelerate_configs/deepspeed_zero3_sp2.yaml tests/sp_worker.py \
         MODEL_DIR CHUNK_SIZE OUT_DIR        (CHUNK_SIZE 0: the model's own logits)
@@ -45,10 +46,11 @@ exp.rollout_logprobs = (want_logprobs + 0.1 * torch.randn(3, T)) * action_mask
 exp.ref_logprobs = (want_logprobs + 0.1 * torch.randn(3, T)) * action_mask
 
 
-def loss_of(model, mb, mode, num_tokens, sp=None):
+def loss_of(model, mb, mode, num_tokens, sp=None, groups=1):
+    """groups: data-parallel groups, each with this same batch (its sequences count once per group)."""
     logprobs, entropy = micro_batch_logprobs(model, mb, 1.0, "grad", chunk_size, sp=sp)
     settings = LossSettings(loss_agg_mode=mode, entropy_coef=0.01, use_kl_loss=True, kl_coef=0.1, tis_cap=2.0,
-                            num_tokens=num_tokens, num_pg_tokens=num_tokens, num_seqs=3, max_len=T)
+                            num_tokens=num_tokens, num_pg_tokens=num_tokens, num_seqs=3 * groups, max_len=T)
     return actor_loss(logprobs, entropy, mb, settings)[0]
 
 
@@ -84,7 +86,7 @@ mb = sp.shard(exp)
 out["owned"] = int(mb.action_mask.sum())
 for mode in modes:
     num_tokens = accelerator.reduce(mb.action_mask.sum().float(), "sum")  # each token counted once
-    loss = loss_of(model, mb, mode, num_tokens, sp)
+    loss = loss_of(model, mb, mode, num_tokens, sp, groups=world // sp.size)
     model.backward(loss * world)  # the scripts' scale: DeepSpeed averages over the world (no step here)
     total = accelerator.reduce(loss.detach().clone(), "sum").item()
     grads = {n: safe_get_full_grad(p) for n, p in accelerator.unwrap_model(model).named_parameters()}

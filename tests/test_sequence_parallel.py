@@ -81,21 +81,29 @@ two_gpus = pytest.mark.skipif(not (torch.cuda.device_count() >= 2 and importlib.
                               reason="needs two GPUs and deepspeed")
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_deepspeed),
-                                    pytest.param("cuda", marks=two_gpus)])
-def test_ulysses_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, device):
-    """Two ranks (CPU: gloo; cuda: two GPUs, NCCL), ZeRO-3 with Ulysses SP 2 through
-    accelerate_configs/deepspeed_zero3_sp2.yaml (tests/sp_worker.py): the logprob pass summed over the group,
-    the loss summed over the ranks and every parameter's gradient equal the unsharded model's on one process,
-    for three loss aggregations (with the KL loss, the entropy bonus and TIS; the LM head chunked)."""
+@pytest.mark.parametrize("device, groups", [pytest.param("cpu", 1, marks=needs_deepspeed),
+                                            pytest.param("cpu", 2, marks=needs_deepspeed),
+                                            pytest.param("cuda", 1, marks=two_gpus)])
+def test_ulysses_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, device, groups):
+    """Ulysses SP 2 under ZeRO-3 through accelerate_configs/deepspeed_zero3_sp2.yaml (tests/sp_worker.py) on two
+    ranks (CPU: gloo; cuda: two GPUs, NCCL), and with data parallelism on four CPU ranks (two groups of 2,
+    parallelism_config_dp_shard_size 2): the logprob pass summed over the group, the loss summed over the ranks
+    and every parameter's gradient equal the unsharded model's on one process, for three loss aggregations
+    (with the KL loss, the entropy bonus and TIS; the LM head chunked)."""
+    config = SP2
+    if groups > 1:  # the same config with data parallelism as well
+        config = tmp_path / "dp_sp.yaml"
+        text = open(SP2).read().replace("num_processes: 2", f"num_processes: {2 * groups}")
+        config.write_text(text.replace("parallelism_config_dp_shard_size: 1", f"parallelism_config_dp_shard_size: "
+                                       f"{groups}"))
     path = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])  # (the GPU's packages)
     env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": device, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", SP2,
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                           os.path.join(ROOT, "tests", "sp_worker.py"), tiny_model_dir, "4", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert sorted(r["sp_rank"] for r in ranks) == [0, 1] and all(r["sp_size"] == 2 for r in ranks)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * groups)]
+    assert [r["sp_rank"] for r in ranks] == [0, 1] * groups and all(r["sp_size"] == 2 for r in ranks)
     assert all(r["owned"] > 0 for r in ranks)  # both ranks score tokens
     tolerance = 1e-5 if device == "cpu" else 1e-4  # the GPU's kernels against the CPU's reference
     for r in ranks:
