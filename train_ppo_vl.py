@@ -50,7 +50,7 @@ from rft_core.models import compile_blocks, export_hf, lora_model, named_like, t
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
 from rft_core.rewards import RewardScorer, RunningMoments, reward_sources, shape_rewards
 from rft_core.rollout import RolloutSettings, Rollouts
-from rft_core.sequence_parallel import SequenceParallel
+from rft_core.sequence_parallel import SequenceParallel, group_size, sliced
 
 
 @dataclass
@@ -358,7 +358,7 @@ def main():
                accelerator.parallelism_config)
     args.actor_learning_rate = args.actor_learning_rate or (1e-6 if args.pretrain else 3e-3)  # VL
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
-    sp_size = getattr(accelerator.parallelism_config, "sp_size", 1)  # ranks sharing samples, a slice of each
+    sp_size = group_size(accelerator.parallelism_config)  # ranks sharing samples (SP / CP), a slice of each
     rows_per_update = args.train_batch_size * sp_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL
     kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards
@@ -398,7 +398,7 @@ def main():
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
     warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # optimizer steps of linear warm-up
 
-    sp = SequenceParallel.from_accelerator(accelerator, model)  # None without sequence parallelism
+    sp = SequenceParallel.from_accelerator(accelerator, model)  # None without SP or CP
     # what one optimizer step updates, by the name its gradient norm is logged under
     actor_optim = adamw_with_warmup(model, args.actor_learning_rate, warmup)
     model, optimizer, scheduler = accelerator.prepare(model, *actor_optim)
@@ -511,7 +511,7 @@ def main():
             settings = replace(loss_settings, kl_coef=kl_coef, num_tokens=totals[0], num_pg_tokens=totals[1],
                                micro_batches_per_step=len(micro_batches) * world)
             for mb in micro_batches:
-                with accelerator.accumulate(*trained_nets), accelerator.autocast():
+                with accelerator.accumulate(*trained_nets), accelerator.autocast(), sliced(sp, model, mb):
                     with torch.set_grad_enabled(not frozen):
                         logprobs, entropy = micro_batch_logprobs(
                             model, mb, args.temperature, "grad" if args.entropy_coef else True, chunk_size,

@@ -1,13 +1,15 @@
 """Issue 18: the longest response one update step trains at batch 1 per GPU, with and without sequence
-parallelism, and the step time per length; a random-weight Qwen2 shape (bench_sizes.SHAPES), DeepSpeed ZeRO-3.
+parallelism, and the step time per length; a random-weight Qwen2 shape (bench_sizes.SHAPES), under DeepSpeed
+ZeRO-3 (Ulysses SP) or FSDP2 (context parallelism).
 
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml bench/bench_sp_length.py \\
         --lengths 8192 16384 32768 --out sp1.json
     accelerate launch --config_file accelerate_configs/deepspeed_zero3_sp2.yaml bench/bench_sp_length.py ...
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml bench/bench_sp_length.py ...  (and fsdp2_cp2)
 
 Per length: one row of a 64-token prompt and L response tokens for each data-parallel rank (without SP each
 GPU has its own row; with SP 2 the two GPUs share one), through the scripts' update: the chunked logprobs
-(SequenceParallel's slices under SP), actor_loss, backward and the AdamW step, bf16 autocast over fp32
+(SequenceParallel's slices under SP / CP), actor_loss, backward and the AdamW step, bf16 autocast over fp32
 weights. Gradient checkpointing is off (--checkpointing: on), so activations bound the length. Lengths go up
 until one runs out of memory (that ends the sweep). The JSON (rewritten after each length, so a run cut off
 keeps what it measured) holds per length: ok or oom, the median step seconds of --repeats after one warm-up,
@@ -28,7 +30,7 @@ from bench.bench_sizes import SHAPES  # noqa: E402
 from rft_core.distributed import configure_deepspeed, process_group_kwargs  # noqa: E402
 from rft_core.experience import Experience, micro_batch_logprobs  # noqa: E402
 from rft_core.losses import LossSettings, actor_loss  # noqa: E402
-from rft_core.sequence_parallel import SequenceParallel  # noqa: E402
+from rft_core.sequence_parallel import SequenceParallel, sliced  # noqa: E402
 
 
 def main():
@@ -57,7 +59,9 @@ def main():
     if args.checkpointing:
         accelerator.unwrap_model(model).gradient_checkpointing_enable({"use_reentrant": False})
     world, device = accelerator.num_processes, accelerator.device
+    deepspeed = accelerator.state.deepspeed_plugin is not None
     result = {"size": args.size, "gpus": world, "sp_size": sp.size if sp else 1,
+              "backend": "deepspeed" if deepspeed else accelerator.distributed_type.name.lower(),
               "checkpointing": args.checkpointing, "lengths": {},
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     cuda = torch.cuda if torch.cuda.is_available() else None
@@ -70,10 +74,13 @@ def main():
         mb = sp.shard(exp) if sp else exp
         tokens = accelerator.reduce(mb.action_mask.sum().float(), "sum")
         settings = LossSettings(num_tokens=tokens, num_pg_tokens=tokens, num_seqs=world // (sp.size if sp else 1))
-        with accelerator.autocast():
+        with sliced(sp, model, mb), accelerator.autocast():  # CP: the forward and the backward in its context
             logprobs, entropy = micro_batch_logprobs(model, mb, 1.0, True, 2048, sp=sp)
             loss, _ = actor_loss(logprobs, entropy, mb, settings)
-        accelerator.backward(loss * world)  # DeepSpeed steps AdamW here (one micro-batch per step)
+            accelerator.backward(loss * world)  # DeepSpeed steps AdamW here (one micro-batch per step)
+        if not deepspeed:
+            optimizer.step()
+            optimizer.zero_grad()
 
     model.train()
     for length in args.lengths:
@@ -99,7 +106,7 @@ def main():
         if not entry["ok"]:
             break
     accelerator.print("RESULT " + json.dumps(result), flush=True)
-    os._exit(0)  # after an out-of-memory error DeepSpeed's state is not worth tearing down
+    os._exit(0)  # after an out-of-memory error the engine's state is not worth tearing down
 
 
 if __name__ == "__main__":

@@ -110,30 +110,33 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
         if not ok:
             raise ConfigError(message)
 
-    # sequence parallelism is DeepSpeed's Ulysses (rft_core/sequence_parallel.py); context parallelism
-    # (FSDP2) and tensor parallelism would feed whole sequences or whole layers where shards are expected
-    for dim in ("cp", "tp"):
-        size = getattr(parallelism, f"{dim}_size", None) or 1
-        check(size == 1, f"the accelerate config's parallelism_config_{dim}_size is {size}: context and "
-              "tensor parallelism are not supported by the training scripts yet; remove it (sequence "
-              "parallelism under DeepSpeed is: accelerate_configs/deepspeed_zero3_sp2.yaml)")
-    sp = getattr(parallelism, "sp_size", None) or 1
-    if sp > 1:  # what Ulysses cannot do here: it drops attention masks and splits every sdpa forward
+    # sequence parallelism: DeepSpeed's Ulysses (sp_size) or FSDP2's context parallelism (cp_size), both in
+    # rft_core/sequence_parallel.py; tensor parallelism would feed whole layers where shards are expected
+    tp = getattr(parallelism, "tp_size", None) or 1
+    check(tp == 1, f"the accelerate config's parallelism_config_tp_size is {tp}: tensor parallelism is not "
+          "supported by the training scripts yet; remove it (sequence parallelism is: "
+          "accelerate_configs/deepspeed_zero3_sp2.yaml, fsdp2_cp2.yaml)")
+    sp, cp = (getattr(parallelism, f"{dim}_size", None) or 1 for dim in ("sp", "cp"))
+    check(cp == 1 or (sharded and not deepspeed), f"parallelism_config_cp_size {cp}: context parallelism "
+          "needs FSDP2 (accelerate_configs/fsdp2_cp2.yaml); under DeepSpeed use parallelism_config_sp_size "
+          "(deepspeed_zero3_sp2.yaml)")
+    if sp * cp > 1:  # what cannot work when attention masks are dropped and every sdpa forward is split
+        name = f"parallelism_config_{'sp' if sp > 1 else 'cp'}_size {sp * cp}"
         for flag, on, why in (
                 ("packing_samples", args.packing_samples, "sdpa would attend across the packed samples"),
                 ("use_gspo", args.use_gspo, "its sequence ratio needs every slice of a sequence"),
                 ("high_entropy_token_ratio", args.high_entropy_token_ratio, "its top tokens span the slices"),
                 ("pretrain_data", args.pretrain_data, "its padded text rows would lose their attention mask"),
-                ("reward_pretrain", args.reward_pretrain, "reward models would lose their attention mask")):
-            check(not on, f"--{flag} with sequence parallelism (parallelism_config_sp_size {sp}): {why}; "
-                  "drop one of them")
+                ("reward_pretrain", args.reward_pretrain, "reward models would lose their attention mask"),
+                ("advantage_estimator gae", args.advantage_estimator == "gae", "the critic's values are not "
+                 "split across the ranks yet")):
+            check(not on, f"--{flag} with sequence parallelism ({name}): {why}; drop one of them")
         dp = getattr(parallelism, "dp_shard_size", 1) * getattr(parallelism, "dp_replicate_size", 1)
-        check(world == sp * dp, f"{world} processes, but the accelerate config's parallelism_config makes "
-              f"{sp * dp} (sp_size {sp} x data-parallel {dp}): set parallelism_config_dp_shard_size to "
-              f"{world // sp} (DeepSpeed's batch arithmetic needs it)")
-        check(not hasattr(args, "images_key"), "train_ppo_vl.py with sequence parallelism "
-              f"(parallelism_config_sp_size {sp}): image rows are not split across ranks yet; use a config "
-              "without it")
+        check(world == sp * cp * dp, f"{world} processes, but the accelerate config's parallelism_config "
+              f"makes {sp * cp * dp} ({name} x data-parallel {dp}): set parallelism_config_dp_shard_size to "
+              f"{world // (sp * cp)}")
+        check(not hasattr(args, "images_key"), f"train_ppo_vl.py with sequence parallelism ({name}): image "
+              "rows are not split across ranks yet; use a config without it")
 
     names = {f.name for f in dataclasses.fields(args)}
     for name in names & set(RANGES):

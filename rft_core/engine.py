@@ -130,8 +130,8 @@ def resolve_engine_type(engine_type):
 
 def engine_options(args, requests, sp_size=1):
     """create_engine's keywords from the training scripts' engine flags; requests: one generate call's.
-    sp_size > 1 (sequence parallelism, which drops attention masks): the transformers engine generates one
-    prompt at a time, without padding."""
+    sp_size > 1 (sequence or context parallelism: Accelerate drops the prepared models' attention masks): the
+    transformers engine generates one prompt at a time, without padding."""
     sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
     micro_batch_size = 1 if sp_size > 1 else args.micro_rollout_batch_size
     return dict(micro_batch_size=micro_batch_size, bf16=args.bf16, tp_size=args.engine_tp_size,

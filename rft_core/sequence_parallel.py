@@ -1,27 +1,33 @@
-"""Sequence parallelism (DeepSpeed's Ulysses, through Accelerate's parallelism config): the ranks of a group
-train the same samples, each on its own slice of every row's tokens.
-
-accelerate_configs/deepspeed_zero3_sp2.yaml sets `parallelism_config_sp_size` and `sp_backend: deepspeed`.
-Accelerate then registers DeepSpeed's UlyssesSPAttentionHF as the model's attention: it exchanges heads for
-sequence (all-to-all) so each rank attends over the whole row, and DeepSpeed averages the gradients over all
-ranks. What is left to the trainer is here:
+"""Sequence parallelism through Accelerate's parallelism config: the ranks of a group train the same samples,
+each on its own slice of every row's tokens. Two backends, one layout:
+- Ulysses (DeepSpeed; accelerate_configs/deepspeed_zero3_sp2.yaml: `parallelism_config_sp_size`,
+  `sp_backend: deepspeed`). Accelerate registers DeepSpeed's UlyssesSPAttentionHF as the model's attention:
+  it exchanges heads for sequence (all-to-all), so each rank attends over the whole row. A slice is a
+  contiguous 1 / size of the row; DeepSpeed takes one row per forward.
+- Context parallelism (FSDP2; accelerate_configs/fsdp2_cp2.yaml: `parallelism_config_cp_size`). Inside
+  `accelerator.maybe_context_parallel` torch's ring attention replaces sdpa: each rank keeps its queries and
+  the keys and values go round the group. Its load balancer gives a rank two chunks of the row (one from the
+  head, one from the tail, so causal attention costs the same everywhere); the forward and the backward must
+  both run inside the context (`block`). Rows go several to a forward.
+What is left to the trainer is here:
 - samples: each rank rolls out its own prompts, as without SP; then the group shares them (Accelerate's
   gather_object), so every rank of a group holds the group's samples in the same order;
-- layout: Ulysses drops attention masks (causal attention over the gathered position ids), so a row is laid
-  out from its first token, [prompt | response | pad], positions 0, 1, ...; padding only trails, where no
-  real token sees it. The width is a multiple of the group size, and the targets are shifted before the
-  split, so the token after a slice's last position is still that position's target;
+- layout: both drop attention masks (causal attention over the positions given), so a row is laid out from
+  its first token, [prompt | response | pad], positions 0, 1, ...; padding only trails, where no real token
+  sees it. The targets are shifted before the split, so each column keeps its own next token; a rank's
+  columns are a contiguous slice (Ulysses) or those the context gives it (found by passing the column
+  index through the context itself, so they are torch's, whatever its balancer does);
 - the loss: a rank scores the response tokens its slice predicts (`shard` narrows the action mask to them).
   The step's normalisers count each token once over all ranks, and a sequence's length (seq-mean-token-mean)
-  is its whole length, so the ranks' losses sum to the step's loss; the all-to-all's backward carries each
-  rank's share of the gradient to the others, and DeepSpeed's mean over the world, times the world (the
-  scripts' `scale`), is the step's gradient;
+  is its whole length, so the ranks' losses sum to the step's loss; the attention's backward carries each
+  rank's share of the gradient to the others, and the mean over the world (DeepSpeed's, FSDP2's over its
+  dp_shard_cp mesh), times the world (the scripts' `scale`), is the step's gradient;
 - logprob passes (no gradient): each rank computes its slice, and a sum over the group (zeros elsewhere)
   gives every rank the whole (B, T).
 """
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,14 +48,24 @@ class RowSlice:
 @dataclass
 class SequenceParallel:
     size: int  # ranks in a group
-    rank: int  # this rank's place in its group: groups are consecutive ranks, as DeepSpeed builds them
+    rank: int  # this rank's place in its group: groups are consecutive ranks, as DeepSpeed and Accelerate's
+    # device mesh build them (checked for the mesh)
+    context_parallel: object = None  # FSDP2's context parallelism: accelerator.maybe_context_parallel; None:
+    # Ulysses
+    cp_group: object = None  # context parallelism: the group's torch process group (Accelerate's "cp" mesh)
 
     @classmethod
     def from_accelerator(cls, accelerator, model):
-        """This rank's place in its group, or None without sequence parallelism. Before accelerator.prepare:
-        refuses in one line a model whose attention heads do not divide over the group (DeepSpeed's own
-        check, in prepare, is a traceback)."""
+        """This rank's place in its group, or None without sequence or context parallelism. Before
+        accelerator.prepare: refuses in one line a model whose attention heads do not divide over a Ulysses
+        group (DeepSpeed's own check, in prepare, is a traceback)."""
         config = accelerator.parallelism_config
+        if (getattr(config, "cp_size", None) or 1) > 1:
+            mesh = accelerator.torch_device_mesh["cp"]
+            ranks = mesh.mesh.flatten().tolist()
+            assert ranks == list(range(ranks[0], ranks[0] + config.cp_size)), ranks  # gather_samples' groups
+            return cls(config.cp_size, mesh.get_local_rank(), accelerator.maybe_context_parallel,
+                       mesh.get_group())
         if config is None or (config.sp_size or 1) == 1:
             return None
         heads = model.config.get_text_config().num_attention_heads
@@ -61,7 +77,9 @@ class SequenceParallel:
 
     @property
     def group(self):
-        """The torch process group of this rank's group (made by accelerator.prepare)."""
+        """The torch process group of this rank's group (Ulysses': made by accelerator.prepare)."""
+        if self.cp_group is not None:
+            return self.cp_group
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
         return parallel_state_sp.get_sequence_parallel_group()
@@ -79,26 +97,72 @@ class SequenceParallel:
         torch.distributed.all_reduce(tensor, group=self.group)
         return tensor
 
+    def width(self, mb):
+        """The columns of mb's rows laid out from position 0: the longest row, padded to a multiple of the
+        group (context parallelism: of twice the group, which its load balancer needs)."""
+        multiple = self.size * (2 if self.context_parallel else 1)
+        return math.ceil(int(mb.attention_mask.sum(-1).max()) / multiple) * multiple
+
+    def columns(self, width, device):
+        """(width / size,) the columns of a row of `width` that this rank computes."""
+        if self.context_parallel is None:
+            w = width // self.size
+            return torch.arange(self.rank * w, (self.rank + 1) * w, device=device)
+        if width not in self._columns:  # the context's own sharding of a column index (cached: a context
+            # entered inside another would switch the other's ring attention off as it leaves)
+            assert not self._inside, "columns of a new width inside a block"
+            with self.block(None, width, device):
+                pass
+        return self._columns[width]
+
+    @contextmanager
+    def block(self, model, width, device):
+        """The block in which this rank's forwards over rows of `width` columns, and their backward, run:
+        Ulysses needs the model in training mode (Accelerate registers it with disable_in_eval: in eval mode
+        the attention would see only this rank's slice); context parallelism needs its context, where sdpa is
+        torch's ring attention. Re-entrant: inside a block, `logprobs` opens none of its own."""
+        if self._inside:
+            yield
+            return
+        self._inside = True
+        try:
+            if self.context_parallel is None:
+                with sharded_attention(model):
+                    yield
+            else:  # the context balances its shards by the width of its buffers: a column index of this width
+                cols = torch.arange(width, device=device)[None]
+                with self.context_parallel(buffers=[cols], buffer_seq_dims=[1], no_restore_buffers={cols}):
+                    self._columns[width] = cols[0]
+                    yield
+        finally:
+            self._inside = False
+
+    _inside = False  # in a block
+
+    def __post_init__(self):
+        self._columns = {}  # context parallelism: width -> this rank's columns
+
     def layout(self, mb):
         """This rank's RowSlice of the micro-batch mb (an Experience)."""
         num_actions = mb.action_mask.shape[1]
         prompt_lens = mb.attention_mask[:, :-num_actions].sum(-1)  # (B,)
         lengths = mb.attention_mask.sum(-1)  # (B,)
-        width = math.ceil(int(lengths.max()) / self.size) * self.size
-        cols = torch.arange(width, device=lengths.device)
+        width, device = self.width(mb), lengths.device
+        cols = torch.arange(width, device=device)
         # row b's tokens start at column P - prompt_lens[b] of the [pad prompt | response pad] layout
         start = mb.attention_mask.shape[1] - num_actions - prompt_lens  # (B,)
         index = (start[:, None] + cols).clamp(max=mb.input_ids.shape[1] - 1)  # (B, W)
         ids = mb.input_ids.gather(1, index).masked_fill(cols >= lengths[:, None], 0)  # (B, W)
         targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # (B, W)
-        w = width // self.size
-        part = slice(self.rank * w, (self.rank + 1) * w)
+        mine = self.columns(width, device)  # (w,)
+        slot = torch.full((width,), -1, device=device)
+        slot[mine] = torch.arange(len(mine), device=device)  # each column's place in the slice, -1: not mine
         # response token t of row b sits at column prompt_lens[b] + t, predicted by the column before it
-        pred = prompt_lens[:, None] + torch.arange(num_actions, device=cols.device) - 1  # (B, T)
-        owned = mb.action_mask.bool() & (pred // w == self.rank)
-        positions = cols[part].expand(len(ids), w)
-        inputs = dict(input_ids=ids[:, part], position_ids=positions)
-        return RowSlice(inputs, targets[:, part], (pred - self.rank * w).clamp(0, w - 1), owned)
+        pred = prompt_lens[:, None] + torch.arange(num_actions, device=device) - 1  # (B, T)
+        where = slot[pred.clamp(max=width - 1)]  # (B, T): the predicting column's place in the slice
+        owned = mb.action_mask.bool() & (where >= 0)
+        inputs = dict(input_ids=ids[:, mine], position_ids=mine.expand(len(ids), -1))
+        return RowSlice(inputs, targets[:, mine], where.clamp(min=0), owned)
 
     def shard(self, mb):
         """mb with the action mask narrowed to the tokens this rank scores, and each row's whole response
@@ -109,17 +173,19 @@ class SequenceParallel:
 
     def logprobs(self, model, mb, temperature=1.0, with_entropy=False, chunk_size=None):
         """(logprobs, entropy or None) (B, T) of mb's response tokens this rank's slice predicts, zeros
-        elsewhere (as micro_batch_logprobs)."""
+        elsewhere (as micro_batch_logprobs). A backward must run inside the same `block`."""
         part = self.layout(mb)
-        rows = []
-        with sharded_attention(model):
-            for b in range(len(part.targets)):  # Ulysses takes DeepSpeed's micro-batch of one row per forward
-                row = {key: value[b:b + 1] for key, value in part.inputs.items()}
-                rows.append(token_logprobs(model, {**row, "attention_mask": None, "logits_to_keep": 0},
-                                           part.targets[b:b + 1], temperature, with_entropy, chunk_size))
+        # Ulysses takes DeepSpeed's micro-batch of one row per forward; context parallelism takes them all
+        step = len(part.targets) if self.context_parallel else 1
+        out = []
+        with self.block(model, part.targets.shape[1] * self.size, mb.input_ids.device):
+            for b in range(0, len(part.targets), step):
+                rows = {key: value[b:b + step] for key, value in part.inputs.items()}
+                out.append(token_logprobs(model, {**rows, "attention_mask": None, "logits_to_keep": 0},
+                                          part.targets[b:b + step], temperature, with_entropy, chunk_size))
         pick = lambda x: torch.cat(x).gather(1, part.where) * part.owned  # noqa: E731  (B, w) each -> (B, T)
-        logprobs = pick([lp for lp, _ in rows])
-        entropy = pick([e for _, e in rows]) if with_entropy else None
+        logprobs = pick([lp for lp, _ in out])
+        entropy = pick([e for _, e in out]) if with_entropy else None
         return logprobs, entropy
 
 
@@ -133,3 +199,15 @@ def sharded_attention(model):
         yield
     finally:
         model.train(was_training)
+
+
+def group_size(parallelism):
+    """The ranks that share samples, each computing a slice of every row (Accelerate's parallelism config:
+    sp_size or cp_size; 1 without)."""
+    return (getattr(parallelism, "sp_size", None) or 1) * (getattr(parallelism, "cp_size", None) or 1)
+
+
+def sliced(sp, model, mb):
+    """The block in which the update's forward and backward of the micro-batch mb run: sp's (SequenceParallel
+    .block, at mb's width), or none without SP or CP."""
+    return sp.block(model, sp.width(mb), mb.input_ids.device) if sp is not None else nullcontext()

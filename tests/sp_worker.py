@@ -1,9 +1,12 @@
 """Run by tests/test_sequence_parallel.py under `accelerate launch --config_file deepspeed_zero3_sp2.yaml`
 (2 CPU ranks, gloo, DS_ACCELERATOR=cpu; or 4 with parallelism_config_dp_shard_size 2: two data-parallel groups
-that both take the batch): the same batch through the unsharded model in one process (SP 1) and through Ulysses
-SP 2 under ZeRO-3, as the training scripts do it. Writes OUT_DIR/rank<r>.json per rank: the largest differences
-of the logprobs (batched_logprobs, summed over the group), of the loss (summed over the ranks) and of every
-parameter's gradient, per loss aggregation mode.
+that both take the batch) or fsdp2_cp2.yaml (two GPUs): the same batch through the unsharded model in one
+process (SP 1) and through Ulysses SP 2 under ZeRO-3 or context parallelism 2 under FSDP2, as the training
+scripts do it. Writes OUT_DIR/rank<r>.json per rank: the largest differences of the logprobs
+(batched_logprobs, summed over the group), of the loss (summed over the ranks) and of every parameter's
+gradient, per loss aggregation mode.
+(Context parallelism needs CUDA: Accelerate runs FSDP on GPUs only and torch's ring attention has no CPU
+kernel; tests/cp_layout_worker.py checks its layout on CPU.)
 
     accelerate launch --config_file accelerate_configs/deepspeed_zero3_sp2.yaml tests/sp_worker.py \
         MODEL_DIR CHUNK_SIZE OUT_DIR        (CHUNK_SIZE 0: the model's own logits)
@@ -63,36 +66,47 @@ for mode in modes:  # SP 1: the plain padded path, in this process alone
     want[mode] = loss.item(), {n: p.grad.clone() for n, p in whole.named_parameters()}
 
 from accelerate import Accelerator  # noqa: E402  (after the unsharded model: ZeRO-3 would partition it)
-from deepspeed.runtime.sequence_parallel import parallel_state_sp  # noqa: E402
-from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
-from rft_core.sequence_parallel import SequenceParallel  # noqa: E402
+from rft_core.sequence_parallel import SequenceParallel, sliced  # noqa: E402
 
 accelerator = Accelerator(kwargs_handlers=process_group_kwargs())
+ulysses = accelerator.state.deepspeed_plugin is not None  # else FSDP2's context parallelism
 configure_deepspeed(accelerator, 1, None, 1e9)
 optimizer = torch.optim.SGD(trained.parameters(), lr=0.0)
 sp = SequenceParallel.from_accelerator(accelerator, trained)
 model, optimizer = accelerator.prepare(trained, optimizer)
 world = accelerator.num_processes
-assert sp.rank == parallel_state_sp.get_sequence_parallel_rank()  # groups of consecutive ranks, as assumed
 on = accelerator.device  # the reference ran on the CPU
 exp = Experience(**{k: v.to(on) if torch.is_tensor(v) else v for k, v in vars(exp).items()})
 want_logprobs = want_logprobs.to(on)
-
 out = {"rank": accelerator.process_index, "sp_rank": sp.rank, "sp_size": sp.size, "world": world}
-logprobs = batched_logprobs(model, exp, 1.0, chunk_size, micro_batch_size=2, sp=sp)
-out["logprobs"] = ((logprobs - want_logprobs) * exp.action_mask).abs().max().item()
+if ulysses:
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import safe_get_full_grad
+
+    assert sp.rank == parallel_state_sp.get_sequence_parallel_rank()  # consecutive ranks, as assumed
+
+
+def full_grads():
+    named = accelerator.unwrap_model(model).named_parameters()
+    return {n: safe_get_full_grad(p) if ulysses else p.grad.full_tensor() for n, p in named}
+
+
 mb = sp.shard(exp)
 out["owned"] = int(mb.action_mask.sum())
+logprobs = batched_logprobs(model, exp, 1.0, chunk_size, micro_batch_size=2, sp=sp)
+out["logprobs"] = ((logprobs - want_logprobs) * exp.action_mask).abs().max().item()
 for mode in modes:
     num_tokens = accelerator.reduce(mb.action_mask.sum().float(), "sum")  # each token counted once
-    loss = loss_of(model, mb, mode, num_tokens, sp, groups=world // sp.size)
-    model.backward(loss * world)  # the scripts' scale: DeepSpeed averages over the world (no step here)
+    with sliced(sp, model, mb):  # the forward and the backward (context parallelism's ring attention)
+        loss = loss_of(model, mb, mode, num_tokens, sp, groups=world // sp.size)
+        # the scripts' scale: the mean over the world; DeepSpeed's own backward, which does not step
+        (model.backward if ulysses else accelerator.backward)(loss * world)
     total = accelerator.reduce(loss.detach().clone(), "sum").item()
-    grads = {n: safe_get_full_grad(p) for n, p in accelerator.unwrap_model(model).named_parameters()}
+    grads = full_grads()
     worst = max((grads[n].cpu() - g).abs().max().item() / (g.abs().max().item() + 1e-12)
                 for n, g in want[mode][1].items())
     out[mode] = {"loss": total, "want": want[mode][0], "grad_rel": worst}
-    model.optimizer.zero_grad()
+    (model.optimizer if ulysses else optimizer).zero_grad()  # (accelerate's DeepSpeed wrapper's is a no-op)
 with open(os.path.join(sys.argv[3], f"rank{accelerator.process_index}.json"), "w") as f:
     json.dump(out, f)

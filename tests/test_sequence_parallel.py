@@ -1,8 +1,10 @@
-"""Sequence parallelism (issue 18): DeepSpeed's Ulysses through Accelerate's parallelism config, on CPU.
+"""Sequence parallelism (issue 18): DeepSpeed's Ulysses and FSDP2's context parallelism through Accelerate's
+parallelism config.
 
 On CPU Accelerate and DeepSpeed allow Ulysses under ZeRO-3 (gloo, DS_ACCELERATOR=cpu, sdpa). They do not allow
-FSDP2's context parallelism (torch's ring attention is CUDA only) nor flash-attention (so no packed rows under
-SP). The two-GPU checks are in bench/run_gpu_sp.sh."""
+FSDP2's context parallelism (Accelerate runs FSDP on GPUs only; torch's ring attention is CUDA only): on CPU
+its layout is checked with torch's own context on a gloo mesh, the rest on two GPUs (marked). Nor
+flash-attention (so no packed rows under SP). The two-GPU runs are in bench/run_gpu_sp.sh."""
 
 import importlib.util
 import json
@@ -19,6 +21,7 @@ from conftest import read_metrics, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP2 = os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3_sp2.yaml")
+CP2 = os.path.join(ROOT, "accelerate_configs", "fsdp2_cp2.yaml")
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 
 
@@ -45,7 +48,8 @@ def test_slices_own_each_response_token_once():
         assert torch.equal(sum(o.long() for o in owned), exp.action_mask)
         part = SequenceParallel(size, 1).layout(exp)
         targets, width = part.targets, part.inputs["input_ids"].shape[1]
-        assert width * size >= int(exp.attention_mask.sum(-1).max()) and part.inputs["position_ids"][0, 0] == width
+        assert width * size >= int(exp.attention_mask.sum(-1).max())
+        assert part.inputs["position_ids"][0, 0] == width
         whole = SequenceParallel(1, 0).layout(exp).targets  # the unsplit row's
         n = min(width, whole.shape[1] - width)
         assert torch.equal(targets[:, :n], whole[:, width:width + n]) and not targets[:, n:].any()
@@ -77,25 +81,59 @@ def test_one_rank_and_the_first_slice_equal_the_padded_path(tiny_model_dir):
     torch.testing.assert_close(got * owned, want.detach() * owned, rtol=1e-5, atol=1e-5)
 
 
-two_gpus = pytest.mark.skipif(not (torch.cuda.device_count() >= 2 and importlib.util.find_spec("deepspeed")),
-                              reason="needs two GPUs and deepspeed")
+def test_context_parallel_slices_are_the_contexts_columns(tmp_path):
+    """Context parallelism's layout on two CPU ranks with torch's context_parallel
+    (tests/cp_layout_worker.py): a rank's columns are those the context gives it (two chunks, head and tail,
+    of a width that is a multiple of 4), together every column once; each column keeps its position and its
+    next token as target; every response token is scored on exactly one rank, at the place of its predicting
+    column."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          os.path.join(ROOT, "tests", "cp_layout_worker.py"), str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    exp = batch()
+    width = ranks[0]["width"]
+    assert width % 4 == 0 and width >= int(exp.attention_mask.sum(-1).max())
+    assert sorted(ranks[0]["columns"] + ranks[1]["columns"]) == list(range(width))
+    q = width // 4
+    assert ranks[0]["columns"] == [*range(q), *range(3 * q, width)]  # head and tail: balanced causal work
+    whole = SequenceParallel(1, 0).layout(exp).targets  # the unsplit rows' (width of the longest row)
+    whole = torch.nn.functional.pad(whole, (0, width - whole.shape[1]))
+    for r in ranks:
+        cols = torch.tensor(r["columns"])
+        assert torch.equal(torch.tensor(r["targets"]), whole[:, cols])
+        assert all(row == r["columns"] for row in r["positions"])
+    assert torch.equal(torch.tensor(ranks[0]["owned"]) + torch.tensor(ranks[1]["owned"]), exp.action_mask)
+    prompt_lens = exp.attention_mask[:, :-exp.action_mask.shape[1]].sum(-1)
+    for r in ranks:  # response token t of row b is predicted by column prompt_lens[b] + t - 1
+        for b, t in torch.tensor(r["owned"]).nonzero().tolist():
+            assert r["columns"][r["where"][b][t]] == prompt_lens[b] + t - 1
 
 
-@pytest.mark.parametrize("device, groups", [pytest.param("cpu", 1, marks=needs_deepspeed),
-                                            pytest.param("cpu", 2, marks=needs_deepspeed),
-                                            pytest.param("cuda", 1, marks=two_gpus)])
-def test_ulysses_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, device, groups):
-    """Ulysses SP 2 under ZeRO-3 through accelerate_configs/deepspeed_zero3_sp2.yaml (tests/sp_worker.py) on two
-    ranks (CPU: gloo; cuda: two GPUs, NCCL), and with data parallelism on four CPU ranks (two groups of 2,
-    parallelism_config_dp_shard_size 2): the logprob pass summed over the group, the loss summed over the ranks
-    and every parameter's gradient equal the unsharded model's on one process, for three loss aggregations
-    (with the KL loss, the entropy bonus and TIS; the LM head chunked)."""
-    config = SP2
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+two_gpus_deepspeed = pytest.mark.skipif(
+    not (torch.cuda.device_count() >= 2 and importlib.util.find_spec("deepspeed")), reason="needs 2 GPUs, deepspeed")
+
+
+@pytest.mark.parametrize("config, device, groups", [
+    pytest.param(SP2, "cpu", 1, marks=needs_deepspeed), pytest.param(SP2, "cpu", 2, marks=needs_deepspeed),
+    pytest.param(SP2, "cuda", 1, marks=two_gpus_deepspeed), pytest.param(CP2, "cuda", 1, marks=two_gpus)],
+    ids=["ulysses-cpu", "ulysses-dp2-cpu", "ulysses-cuda", "context-cuda"])
+def test_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, config, device, groups):
+    """Ulysses SP 2 under ZeRO-3 (accelerate_configs/deepspeed_zero3_sp2.yaml) and context parallelism 2 under
+    FSDP2 (fsdp2_cp2.yaml), through tests/sp_worker.py on two ranks (CPU: gloo; cuda: two GPUs, NCCL), and
+    Ulysses with data parallelism on four CPU ranks (two groups of 2, parallelism_config_dp_shard_size 2): the
+    logprob pass summed over the group, the loss summed over the ranks and every parameter's gradient equal
+    the unsharded model's on one process, for three loss aggregations (with the KL loss, the entropy bonus and
+    TIS; the LM head chunked)."""
     if groups > 1:  # the same config with data parallelism as well
+        text = open(config).read().replace("num_processes: 2", f"num_processes: {2 * groups}")
         config = tmp_path / "dp_sp.yaml"
-        text = open(SP2).read().replace("num_processes: 2", f"num_processes: {2 * groups}")
-        config.write_text(text.replace("parallelism_config_dp_shard_size: 1", f"parallelism_config_dp_shard_size: "
-                                       f"{groups}"))
+        key = "parallelism_config_dp_shard_size"
+        config.write_text(text.replace(f"{key}: 1", f"{key}: {groups}"))
     path = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])  # (the GPU's packages)
     env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": device, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
@@ -113,27 +151,32 @@ def test_ulysses_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tm
             assert r[mode]["grad_rel"] < 10 * tolerance, (mode, r)
 
 
-@needs_deepspeed
-def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, chars_reward):
-    """train_ppo.py end to end under deepspeed_zero3_sp2.yaml on two CPU ranks, with the KL loss against a
-    ZeRO-3 reference model: both ranks of the group train the group's 8 samples (gathered), the policy moves, a checkpoint and the model are written (resuming is the
-    ZeRO-3 resume test's path: per-rank states by process index)."""
+@pytest.mark.parametrize("config", [pytest.param(SP2, marks=needs_deepspeed, id="ulysses-cpu"),
+                                    pytest.param(CP2, marks=two_gpus, id="context-cuda")])
+def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, chars_reward, config):
+    """train_ppo.py end to end under deepspeed_zero3_sp2.yaml on two CPU ranks (and fsdp2_cp2.yaml on two
+    GPUs, with vLLM where installed), with the KL loss against a sharded reference model: both ranks of the
+    group train the group's 8 samples (gathered), the policy moves, a checkpoint and the model are written
+    (resuming is the sharded resume tests' path: per-rank states by process index)."""
     prompts = tmp_path / "prompts.jsonl"  # a file without an eval split: no held-out eval (time)
-    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "label": str(i)}) + "\n" for i in range(16)))
+    rows = [json.dumps({"prompt": f"Count to {i}.", "label": str(i)}) + "\n" for i in range(16)]
+    prompts.write_text("".join(rows))
     args = ["--pretrain", tiny_model_dir, "--prompt_data", str(prompts), "--reward_fn", chars_reward,
             "--rollout_batch_size", "4",
             "--n_samples_per_prompt", "2", "--generate_max_len", "12", "--actor_learning_rate", "1e-3",
             "--use_kl_loss", "--init_kl_coef", "0.1",
             "--max_steps", "2", "--save_steps", "1", "--output_dir", str(tmp_path / "run")]
-    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", SP2)
+    cuda = config == CP2
+    args += ["--engine_enforce_eager"] if cuda and importlib.util.find_spec("vllm") else []
+    env = {"DS_ACCELERATOR": "cuda" if cuda else "cpu", "OMP_NUM_THREADS": "1"}
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", config)
     out = run_script("train_ppo.py", args, launcher=launcher, env=env).stdout
     assert "2 processes" in out
     steps, _ = read_metrics(str(tmp_path / "run"))
     assert [m["step"] for m in steps] == [1, 2] and all(m["train/grad_norm"] > 0 for m in steps)
     # the engine sampled the whole rows that the ranks scored in slices: the same logprobs; and the reference
     # model's sliced pass equals the policy's before the first update
-    assert max(m["rollout/logprob_diff_mean"] for m in steps) < 1e-4
+    assert max(m["rollout/logprob_diff_mean"] for m in steps) < (0.02 if cuda else 1e-4)  # (bf16 on GPUs)
     assert abs(steps[0]["train/kl"]) < 1e-6 < steps[1]["train/kl"]
     assert os.path.isdir(tmp_path / "run" / "checkpoint-2") and os.path.isfile(tmp_path / "run" / "model" /
                                                                                 "config.json")
@@ -157,6 +200,6 @@ def test_groups_and_the_heads_check():
     assert SequenceParallel.from_accelerator(accelerator(3, 7), model) == SequenceParallel(3, 1)
     assert SequenceParallel.from_accelerator(accelerator(1, 1), model) is None
     assert SequenceParallel.from_accelerator(SimpleNamespace(parallelism_config=None), model) is None
-    with pytest.raises(ConfigError, match="the model's 6 attention heads do not divide over "
-                                          "parallelism_config_sp_size 4 .*: set an sp_size that divides them"):
+    message = "the model's 6 attention heads do not divide over parallelism_config_sp_size 4 .*: set an sp"
+    with pytest.raises(ConfigError, match=message):
         SequenceParallel.from_accelerator(accelerator(4, 0), model)

@@ -415,10 +415,10 @@ def test_engine_groups_must_divide_the_processes():
 
 
 def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_are_refused():
-    """An accelerate config whose parallelism_config asks for context or tensor parallelism is refused in one
-    line before anything loads (the scripts feed whole sequences and weights). Sequence parallelism (Ulysses)
-    passes, but not with the flags whose rows it cannot split, nor in train_ppo_vl.py; data parallelism
-    passes."""
+    """An accelerate config whose parallelism_config asks for tensor parallelism, or for context parallelism
+    outside FSDP2, is refused in one line before anything loads. Sequence parallelism (Ulysses under
+    DeepSpeed) and context parallelism (FSDP2) pass, but not with the flags whose rows they cannot split, nor in
+    train_ppo_vl.py, nor with a process count the groups do not make up; data parallelism passes."""
     import types
 
     import train_ppo
@@ -430,10 +430,14 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
 
     args = train_ppo.Args()
     args.train_batch_size = args.rollout_batch_size * args.n_samples_per_prompt
-    for dim in ("cp", "tp"):
-        with pytest.raises(UserError, match=f"parallelism_config_{dim}_size is 2: .* not supported"):
-            check_args(args, 2, parallelism=config(**{f"{dim}_size": 2}))
-    check_args(args, 2, parallelism=config(sp_size=2))
+    deepspeed, fsdp2 = dict(deepspeed=object(), sharded=True), dict(sharded=True)
+    with pytest.raises(UserError, match="parallelism_config_tp_size is 2: .* not supported"):
+        check_args(args, 2, parallelism=config(tp_size=2))
+    for kind in ({}, deepspeed):
+        with pytest.raises(UserError, match="parallelism_config_cp_size 2: context parallelism needs FSDP2"):
+            check_args(args, 2, parallelism=config(cp_size=2), **kind)
+    check_args(args, 2, parallelism=config(cp_size=2), **fsdp2)
+    check_args(args, 2, parallelism=config(sp_size=2), **deepspeed)
     check_args(args, 4, parallelism=config(sp_size=2, dp_shard_size=2))  # 2 groups of 2 (data parallel)
     with pytest.raises(UserError, match="4 processes, but the accelerate config's parallelism_config makes 2 "
                                         ".*: set parallelism_config_dp_shard_size to 2"):
@@ -441,13 +445,16 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
     check_args(args, 2, parallelism=config(dp_shard_size=2))
     check_args(args, 2, parallelism=None)
     for flag, value in (("packing_samples", True), ("use_gspo", True), ("high_entropy_token_ratio", 0.2),
-                        ("pretrain_data", "x.jsonl"), ("reward_pretrain", "rm")):
-        with pytest.raises(UserError, match=f"--{flag} with sequence parallelism .*: .*; drop one of them"):
-            check_args(replace(args, **{flag: value}), 2, parallelism=config(sp_size=2))
+                        ("pretrain_data", "x.jsonl"), ("reward_pretrain", "rm"),
+                        ("advantage_estimator", "gae")):
+        for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):
+            with pytest.raises(UserError, match=f"--{flag}.* with sequence parallelism .*: .*; drop one of them"):
+                check_args(replace(args, **{flag: value}), 2, parallelism=config(**sizes), **kind)
     vl = train_ppo_vl.Args()
     vl.train_batch_size = vl.rollout_batch_size * vl.n_samples_per_prompt
-    with pytest.raises(UserError, match="train_ppo_vl.py with sequence parallelism .* not split across ranks"):
-        check_args(vl, 2, parallelism=config(sp_size=2))
+    for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):
+        with pytest.raises(UserError, match="train_ppo_vl.py with sequence parallelism .* not split across"):
+            check_args(vl, 2, parallelism=config(**sizes), **kind)
 
 
 def test_the_engine_memory_checks_name_the_fix(monkeypatch):
