@@ -115,7 +115,8 @@ def test_context_parallel_slices_are_the_contexts_columns(tmp_path):
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 two_gpus_deepspeed = pytest.mark.skipif(
-    not (torch.cuda.device_count() >= 2 and importlib.util.find_spec("deepspeed")), reason="needs 2 GPUs, deepspeed")
+    not (torch.cuda.device_count() >= 2 and importlib.util.find_spec("deepspeed")),
+    reason="needs two GPUs and deepspeed")
 
 
 @pytest.mark.parametrize("config, device, groups", [
