@@ -120,6 +120,8 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
     check(cp == 1 or (sharded and not deepspeed), f"parallelism_config_cp_size {cp}: context parallelism "
           "needs FSDP2 (accelerate_configs/fsdp2_cp2.yaml); under DeepSpeed use parallelism_config_sp_size "
           "(deepspeed_zero3_sp2.yaml)")
+    check(cp == 1 or args.bf16 is not False, f"parallelism_config_cp_size {cp} without --bf16: torch's ring "
+          "attention runs on the flash / efficient kernels, grouped-KV models reach in bf16 only: add it")
     if sp * cp > 1:  # what cannot work when attention masks are dropped and every sdpa forward is split
         name = f"parallelism_config_{'sp' if sp > 1 else 'cp'}_size {sp * cp}"
         for flag, on, why in (

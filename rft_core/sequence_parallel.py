@@ -99,8 +99,10 @@ class SequenceParallel:
 
     def width(self, mb):
         """The columns of mb's rows laid out from position 0: the longest row, padded to a multiple of the
-        group (context parallelism: of twice the group, which its load balancer needs)."""
-        multiple = self.size * (2 if self.context_parallel else 1)
+        group; under context parallelism, to 2 x group chunks (its load balancer's) of a multiple of 32 rows
+        each (sdpa's efficient kernel returns its logsumexp in blocks of 32, which torch's ring merge does not
+        trim: seen on two H200s)."""
+        multiple = self.size * (64 if self.context_parallel else 1)
         return math.ceil(int(mb.attention_mask.sum(-1).max()) / multiple) * multiple
 
     def columns(self, width, device):

@@ -30,8 +30,9 @@ torch.manual_seed(0)
 whole = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")  # before ZeRO-3 exists
 trained = copy.deepcopy(whole)
 
-# three rows of different prompt and response lengths: [pad prompt | response pad], as build_experience
-prompt_lens, response_lens = [5, 9, 3], [11, 4, 20]
+# three rows of different prompt and response lengths: [pad prompt | response pad], as build_experience; over
+# 96 tokens, so that context parallelism's padded width of 128 gives both ranks tokens
+prompt_lens, response_lens = [5, 9, 3], [70, 4, 120]
 P, T = max(prompt_lens), max(response_lens)
 input_ids = torch.zeros(3, P + T, dtype=torch.long)
 attention_mask = torch.zeros(3, P + T, dtype=torch.long)
@@ -71,6 +72,12 @@ from rft_core.sequence_parallel import SequenceParallel, sliced  # noqa: E402
 
 accelerator = Accelerator(kwargs_handlers=process_group_kwargs())
 ulysses = accelerator.state.deepspeed_plugin is not None  # else FSDP2's context parallelism
+if not ulysses:  # torch's ring attention runs on the flash / efficient / cuDNN kernels, and in fp32 with
+    # grouped KV heads sdpa takes the math kernel: here transformers repeats the heads itself, so the
+    # efficient kernel computes in fp32 as the reference does (the scripts refuse CP without --bf16)
+    import transformers.integrations.sdpa_attention as sdpa
+
+    sdpa.use_gqa_in_sdpa = lambda *args, **kwargs: False
 configure_deepspeed(accelerator, 1, None, 1e9)
 optimizer = torch.optim.SGD(trained.parameters(), lr=0.0)
 sp = SequenceParallel.from_accelerator(accelerator, trained)

@@ -84,7 +84,7 @@ def test_one_rank_and_the_first_slice_equal_the_padded_path(tiny_model_dir):
 def test_context_parallel_slices_are_the_contexts_columns(tmp_path):
     """Context parallelism's layout on two CPU ranks with torch's context_parallel
     (tests/cp_layout_worker.py): a rank's columns are those the context gives it (two chunks, head and tail,
-    of a width that is a multiple of 4), together every column once; each column keeps its position and its
+    of a width that is a multiple of 128), together every column once; each column keeps its position and its
     next token as target; every response token is scored on exactly one rank, at the place of its predicting
     column."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
@@ -96,7 +96,7 @@ def test_context_parallel_slices_are_the_contexts_columns(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     exp = batch()
     width = ranks[0]["width"]
-    assert width % 4 == 0 and width >= int(exp.attention_mask.sum(-1).max())
+    assert width % 128 == 0 and width >= int(exp.attention_mask.sum(-1).max())
     assert sorted(ranks[0]["columns"] + ranks[1]["columns"]) == list(range(width))
     q = width // 4
     assert ranks[0]["columns"] == [*range(q), *range(3 * q, width)]  # head and tail: balanced causal work

@@ -437,6 +437,8 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
         with pytest.raises(UserError, match="parallelism_config_cp_size 2: context parallelism needs FSDP2"):
             check_args(args, 2, parallelism=config(cp_size=2), **kind)
     check_args(args, 2, parallelism=config(cp_size=2), **fsdp2)
+    with pytest.raises(UserError, match="parallelism_config_cp_size 2 without --bf16: .*: add it"):
+        check_args(replace(args, bf16=False), 2, parallelism=config(cp_size=2), **fsdp2)
     check_args(args, 2, parallelism=config(sp_size=2), **deepspeed)
     check_args(args, 4, parallelism=config(sp_size=2, dp_shard_size=2))  # 2 groups of 2 (data parallel)
     with pytest.raises(UserError, match="4 processes, but the accelerate config's parallelism_config makes 2 "
