@@ -48,11 +48,9 @@ class RowSlice:
 @dataclass
 class SequenceParallel:
     size: int  # ranks in a group
-    rank: int  # this rank's place in its group: groups are consecutive ranks, as DeepSpeed and Accelerate's
-    # device mesh build them (checked for the mesh)
-    context_parallel: object = None  # FSDP2's context parallelism: accelerator.maybe_context_parallel; None:
-    # Ulysses
-    cp_group: object = None  # context parallelism: the group's torch process group (Accelerate's "cp" mesh)
+    rank: int  # this rank's place in its group of consecutive ranks (DeepSpeed's; the mesh's, checked)
+    context_parallel: object = None  # FSDP2: accelerator.maybe_context_parallel (None: Ulysses)
+    cp_group: object = None  # FSDP2: the group's torch process group (Accelerate's "cp" mesh)
 
     @classmethod
     def from_accelerator(cls, accelerator, model):
@@ -99,7 +97,7 @@ class SequenceParallel:
 
     def width(self, mb):
         """The columns of mb's rows laid out from position 0: the longest row, padded to a multiple of the
-        group; under context parallelism, to 2 x group chunks (its load balancer's) of a multiple of 32 rows
+        group; under context parallelism, to 2 x group chunks (its load balancer's) of a multiple of 32 tokens
         each (sdpa's efficient kernel returns its logsumexp in blocks of 32, which torch's ring merge does not
         trim: seen on two H200s)."""
         multiple = self.size * (64 if self.context_parallel else 1)
