@@ -137,9 +137,8 @@ class SequenceParallel:
         finally:
             self._inside = False
 
-    _inside = False  # in a block
-
     def __post_init__(self):
+        self._inside = False  # in a block
         self._columns = {}  # context parallelism: width -> this rank's columns
 
     def layout(self, mb):
