@@ -264,8 +264,9 @@ class Args:
     gradient_checkpointing: Optional[bool] = None
     """recompute activations in backward to save memory (default: on when an update micro-batch of
     --max_tokens_per_micro_batch tokens would not fit beside the optimizer state, measured at start-up)"""
-    torch_compile: bool = False
-    """torch.compile each decoder layer of the trained model (dynamic shapes; the first steps compile)"""
+    torch_compile: Optional[bool] = None
+    """torch.compile each decoder layer of the trained model (dynamic shapes; the first steps compile;
+    default: on with a GPU, alone or under DDP, generating with vLLM / SGLang)"""
     optimizer_offload: Optional[bool] = None
     """keep the optimizer state on the CPU outside the update, away from the rollout's KV cache (DDP,
     FSDP2; with DeepSpeed use a *_offload config)"""
@@ -367,6 +368,9 @@ def main():
                accelerator.parallelism_config)
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
     sp_size = group_size(accelerator.parallelism_config)  # ranks sharing samples (SP / CP), a slice of each
+    if args.torch_compile is None:  # auto: as measured, alone or under DDP, with vLLM / SGLang generating
+        args.torch_compile = (torch.cuda.is_available() and not deepspeed and not sharded and sp_size == 1
+                              and resolve_engine_type(args.engine_type) != "hf")
     rows_per_update = args.train_batch_size * sp_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL
     kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15 on one H100: the GPU tests, then bench/bench_sizes.py at real sizes (one device call per mode).
 # Needs the ../shared/gpu bundle (groups vllm, model) copied to /tmp/gpu. Results: $OUT/sizes.jsonl and logs.
-# Usage: bash bench/run_gpu_sizes.sh tests|small|large|lora|long|long3b|lora_long|speed|fused
+# Usage: bash bench/run_gpu_sizes.sh tests|small|large|lora|long|long3b|lora_long|speed|compile135|compile_mid|fused
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -29,6 +29,11 @@ case "$1" in
     cat "$OUT/generate.jsonl"
     $B 135m --steps 10 --timeout 200 --tag=-32k -- --max_tokens_per_micro_batch 32768
     $B 135m --steps 10 --timeout 200 --tag=-packed -- --packing_samples;;
+  compile135)  # the per-layer compile now on by default: SmolLM2-135M with it and without it, one session
+    $B 135m --steps 12 --timeout 280
+    $B 135m --steps 12 --timeout 280 --tag=-eager -- --torch_compile false;;
+  compile_mid)  # the 0.5B and 1.5B shapes, default flags (compiled)
+    $B 0.5b 1.5b --steps 10 --timeout 280;;
   fused)  # the plain logits path against --fused_linear_logprob (default on), 0.5B shape
     $B 0.5b --steps 8 --timeout 280 --tag=-plain -- --fused_linear_logprob false;;
 esac

@@ -244,7 +244,7 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
                        fixed_budget=False, log=print):
     """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
     ZeRO-3 / FSDP2: two forwards). An update micro-batch's activations are measured: a forward with gradients
-    on one synthetic row of 512 and of 1024 tokens gives the bytes kept per token and the fixed part
+    on two synthetic rows of 256 and of 512 tokens gives the bytes kept per token and the fixed part
     (autocast's weight copies). The room for them is the GPU's free memory less the gradients and AdamW's
     two moments (fp32, this rank's share of the trained parameters). choose_budget picks the largest budget,
     up to AUTO_MAX_TOKENS, that fits beside the awake engine (engine_share of the GPU's memory; if that is at
@@ -258,13 +258,15 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     vocab = net.config.get_text_config().vocab_size
     device = next(net.parameters()).device
     peaks = []
-    for n in (512, 1024):
-        ids = torch.randint(vocab, (1, n), device=device)
+    for n in (512, 1024):  # two rows, not one: a compiled model (--torch_compile) would specialise on 1
+        ids = torch.randint(vocab, (2, n // 2), device=device)
+        mask = torch.ones_like(ids)
+        mask[1, 0] = 0  # one padded column, as in training (and so in the same compiled graph)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         with autocast():
-            kept = response_logprobs(net, ids, torch.ones_like(ids), n // 2, chunk_size=chunk_size)
+            kept = response_logprobs(net, ids, mask, n // 4, chunk_size=chunk_size)
         peaks.append(torch.cuda.max_memory_allocated() - before)
         del kept
     per_token = (peaks[1] - peaks[0]) / 512

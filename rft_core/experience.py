@@ -121,11 +121,16 @@ class Experience:
         return input_ids, position_ids, keep, (rows, cols)
 
     def _trim(self):
-        """Drop the padding columns that no row of this batch uses."""
+        """Drop the padding columns that no row of this batch uses, then widen to a multiple of 8 columns
+        where there is padding for it (one shape class for a compiled model, --torch_compile)."""
         width, num_actions = self.input_ids.shape[1], self.action_mask.shape[1]
-        keep_t = int(self.action_mask.sum(-1).max().clamp(min=1))  # longest response here
+        longest = int(self.action_mask.sum(-1).max().clamp(min=1))  # longest response here
         used = self.attention_mask[:, :-num_actions].any(0).nonzero()
         start = int(used[0]) if len(used) else 0  # first prompt column any row uses
+        short = -(width - num_actions + longest - start) % 8  # columns to add for a multiple of 8
+        short = short if short <= num_actions - longest + start else 0  # not if the padding is narrower
+        keep_t = longest + min(short, num_actions - longest)  # the responses' padding first
+        start -= short - (keep_t - longest)  # then the prompts'
         end = width - num_actions + keep_t
         trimmed = {}
         for f in fields(self):

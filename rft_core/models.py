@@ -97,7 +97,9 @@ def compile_blocks(model, backend="inductor"):
     """torch.compile every repeated block (each ModuleList element: a decoder layer) in place, parameter names
     unchanged, with dynamic shapes (lengths change every step). It fuses the fp32 element-wise ops (norms,
     rotary, activations, residual adds) that cost a small model's update more than its matmuls (H100
-    profile)."""
+    profile). The embeddings' output is made to require gradients, as every later block's input does, even
+    where they are frozen (LoRA): else the first block would need a graph of its own, every step."""
+    model.enable_input_require_grads()
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):
             for block in module:

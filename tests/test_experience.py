@@ -34,6 +34,25 @@ def test_split_trims_padding():
     assert picked.advantages.tolist() == [3.0, 1.0] and picked.input_ids.shape == (2, 7)
 
 
+def test_split_widths_are_multiples_of_8_where_the_padding_allows():
+    """One shape class for a compiled model: a trimmed width of 12 grows to 16, the responses' padding first,
+    then the prompts'; the rows' tokens and masks are the same ones, shifted."""
+    prompts = [[5] * 3, [6] * 10]
+    exp = build_experience(prompts, [Generation([7] * 2, [0.0] * 2), Generation([8] * 9, [0.0] * 9)], 0)
+    assert exp.input_ids.shape == (2, 19)
+    first, second = exp.split(1)
+    # row 0 alone: 3 + 2 = 5 columns -> 8: all 7 response padding columns available, so 3 of them
+    assert first.input_ids.tolist() == [[5, 5, 5, 7, 7, 0, 0, 0]] and first.action_mask.shape == (1, 5)
+    # row 1 alone: 10 + 9 = 19 -> the whole width (24 would need more padding than there is)
+    assert second.input_ids.shape == (1, 19)
+    exp = build_experience([[5] * 2, [6] * 10], [Generation([7] * 2, [0.0] * 2), Generation([8], [0.0])], 0)
+    (both,) = exp.split(2)  # 10 + 2 = 12 columns -> 16: no response padding left, so 4 of the prompts'...
+    assert both.input_ids.shape == (2, 12)  # ...but only 0 exist: kept at 12
+    first = exp.split(1)[0]  # row 0: 2 + 2 = 4 -> 8: response padding 0, prompt padding 8
+    assert first.input_ids.tolist() == [[0, 0, 0, 0, 5, 5, 7, 7]]
+    assert first.attention_mask.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]] and first.action_mask.tolist() == [[1, 1]]
+
+
 def test_micro_batches_by_tokens():
     """A token budget groups rows of similar length, each micro-batch's padded size (rows x (longest prompt +
     longest response)) within it, every row exactly once; a row over the budget goes alone; a synced count
@@ -54,7 +73,10 @@ def test_micro_batches_by_tokens():
         assert sorted(i for g in groups for i in g) == list(range(37))
         assert all(padded(g) <= budget or len(g) == 1 for g in groups)
         mbs = exp.split(max_tokens=budget)
-        assert [mb.input_ids.numel() for mb in mbs] == [padded(g) for g in groups]  # trimmed to exactly that
+        # trimmed to that, then up to a multiple of 8 columns where the full width (50) has them
+        widths = [padded(g) // len(g) for g in groups]
+        assert [mb.input_ids.shape for mb in mbs] == [(len(g), w + -w % 8 if w + -w % 8 <= 50 else w)
+                                                      for g, w in zip(groups, widths)]
     assert len(exp.micro_batch_rows(max_tokens=10_000)) == 1
     assert len(exp.micro_batch_rows(max_tokens=1)) == 37  # each row alone
     local = len(exp.micro_batch_rows(max_tokens=200))

@@ -166,3 +166,25 @@ def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir):
     for out in outs:
         out.sum().backward()
     assert torch.allclose(plain.model.layers[1].mlp.up_proj.weight.grad, compiled.model.layers[1].mlp.up_proj.weight.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("fix", [False, True])
+def test_compiled_lora_blocks_share_one_graph(tiny_model_dir, fix, monkeypatch):
+    """Under LoRA the embeddings are frozen, so without compile_blocks' input hook the first decoder layer's
+    input would not require gradients while every later one's does: a second graph (H100, 7B LoRA: a
+    recompile per layer switch until dynamo's limit). With it, one graph serves every layer and shape."""
+    from rft_core.models import compile_blocks, lora_model
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = lora_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8)
+    if not fix:
+        monkeypatch.setattr(type(model), "enable_input_require_grads", lambda self: None, raising=False)
+    compile_blocks(model, backend="eager")
+    for width in (6, 9):  # two shapes, both padded
+        ids = torch.randint(3, 100, (3, width))
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()  # as in training
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert (graphs == 1) == fix, graphs
