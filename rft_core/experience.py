@@ -141,12 +141,14 @@ class Experience:
 
 
 def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=None):
-    """Pad prompts (left) and generations (right) into an Experience; one generation per prompt.
-    mm: per-prompt image inputs of a vision-language model (see Experience.mm)."""
+    """Pad prompts (left) and generations (right) into an Experience, P + T columns (a multiple of 8: a
+    compiled model then sees one shape class); one generation per prompt. mm: per-prompt image inputs of a
+    vision-language model (see Experience.mm)."""
     if len(prompt_ids) != len(generations):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(generations)} generations")
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(g.token_ids) for g in generations))
+    T += -(P + T) % 8  # response padding to a width of a multiple of 8, which _trim then always keeps
     B = len(prompt_ids)
     input_ids = torch.full((B, P + T), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((B, P + T), dtype=torch.long)

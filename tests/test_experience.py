@@ -14,41 +14,44 @@ GENS = [Generation([11, 12], [-0.1, -0.2]), Generation([13, 14, 15, 2], [-1.0, -
 
 def test_build_experience_layout():
     exp = build_experience(PROMPTS, GENS, pad_token_id=0)
-    assert exp.input_ids.tolist() == [[5, 6, 7, 11, 12, 0, 0], [0, 0, 8, 13, 14, 15, 2], [0, 9, 10, 16, 0, 0, 0]]
-    assert exp.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0]]
-    assert exp.action_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert exp.rollout_logprobs[1].tolist() == [-1.0, -2.0, -3.0, -4.0]
+    # 3 + 4 columns, and one more of response padding for a multiple of 8
+    assert exp.input_ids.tolist() == [[5, 6, 7, 11, 12, 0, 0, 0], [0, 0, 8, 13, 14, 15, 2, 0],
+                                      [0, 9, 10, 16, 0, 0, 0, 0]]
+    assert exp.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1, 0],
+                                           [0, 1, 1, 1, 0, 0, 0, 0]]
+    assert exp.action_mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    assert exp.rollout_logprobs[1].tolist() == [-1.0, -2.0, -3.0, -4.0, 0.0]
 
 
 def test_split_trims_padding():
     exp = build_experience(PROMPTS, GENS, pad_token_id=0)
     exp.advantages = torch.tensor([1.0, 2.0, 3.0])
     first, second = exp.split(2)
-    assert first.input_ids.tolist() == [[5, 6, 7, 11, 12, 0, 0], [0, 0, 8, 13, 14, 15, 2]]
-    # the last row alone: prompt column 0 and response columns 2..4 are padding for it
-    assert second.input_ids.tolist() == [[9, 10, 16]]
-    assert second.action_mask.tolist() == [[1]]
+    assert first.input_ids.tolist() == [[5, 6, 7, 11, 12, 0, 0, 0], [0, 0, 8, 13, 14, 15, 2, 0]]
+    assert second.input_ids.tolist() == [[0, 9, 10, 16, 0, 0, 0, 0]]  # 3 columns used, 8 kept
+    assert second.action_mask.tolist() == [[1, 0, 0, 0, 0]]
     assert second.advantages.tolist() == [3.0]
     assert [len(mb) for mb in exp.split(1)] == [1, 1, 1]
     picked = exp.select([2, 0])
-    assert picked.advantages.tolist() == [3.0, 1.0] and picked.input_ids.shape == (2, 7)
+    assert picked.advantages.tolist() == [3.0, 1.0] and picked.input_ids.shape == (2, 8)
+    exp = build_experience([[5] * 9, [6]], [Generation([7], [0.0]), Generation([8], [0.0])], 0)
+    assert exp.input_ids.shape == (2, 16)
+    assert exp.split(1)[1].input_ids.tolist() == [[6, 8] + [0] * 6]  # 2 columns used, 8 kept
 
 
 def test_split_widths_are_multiples_of_8_where_the_padding_allows():
-    """One shape class for a compiled model: a trimmed width of 12 grows to 16, the responses' padding first,
-    then the prompts'; the rows' tokens and masks are the same ones, shifted."""
+    """One shape class for a compiled model: a trimmed width grows to a multiple of 8, the responses' padding
+    first, then the prompts'; the rows' tokens and masks are the same ones."""
     prompts = [[5] * 3, [6] * 10]
     exp = build_experience(prompts, [Generation([7] * 2, [0.0] * 2), Generation([8] * 9, [0.0] * 9)], 0)
-    assert exp.input_ids.shape == (2, 19)
+    assert exp.input_ids.shape == (2, 24)  # 10 + 9, and 5 columns of response padding
     first, second = exp.split(1)
-    # row 0 alone: 3 + 2 = 5 columns -> 8: all 7 response padding columns available, so 3 of them
+    # row 0 alone: its prompt's 3 + 2 = 5 columns -> 8, with 3 of its response padding columns
     assert first.input_ids.tolist() == [[5, 5, 5, 7, 7, 0, 0, 0]] and first.action_mask.shape == (1, 5)
-    # row 1 alone: 10 + 9 = 19 -> the whole width (24 would need more padding than there is)
-    assert second.input_ids.shape == (1, 19)
-    exp = build_experience([[5] * 2, [6] * 10], [Generation([7] * 2, [0.0] * 2), Generation([8], [0.0])], 0)
-    (both,) = exp.split(2)  # 10 + 2 = 12 columns -> 16: no response padding left, so 4 of the prompts'...
-    assert both.input_ids.shape == (2, 12)  # ...but only 0 exist: kept at 12
-    first = exp.split(1)[0]  # row 0: 2 + 2 = 4 -> 8: response padding 0, prompt padding 8
+    assert second.input_ids.shape == (1, 24)  # row 1 alone: 19 -> 24
+    exp = build_experience([[5] * 2, [6] * 14], [Generation([7] * 2, [0.0] * 2), Generation([8], [0.0])], 0)
+    assert exp.input_ids.shape == (2, 16)  # 14 + 2: no response padding added
+    first = exp.split(1)[0]  # row 0: 2 + 2 = 4 -> 8, none of response padding left: 4 of the prompt's
     assert first.input_ids.tolist() == [[0, 0, 0, 0, 5, 5, 7, 7]]
     assert first.attention_mask.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]] and first.action_mask.tolist() == [[1, 1]]
 
@@ -73,10 +76,9 @@ def test_micro_batches_by_tokens():
         assert sorted(i for g in groups for i in g) == list(range(37))
         assert all(padded(g) <= budget or len(g) == 1 for g in groups)
         mbs = exp.split(max_tokens=budget)
-        # trimmed to that, then up to a multiple of 8 columns where the full width (50) has them
+        # trimmed to that, then up to a multiple of 8 columns (the whole width, 56, is one)
         widths = [padded(g) // len(g) for g in groups]
-        assert [mb.input_ids.shape for mb in mbs] == [(len(g), w + -w % 8 if w + -w % 8 <= 50 else w)
-                                                      for g, w in zip(groups, widths)]
+        assert [mb.input_ids.shape for mb in mbs] == [(len(g), w + -w % 8) for g, w in zip(groups, widths)]
     assert len(exp.micro_batch_rows(max_tokens=10_000)) == 1
     assert len(exp.micro_batch_rows(max_tokens=1)) == 37  # each row alone
     local = len(exp.micro_batch_rows(max_tokens=200))
@@ -170,7 +172,7 @@ def test_packed_equals_padded(tiny_model_dir, chunk_size):
     assert (plp * (1 - exp.action_mask)).abs().sum() == 0  # zeros on the padding
     assert all(torch.allclose(grads[n], pgrads[n], rtol=1e-4, atol=1e-5) for n in grads)
     other = exp.input_ids.clone()
-    other[1, -3] = 77  # a response token of sample 1
+    other[1, exp.input_ids.shape[1] - exp.action_mask.shape[1] + 1] = 77  # sample 1's second response token
     with torch.no_grad():
         moved = micro_batch_logprobs(model, replace(exp, input_ids=other), 0.9, False, chunk_size, True)[0]
     assert torch.allclose(moved[[0, 2, 3]], plp[[0, 2, 3]], atol=1e-6) and not torch.allclose(moved[1], plp[1])
