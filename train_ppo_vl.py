@@ -253,8 +253,8 @@ class Args:
     """recompute activations in backward to save memory (default: on when an update micro-batch of
     --max_tokens_per_micro_batch tokens would not fit beside the optimizer state, measured at start-up)"""
     torch_compile: Optional[bool] = None
-    """torch.compile each decoder layer of the trained model (dynamic shapes; the first steps compile;
-    default: on with a GPU, alone or under DDP, generating with vLLM / SGLang)"""
+    """torch.compile each decoder layer of the trained model, dynamic shapes (default: on with a GPU, alone or
+    under DDP, with vLLM / SGLang generating)"""
     optimizer_offload: Optional[bool] = None
     """keep the optimizer state on the CPU outside the update, away from the rollout's KV cache (DDP,
     FSDP2; with DeepSpeed use a *_offload config)"""
@@ -355,14 +355,13 @@ def main():
     args.train_batch_size = args.train_batch_size or samples_per_step
     deepspeed = accelerator.state.deepspeed_plugin
     sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed and deepspeed.zero_stage == 3)
-    check_args(args, world, deepspeed, sharded, resolve_engine_type(args.engine_type),
-               accelerator.parallelism_config)
+    engine_type = resolve_engine_type(args.engine_type)  # auto: vllm where installed with a GPU, else hf
+    check_args(args, world, deepspeed, sharded, engine_type, accelerator.parallelism_config)
     args.actor_learning_rate = args.actor_learning_rate or (1e-6 if args.pretrain else 3e-3)  # VL
     chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
     sp_size = group_size(accelerator.parallelism_config)  # ranks sharing samples (SP / CP), a slice of each
-    if args.torch_compile is None:  # auto: as measured, alone or under DDP, with vLLM / SGLang generating
-        args.torch_compile = (torch.cuda.is_available() and not deepspeed and not sharded and sp_size == 1
-                              and resolve_engine_type(args.engine_type) != "hf")
+    if args.torch_compile is None:  # auto: on where measured (SP and CP come with DeepSpeed or FSDP2)
+        args.torch_compile = device.type == "cuda" and not (deepspeed or sharded) and engine_type != "hf"
     rows_per_update = args.train_batch_size * sp_size // world  # local samples per optimizer step
     token_level = args.advantage_estimator in TOKEN_LEVEL
     kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards
@@ -378,10 +377,8 @@ def main():
 
     # ---- model, data, reward, optimizer, engine ----
     rows = load_rows(args, accelerator.print)  # data errors come before the model loads
-    ptx_batches = None
-    if args.pretrain_data:
-        ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size or 8,
-                                   rank, world)
+    ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size or 8, rank,
+                               world) if args.pretrain_data else None  # for the ptx loss
     sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, device,
                              torch.bfloat16 if args.bf16 else None,
                              place=lambda m: prepare_frozen(accelerator, m),
@@ -391,8 +388,7 @@ def main():
     moments = RunningMoments() if args.normalize_reward else None
     model, tokenizer, processor, ref_model, critic = load_models(args, accelerator,
                                                                  args.use_kl_loss or kl_in_reward)
-    nets = [net for net in (model, critic) if net is not None]  # what trains
-    for net in nets if args.torch_compile else []:
+    for net in [net for net in (model, critic) if net is not None and args.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
     prompts = encode_prompts(args, rows, tokenizer, processor, model, accelerator.print)
@@ -415,7 +411,7 @@ def main():
     # micro-batches by rows or by tokens (planned from the measured activations on a GPU), checkpointing
     split, logprob_split = micro_batch_splits(args, accelerator, model, trained_nets, chunk_size, sp)
     optimizers = [opt for _, opt, _ in trained.values()]
-    engine = create_engine(args.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
+    engine = create_engine(engine_type, accelerator.unwrap_model(model), tokenizer, processor,
                            limit_mm_per_prompt=args.limit_mm_image_per_prompt,  # VL
                            static_prefix=args.freeze_prefix,  # VL
                            **engine_options(args, samples_per_step // world, sp_size))
