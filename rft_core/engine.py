@@ -14,6 +14,7 @@ sleep / wake_up / update_weights have nothing to do. It is the engine wherever v
 """
 
 import importlib.util
+import math
 import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -134,6 +135,8 @@ def engine_options(args, requests, sp_size=1):
     transformers engine generates one prompt at a time, without padding."""
     sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
     micro_batch_size = 1 if sp_size > 1 else args.micro_rollout_batch_size
+    if args.partial_rollout:  # a generation round holds --inflight_ratio steps' worth of groups
+        requests = math.ceil(requests * args.inflight_ratio)
     return dict(micro_batch_size=micro_batch_size, bf16=args.bf16, tp_size=args.engine_tp_size,
                 mem_util=args.engine_mem_util, sleep=sleep, sleep_level=args.engine_sleep_level,
                 enforce_eager=args.engine_enforce_eager, requests=requests, seed=args.seed,
@@ -191,6 +194,7 @@ def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_
                               max_len, enforce_eager, max_total_tokens=tokens, weight_bytes=weight_bytes)
     else:
         engine = VLLMEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
-                            max_len, enforce_eager, kv_bytes=kv_bytes, **vision)
+                            max_len, enforce_eager, kv_bytes=kv_bytes, max_batch=(requests or 1) * tp_size,
+                            **vision)
     engine.update_weights(model)
     return engine

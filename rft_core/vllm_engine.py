@@ -140,6 +140,16 @@ def kv_cache_bytes(config, requests, max_len, budget_bytes):
     return need if need < budget_bytes / 4 else None
 
 
+def cuda_graph_config(max_batch, enforce_eager=False):
+    """LLM's compilation_config for generate calls of up to max_batch sequences: vLLM captures CUDA graphs
+    for decode batches up to 512 by default and decodes larger ones eagerly (partial rollout's fuller rounds,
+    --inflight_ratio > 1); above that, graphs up to max_batch (rounded up to vLLM's steps of 16, at most its
+    default 1024 sequences)."""
+    if enforce_eager or max_batch <= 512:
+        return {}
+    return {"compilation_config": {"max_cudagraph_capture_size": min(-(-int(max_batch) // 16) * 16, 1024)}}
+
+
 def _ensure_dist_env():
     """external_launcher reads RANK / LOCAL_RANK and a rendezvous; plain `python` sets none."""
     os.environ.setdefault("RANK", "0")
@@ -155,7 +165,8 @@ def _ensure_dist_env():
 class VLLMEngine:
     def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
                  max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256,
-                 limit_mm_per_prompt=None, blocked_token_ids=(), static_prefix=None, kv_bytes=None):
+                 limit_mm_per_prompt=None, blocked_token_ids=(), static_prefix=None, kv_bytes=None,
+                 max_batch=256):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
         _ensure_dist_env()
@@ -175,6 +186,7 @@ class VLLMEngine:
                  if limit_mm_per_prompt else {})
         if kv_bytes:  # takes precedence over mem_util for the KV cache
             extra["kv_cache_memory_bytes"] = kv_bytes
+        extra.update(cuda_graph_config(max_batch, enforce_eager))
         start = f"start (--engine_mem_util {mem_util} of the GPU)"  # vLLM's own refusal is a traceback
         error = None if kv_bytes else memory_error("vLLM", mem_util * torch.cuda.mem_get_info()[1], start)
         if error:

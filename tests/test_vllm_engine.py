@@ -7,11 +7,33 @@ import os
 import pytest
 import torch
 
-from rft_core.vllm_engine import buckets, flatten_group, iter_weights, slice_for_rank, tp_groups, vllm_param_name
+from rft_core.vllm_engine import (buckets, cuda_graph_config, flatten_group, iter_weights, slice_for_rank,
+                                  tp_groups, vllm_param_name)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("vllm")),
                          reason="needs a CUDA GPU and vllm")
+
+
+def test_cuda_graphs_cover_a_generate_call():
+    """A generate call above vLLM's default 512 CUDA-graph batch sizes (partial rollout's fuller rounds) gets
+    graphs up to its size; the engine is sized for --inflight_ratio steps' worth of requests."""
+    from types import SimpleNamespace
+
+    from rft_core.engine import engine_options
+
+    assert cuda_graph_config(256) == {} and cuda_graph_config(512) == {}
+    assert cuda_graph_config(768) == {"compilation_config": {"max_cudagraph_capture_size": 768}}
+    assert cuda_graph_config(513)["compilation_config"]["max_cudagraph_capture_size"] == 528
+    assert cuda_graph_config(5000)["compilation_config"]["max_cudagraph_capture_size"] == 1024
+    assert cuda_graph_config(768, enforce_eager=True) == {}
+    args = SimpleNamespace(enable_engine_sleep=False, disable_engine_sleep=False, micro_rollout_batch_size=8,
+                           bf16=True, engine_tp_size=1, engine_mem_util=0.3, engine_sleep_level=1,
+                           engine_enforce_eager=False, seed=0, prompt_max_len=64, generate_max_len=64,
+                           partial_rollout=False, inflight_ratio=2.5)
+    assert engine_options(args, 256)["requests"] == 256
+    args.partial_rollout = True
+    assert engine_options(args, 256)["requests"] == 640
 
 
 def test_tp_groups():
