@@ -97,9 +97,16 @@ def compile_blocks(model, backend="inductor"):
     """torch.compile every repeated block (each ModuleList element: a decoder layer) in place, parameter names
     unchanged, with dynamic shapes (lengths change every step). It fuses the fp32 element-wise ops (norms,
     rotary, activations, residual adds) that cost a small model's update more than its matmuls (H100
-    profile). The embeddings' output is made to require gradients, as every later block's input does, even
-    where they are frozen (LoRA): else the first block would need a graph of its own, every step."""
-    model.enable_input_require_grads()
+    profile). With gradients on, the token embeddings' output is made to require them, as every later block's
+    input does, even where the embeddings are frozen (LoRA): else the first block would need a graph of its
+    own (the language model's embeddings only: a frozen vision tower stays out of the backward)."""
+    def inputs_require_grad(module, inputs, output):
+        if torch.is_grad_enabled():
+            output.requires_grad_(True)
+
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()  # the VL critic has none: it trains
+    if embeddings is not None:
+        embeddings.register_forward_hook(inputs_require_grad)
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):
             for block in module:

@@ -184,7 +184,7 @@ def test_compiled_lora_blocks_share_one_graph(tiny_model_dir, fix, monkeypatch):
     torch._dynamo.utils.counters.clear()
     model = lora_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8)
     if not fix:
-        monkeypatch.setattr(type(model), "enable_input_require_grads", lambda self: None, raising=False)
+        monkeypatch.setattr(model.get_input_embeddings(), "register_forward_hook", lambda hook: None)
     compile_blocks(model, backend="eager")
     for width in (6, 9):  # two shapes, both padded
         ids = torch.randint(3, 100, (3, width))
@@ -193,3 +193,24 @@ def test_compiled_lora_blocks_share_one_graph(tiny_model_dir, fix, monkeypatch):
         model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()  # as in training
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert (graphs == 1) == fix, graphs
+    with torch.no_grad():  # one more graph for forwards without gradients, where no block's input needs them
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_compile_blocks_takes_the_vision_critic():
+    """The VL script's critic (a Qwen2-VL backbone and a value head, no input-embeddings accessor of its own)
+    compiles like the policy: its vision and language blocks, the same values."""
+    import copy
+
+    from rft_core.models import compile_blocks
+    from rft_core.vision import VisionValueModel, tiny_qwen2_vl, word_tokenizer
+
+    torch._dynamo.reset()
+    plain = VisionValueModel(tiny_qwen2_vl(word_tokenizer()))
+    torch.nn.init.normal_(plain.score.weight)
+    compiled = compile_blocks(copy.deepcopy(plain), backend="eager")
+    assert compiled.model.language_model.layers[0]._compiled_call_impl is not None
+    ids, mask = torch.tensor([[3, 4, 5, 6], [0, 4, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    values = [m(ids, mask).logits for m in (plain, compiled)]
+    assert torch.allclose(values[0], values[1], atol=1e-6)
