@@ -72,9 +72,9 @@ class Experience:
     def micro_batch_rows(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
         """Row index lists of the micro-batches: micro_batch_size consecutive rows each, or, with max_tokens,
         rows of similar length grouped so each micro-batch's size stays within max_tokens (a longer row
-        alone): padded, rows x (longest prompt + longest response); packed, the sum of the rows' lengths.
-        sync_count(n) -> the count every rank uses (the max over ranks: under ZeRO-3 / FSDP2 each forward is a
-        collective); the costliest micro-batches are halved until there are that many."""
+        alone): padded, rows x (longest prompt + longest response, up to a multiple of 8); packed, the sum of
+        the rows' lengths. sync_count(n) -> the count every rank uses (the max over ranks: under ZeRO-3 /
+        FSDP2 each forward is a collective); the costliest micro-batches are halved to make up the count."""
         if not max_tokens:
             return [list(range(i, min(i + micro_batch_size, len(self))))
                     for i in range(0, len(self), micro_batch_size)]
@@ -82,10 +82,11 @@ class Experience:
         prompt_lens = self.attention_mask[:, :-num_actions].sum(-1).tolist()
         response_lens = self.action_mask.sum(-1).tolist()
 
-        def cost(rows):  # padded, every row as wide as the longest prompt + response
+        def cost(rows):  # padded: rows x the longest prompt + response, up to a multiple of 8 (_trim)
             if packed:
                 return sum(prompt_lens[i] + response_lens[i] for i in rows)
-            return len(rows) * (max(prompt_lens[i] for i in rows) + max(response_lens[i] for i in rows))
+            width = max(prompt_lens[i] for i in rows) + max(response_lens[i] for i in rows)
+            return len(rows) * (width + -width % 8)
 
         order = sorted(range(len(self)), key=lambda i: prompt_lens[i] + response_lens[i], reverse=True)
         groups = [[]]
