@@ -10,6 +10,7 @@ line per run: samples trained per second, tokens generated per second, the decod
 (p99 / median, in characters, from every completion scored).
 
     python bench/bench_partial.py --seeds 0 1 2 --steps 40              # one H100 (vLLM)
+    python bench/bench_partial.py --warm_steps 12 --seeds 0 1 2 --steps 20   # from a model that stops
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 -- --engine_type hf   # a CPU smoke run
 """
 
@@ -88,6 +89,8 @@ def main():
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--root", default="/tmp/rft_partial")
     parser.add_argument("--modes", nargs="+", default=["sync", "partial"])
+    parser.add_argument("--warm_steps", type=int, default=0,
+                        help="first train this many synchronous steps (seed 100); every run starts from them")
     args, extra = parser.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = os.environ.get("OUT", args.root)
@@ -98,37 +101,46 @@ def main():
             f.writelines(json.dumps(r) + "\n" for r in rows)
     modes = {"sync": [], "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
                                      "--max_staleness", str(args.staleness)]}
+    warm = os.path.join(args.root, "runs", f"warm-{args.warm_steps}", "model")
+    if args.warm_steps and not os.path.exists(warm):
+        run(args, out, data, evals, "warm", 100, args.warm_steps, [], extra)
+    start_from = ["--pretrain", warm] if args.warm_steps else []
     for seed in args.seeds:
-        for mode, flags in ((m, modes[m]) for m in args.modes):
-            name = f"{mode}-seed{seed}"
-            run_dir = os.path.join(args.root, "runs", name)
-            lengths = os.path.join(args.root, f"{name}.lengths")
-            if os.path.exists(lengths):
-                os.remove(lengths)
-            cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data,
-                   "--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward",
-                   "--rollout_batch_size", "32",
-                   "--n_samples_per_prompt", "8", "--generate_max_len", str(args.max_len), "--max_steps",
-                   str(args.steps), "--eval_steps", "10", "--seed", str(seed), "--output_dir", run_dir,
-                   "--no_resume", *flags, *extra]
-            path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU's packages
-            env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path}
-            start = time.time()
-            with open(os.path.join(out, f"{name}.log"), "w") as log:
-                try:
-                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        timeout=args.timeout).returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout"
-            result = {"run": name, "rc": rc, "wall_s": round(time.time() - start, 1), "flags": flags + extra}
-            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-                config = json.load(open(os.path.join(run_dir, "config.json")))
-                per_step = config["rollout_batch_size"] * config["n_samples_per_prompt"]
-                result.update(summarise(run_dir, lengths, args.skip, per_step))
-            line = json.dumps(result)
-            print(line, flush=True)
-            with open(os.path.join(out, "partial.jsonl"), "a") as f:
-                f.write(line + "\n")
+        for mode in args.modes:
+            flags = modes[mode] + start_from
+            run(args, out, data, evals, f"{mode}-seed{seed}", seed, args.steps, flags, extra)
+
+
+def run(args, out, data, evals, name, seed, steps, flags, extra):
+    """One training run; prints and appends its JSON line to $OUT/partial.jsonl."""
+    run_dir = os.path.join(args.root, "runs", name if name != "warm" else f"warm-{steps}")
+    lengths = os.path.join(args.root, f"{name}.lengths")
+    if os.path.exists(lengths):
+        os.remove(lengths)
+    cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data,
+           "--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward",
+           "--rollout_batch_size", "32",
+           "--n_samples_per_prompt", "8", "--generate_max_len", str(args.max_len), "--max_steps",
+           str(steps), "--eval_steps", "10", "--seed", str(seed), "--output_dir", run_dir,
+           "--no_resume", *flags, *extra]
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU's packages
+    env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path}
+    start = time.time()
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    result = {"run": name, "rc": rc, "wall_s": round(time.time() - start, 1), "flags": flags + extra}
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        config = json.load(open(os.path.join(run_dir, "config.json")))
+        per_step = config["rollout_batch_size"] * config["n_samples_per_prompt"]
+        result.update(summarise(run_dir, lengths, args.skip, per_step))
+    line = json.dumps(result)
+    print(line, flush=True)
+    with open(os.path.join(out, "partial.jsonl"), "a") as f:
+        f.write(line + "\n")
 
 
 if __name__ == "__main__":
