@@ -66,6 +66,8 @@ def summarise(out_dir, lengths_file, skip, samples_per_step):
         "step_s_median": statistics.median(r["perf/step_time_s"] for r in steady),
         "generate_s_median": statistics.median(r["perf/generate_s"] for r in steady),
         "samples_per_s": samples_per_step * len(steady) / seconds,
+        # the median step's rate: a step that recompiled the trainer's layers (~10 s, once) does not weigh
+        "samples_per_s_median": samples_per_step / statistics.median(r["perf/step_time_s"] for r in steady),
         "tokens_generated_per_s": sum(r["rollout/tokens_generated"] for r in steady) / seconds,
         "slot_utilization": statistics.mean(r["rollout/slot_utilization"] for r in steady),
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in rows),

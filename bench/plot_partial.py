@@ -16,10 +16,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main(path):
     runs = [json.loads(line) for line in open(path)]
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    arms = list(dict.fromkeys(r["run"].rsplit("-seed", 1)[0] for r in runs))  # a colour per arm
     for r in runs:
+        arm = r["run"].rsplit("-seed", 1)[0]
         label = f"{r['run']} ({r['samples_per_s']:.0f} samples/s)"
-        by_step.plot(range(1, len(r["reward_by_step"]) + 1), r["reward_by_step"], label=label)
-        by_time.plot(r["time_by_step"], r["reward_by_step"], label=label)
+        style = {"color": f"C{arms.index(arm)}", "alpha": 0.8, "label": label}
+        by_step.plot(range(1, len(r["reward_by_step"]) + 1), r["reward_by_step"], **style)
+        by_time.plot(r["time_by_step"], r["reward_by_step"], **style)
     by_step.set(xlabel="step", ylabel="training reward (mean)", title="reward per step")
     by_time.set(xlabel="seconds (sum of step times)", title="reward against time")
     by_step.legend(fontsize=8)
