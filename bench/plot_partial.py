@@ -16,7 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main(path):
     runs = [json.loads(line) for line in open(path)]
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    arms = list(dict.fromkeys(r["run"].rsplit("-seed", 1)[0] for r in runs))  # a colour per arm
+    # a colour per arm, the synchronous loop's first
+    arms = sorted({r["run"].rsplit("-seed", 1)[0] for r in runs}, key=lambda a: (a != "sync", a))
     for r in runs:
         arm = r["run"].rsplit("-seed", 1)[0]
         label = f"{r['run']} ({r['samples_per_s']:.0f} samples/s)"
