@@ -87,6 +87,7 @@ def main():
     parser.add_argument("--max_len", type=int, default=512)
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--staleness", type=int, default=3)
+    parser.add_argument("--inflight_ratio", type=float, help="partial runs only (named partial-rR-seedS)")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the rates")
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--root", default="/tmp/rft_partial")
@@ -103,6 +104,9 @@ def main():
             f.writelines(json.dumps(r) + "\n" for r in rows)
     modes = {"sync": [], "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
                                      "--max_staleness", str(args.staleness)]}
+    ratio = f"{args.inflight_ratio:g}" if args.inflight_ratio else None
+    if ratio:
+        modes["partial"] += ["--inflight_ratio", ratio]
     warm = os.path.join(args.root, "runs", f"warm-{args.warm_steps}", "model")
     if args.warm_steps and not os.path.exists(warm):
         run(args, out, data, evals, "warm", 100, args.warm_steps, [], extra)
@@ -110,7 +114,8 @@ def main():
     for seed in args.seeds:
         for mode in args.modes:
             flags = modes[mode] + start_from
-            run(args, out, data, evals, f"{mode}-seed{seed}", seed, args.steps, flags, extra)
+            name = f"{mode}-r{ratio}-seed{seed}" if mode == "partial" and ratio else f"{mode}-seed{seed}"
+            run(args, out, data, evals, name, seed, args.steps, flags, extra)
 
 
 def run(args, out, data, evals, name, seed, steps, flags, extra):
