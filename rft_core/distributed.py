@@ -257,7 +257,8 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     net = unwrap(model)
     vocab = net.config.get_text_config().vocab_size
     device = next(net.parameters()).device
-    peaks = []
+    peaks, was_training = [], net.training
+    net.train()  # as in the update: a compiled layer's graph depends on the mode (and dropout on it)
     for n in (512, 1024):  # two rows, not one: a compiled model (--torch_compile) would specialise on 1
         ids = torch.randint(vocab, (2, n // 2), device=device)
         mask = torch.ones_like(ids)
@@ -269,6 +270,7 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
             kept = response_logprobs(net, ids, mask, n // 4, chunk_size=chunk_size)
         peaks.append(torch.cuda.max_memory_allocated() - before)
         del kept
+    net.train(was_training)
     per_token = (peaks[1] - peaks[0]) / 512
     fixed = peaks[0] - 512 * per_token
 

@@ -56,7 +56,9 @@ class HealthGuard:
         if accelerator.reduce(torch.tensor(float(bad), device=accelerator.device), "sum").item():
             self.stop("the updated weights are not finite", step)
         mb = experience.split(**split)[0]  # split: Experience.split's arguments
-        with accelerator.autocast():
+        # eager: compiled layers would otherwise compile once more, for forwards without gradients (~7 s at
+        # 135M on an H100, more for larger models), for this one check
+        with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
             logprobs, entropy = micro_batch_logprobs(model, mb, temperature, True, chunk_size,
                                                      split["packed"], split.get("sp"))
         mask = mb.action_mask

@@ -214,3 +214,28 @@ def test_compile_blocks_takes_the_vision_critic():
     ids, mask = torch.tensor([[3, 4, 5, 6], [0, 4, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     values = [m(ids, mask).logits for m in (plain, compiled)]
     assert torch.allclose(values[0], values[1], atol=1e-6)
+
+
+def test_the_health_check_runs_compiled_layers_eagerly(tiny_model_dir, tmp_path):
+    """The checkpoint's health check is the only forward without gradients of a compiled policy in a step
+    that does not recompute old logprobs: it runs eagerly, so it compiles no graph of its own."""
+    from accelerate import Accelerator
+
+    from rft_core.engine import Generation
+    from rft_core.experience import build_experience
+    from rft_core.health import HealthGuard
+    from rft_core.models import compile_blocks
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = compile_blocks(AutoModelForCausalLM.from_pretrained(tiny_model_dir), backend="eager")
+    gens = [Generation([7, 8, 9], [-1.0] * 3), Generation([7, 8], [-1.0] * 2)]
+    exp = build_experience([[3, 4, 5], [3, 4]], gens, 0)
+    mb = exp.split(micro_batch_size=2)[0]
+    model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.sum().backward()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    guard = HealthGuard(str(tmp_path), model.config.vocab_size, max_update_kl=1e9)
+    split = {"micro_batch_size": 2, "packed": False}
+    guard.before_checkpoint(model, exp, split, 1.0, None, Accelerator(cpu=True), step=1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
