@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 on one H100: partial rollout against the synchronous loop on the heavy-tailed counting task
-# (bench/bench_partial.py), one device call per seed. Needs the ../shared/gpu bundle (groups vllm, model)
+# (bench/bench_partial.py), seeds and arms as fit in a device call (~170 s a run). Needs the ../shared/gpu bundle (groups vllm, model)
 # copied to /tmp/gpu. Results: $OUT/partial.jsonl and a log per run.
 # Usage: bash bench/run_gpu_partial.sh "SEEDS" [STEPS [bench_partial.py flags, e.g. --warm_steps 12]]
 cd "$(dirname "$0")/.."
