@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16 on one H100: partial rollout against the synchronous loop on the heavy-tailed counting task
 # (bench/bench_partial.py), as many seeds and arms as fit in a device call (~170 s a run). Needs the
-# ../shared/gpu bundle (groups vllm, model, data) copied to /tmp/gpu. Results: $OUT/partial.jsonl and a log per run.
+# ../shared/gpu bundle (groups vllm, model, data) copied to /tmp/gpu.
+# Results: $OUT/partial.jsonl and a log per run.
 # Usage: bash bench/run_gpu_partial.sh "SEEDS" [STEPS [bench_partial.py flags, e.g. --warm_steps 12]]
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
