@@ -13,7 +13,7 @@ line per run: samples trained per second, tokens generated per second, the decod
     python bench/bench_partial.py --warm_steps 12 --seeds 0 1 2 --steps 20   # from a model that stops
     python bench/bench_partial.py --warm_steps 12 --modes partial --inflight_ratio 2   # partial-r2-seed0
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \
-        --rollout_batch_size 4 --n_samples_per_prompt 2                  # a CPU smoke run (2 minutes)
+        --rollout_batch_size 4 --n_samples_per_prompt 2                  # a CPU smoke run (2-3 minutes)
 """
 
 import argparse
