@@ -85,6 +85,12 @@ def bench_engine(args):
         raw_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         ours_s, gens = timed(ours, 3)
         ours_tokens = sum(len(g.token_ids) for g in gens)
+        # what the sampled tokens' logprobs cost (vLLM builds a Python object per token on the CPU)
+        bare = params.clone()
+        bare.logprobs = None
+        bare_s, outs = timed(lambda: engine.llm.generate([{"prompt_token_ids": p} for p in prompts], bare,
+                                                         use_tqdm=False), 3)
+        result["raw_no_logprobs_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / bare_s
         result.update({"num_prompts": len(prompts), "raw_tokens_per_s": raw_tokens / raw_s,
                        "engine_tokens_per_s": ours_tokens / ours_s,
                        "engine_overhead_pct": 100 * (1 - (ours_tokens / ours_s) / (raw_tokens / raw_s))})
