@@ -61,15 +61,16 @@ def summarise(out_dir, lengths_file, skip, samples_per_step):
     if not rows:
         return {"steps": 0}
     steady = rows[skip:] or rows
+    median_step = statistics.median(r["perf/step_time_s"] for r in steady)
     seconds = sum(r["perf/step_time_s"] for r in steady)
     lengths = sorted(int(x) for x in open(lengths_file)) if os.path.exists(lengths_file) else []
     return {
         "steps": len(rows), "steady_steps": len(steady),
-        "step_s_median": statistics.median(r["perf/step_time_s"] for r in steady),
+        "step_s_median": median_step,
         "generate_s_median": statistics.median(r["perf/generate_s"] for r in steady),
         "samples_per_s": samples_per_step * len(steady) / seconds,
         # the median step's rate: a step that recompiled the trainer's layers (~10 s, once) does not weigh
-        "samples_per_s_median": samples_per_step / statistics.median(r["perf/step_time_s"] for r in steady),
+        "samples_per_s_median": samples_per_step / median_step,
         "tokens_generated_per_s": sum(r["rollout/tokens_generated"] for r in steady) / seconds,
         "slot_utilization": statistics.mean(r["rollout/slot_utilization"] for r in steady),
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in rows),
@@ -111,7 +112,7 @@ def main():
         modes["partial"] += ["--inflight_ratio", ratio]
     warm = os.path.join(args.root, "runs", f"warm-{args.warm_steps}", "model")
     if args.warm_steps and not os.path.exists(warm):
-        run(args, out, data, evals, "warm", 100, args.warm_steps, [], extra)
+        run(args, out, data, evals, f"warm-{args.warm_steps}", 100, args.warm_steps, [], extra)
     start_from = ["--pretrain", warm] if args.warm_steps else []
     for seed in args.seeds:
         for mode in args.modes:
@@ -122,7 +123,7 @@ def main():
 
 def run(args, out, data, evals, name, seed, steps, flags, extra):
     """One training run; prints and appends its JSON line to $OUT/partial.jsonl."""
-    run_dir = os.path.join(args.root, "runs", name if name != "warm" else f"warm-{steps}")
+    run_dir = os.path.join(args.root, "runs", name)
     lengths = os.path.join(args.root, f"{name}.lengths")
     if os.path.exists(lengths):
         os.remove(lengths)

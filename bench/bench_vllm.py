@@ -78,7 +78,8 @@ def bench_engine(args):
         # the very requests our engine sends: same sampling, logprobs, stop token
         params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens, logprobs=0,
                                 detokenize=False, stop_token_ids=[tokenizer.eos_token_id])
-        raw = lambda: engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa: E731
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        raw = lambda: engine.llm.generate(requests, params, use_tqdm=False)  # noqa: E731
         ours = lambda: engine.generate(prompts, args.max_tokens, 1.0)  # noqa: E731
         raw()  # warm-up
         raw_s, outs = timed(raw, 3)
@@ -88,8 +89,7 @@ def bench_engine(args):
         # what the sampled tokens' logprobs cost (vLLM builds a Python object per token on the CPU)
         bare = params.clone()
         bare.logprobs = None
-        bare_s, outs = timed(lambda: engine.llm.generate([{"prompt_token_ids": p} for p in prompts], bare,
-                                                         use_tqdm=False), 3)
+        bare_s, outs = timed(lambda: engine.llm.generate(requests, bare, use_tqdm=False), 3)
         result["raw_no_logprobs_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / bare_s
         result.update({"num_prompts": len(prompts), "raw_tokens_per_s": raw_tokens / raw_s,
                        "engine_tokens_per_s": ours_tokens / ours_s,
