@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 15 on one H100: the GPU tests, then bench/bench_sizes.py at real sizes (one device call per mode).
 # Needs the ../shared/gpu bundle (groups vllm, model) copied to /tmp/gpu. Results: $OUT/sizes.jsonl and logs.
-# Usage: bash bench/run_gpu_sizes.sh tests|small|large|lora|long|long3b|lora_long|speed|compile135|compile_mid|fused
+# Usage: bash bench/run_gpu_sizes.sh tests|small|large|lora|long|long3b|lora_long|speed|profile|compile135|
+#        compile_mid|fused
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -29,6 +30,12 @@ case "$1" in
     cat "$OUT/generate.jsonl"
     $B 135m --steps 10 --timeout 200 --tag=-32k -- --max_tokens_per_micro_batch 32768
     $B 135m --steps 10 --timeout 200 --tag=-packed -- --packing_samples;;
+  profile)  # generate variants of the 0.5B shape and SmolLM2-135M, each profiled: GPU-bound or host-bound?
+    for size in 0.5b 135m; do
+      python bench/bench_generate.py $size --profile "$OUT/profile-$size" >> "$OUT/generate.jsonl" \
+        2> "$OUT/generate_$size.log"
+    done
+    grep '^{' "$OUT/generate.jsonl";;
   compile135)  # the per-layer compile now on by default: SmolLM2-135M with it and without it, one session
     $B 135m --steps 12 --timeout 280
     $B 135m --steps 12 --timeout 280 --tag=-eager -- --torch_compile false;;
