@@ -1,9 +1,12 @@
 """Rollout engines. Every engine offers the same four calls, so the scripts never branch on it:
 
-    generate(prompt_token_ids, max_new_tokens, temperature, top_p, mm=None) -> list[Generation]
+    generate(prompt_token_ids, max_new_tokens, temperature, top_p, mm=None, logprob_every=1)
+            -> list[Generation]
         one Generation per prompt, in order: the response token ids (ending with EOS unless the
         length limit cut it) and the logprob of each under the sampling distribution
-        (temperature applied; temperature 0 means greedy, logprobs then at temperature 1);
+        (temperature applied; temperature 0 means greedy, logprobs then at temperature 1), for every
+        logprob_every-th prompt (0: none; the others' logprobs are None: vLLM builds a Python object per
+        token it returns a logprob for, which costs up to 30% of a small model's generation);
         mm: per-prompt image inputs of a vision-language model (Experience.mm's form) or None
     sleep(needed_bytes)     free the engine's GPU memory for training (returns whether it slept)
     wake_up(tags=None)      take it back ("weights", "kv_cache", or both)
@@ -29,7 +32,7 @@ from rft_core.multimodal import mm_inputs, video_processor_like, vision_token_id
 @dataclass
 class Generation:
     token_ids: list
-    logprobs: list  # the engine's sampling logprob of each token
+    logprobs: list  # the engine's sampling logprob of each token (None: not asked for)
     versions: list = None  # partial rollout: the policy version (weight syncs so far) that sampled each token
 
 
@@ -56,7 +59,8 @@ class HFEngine:
         self.model = model
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None,
+                 logprob_every=1):
         """max_new_tokens: one for all, or a list (one per prompt: requests of equal limits run together)."""
         was_training = self.model.training
         self.model.eval()  # also turns gradient checkpointing off, which `generate` cannot use
@@ -70,7 +74,7 @@ class HFEngine:
                 gens = self._generate_batch([prompt_token_ids[i] for i in part], limit, temperature, top_p,
                                             [mm[i] for i in part])
                 for i, g in zip(part, gens):
-                    out[i] = g
+                    out[i] = g if wants_logprobs(i, logprob_every) else Generation(g.token_ids, None)
         self.model.train(was_training)
         return out
 
@@ -102,6 +106,11 @@ class HFEngine:
             end = ids.index(eos) + 1 if eos in ids else len(ids)  # keep the EOS: it is an action too
             gens.append(Generation(ids[:end], lps[:end]))
         return gens
+
+
+def wants_logprobs(index, every):
+    """Whether request `index` of a generate call returns its logprobs (every: 1 all, k every k-th, 0 none)"""
+    return bool(every) and index % every == 0
 
 
 def hf_architecture(model):

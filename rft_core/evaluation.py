@@ -29,7 +29,7 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
         if not prompts:
             return []
         gens = engine.generate([p.prompt_ids for p in prompts], max_len, temperature=temperature,
-                               mm=[p.mm for p in prompts])
+                               mm=[p.mm for p in prompts], logprob_every=0)
         completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
         samples = [replace(p, generation=g, completion=c) for p, g, c in zip(prompts, gens, completions)]
         score_fn(samples)

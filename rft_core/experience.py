@@ -5,6 +5,7 @@ Layout of one Experience row: [pad ... prompt | response ... pad], prompts left-
 right-padded to T, so the response always occupies the last T columns.
 """
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 
@@ -33,7 +34,7 @@ class Experience:
     input_ids: torch.Tensor  # (B, P + T)
     attention_mask: torch.Tensor  # (B, P + T)
     action_mask: torch.Tensor  # (B, T): 1 on response tokens
-    rollout_logprobs: torch.Tensor  # (B, T): the engine's sampling logprobs
+    rollout_logprobs: torch.Tensor  # (B, T): the engine's sampling logprobs (NaN on rows it did not return)
     old_logprobs: torch.Tensor = None  # (B, T): trainer logprobs before the update
     ref_logprobs: torch.Tensor = None  # (B, T): frozen reference model
     values: torch.Tensor = None  # (B, T): the critic's V(s_t) before the update (gae)
@@ -161,7 +162,8 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
         input_ids[i, P:P + n] = torch.tensor(g.token_ids, dtype=torch.long)
         attention_mask[i, P - len(p):P + n] = 1
         action_mask[i, :n] = 1
-        rollout_logprobs[i, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
+        known = g.logprobs is not None  # (the engine returns them for some samples only)
+        rollout_logprobs[i, :n] = torch.tensor(g.logprobs, dtype=torch.float32) if known else math.nan
     mm = mm if mm is not None and any(m is not None for m in mm) else None  # None: a text-only batch
     return Experience(input_ids.to(device), attention_mask.to(device), action_mask.to(device),
                       rollout_logprobs.to(device), mm=mm)

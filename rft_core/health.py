@@ -63,7 +63,9 @@ class HealthGuard:
                                                      split["packed"], split.get("sp"))
         mask = mb.action_mask
         tokens = mask.sum().clamp(min=1)  # (a sequence-parallel slice may hold none)
-        kl = ((mb.rollout_logprobs - logprobs.float()) * mask).sum() / tokens  # samples of the old policy
+        # k1 KL on the samples of the old policy whose engine logprobs are known
+        known = mask.bool() & ~mb.rollout_logprobs.isnan()
+        kl = torch.where(known, mb.rollout_logprobs - logprobs.float(), 0.0).sum() / known.sum().clamp(min=1)
         means = accelerator.reduce(torch.stack([(entropy * mask).sum() / tokens, kl]), "mean").tolist()
         self.entropy(means[0], step, "the updated policy")
         if not means[1] <= self.max_update_kl:

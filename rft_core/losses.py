@@ -247,7 +247,11 @@ def actor_loss(logprobs, entropy, mb, s):
         metrics["is_weight_mean"] = masked_mean(raw, mask)
         metrics["is_weight_max"] = (raw * mask).max()
         metrics["is_capped_frac"] = masked_mean(over.float(), mask)
-    diff = (mb.rollout_logprobs - old).abs() * mask  # (B, T): engine vs trainer, the same weights
-    metrics["logprob_diff_mean"] = diff.sum() / mask.sum()
-    metrics["logprob_diff_max"] = diff.max()
+    # engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
+    # pairs, which Means weighs over the micro-batches (one may hold none)
+    known = mask.bool() & ~mb.rollout_logprobs.isnan()  # (B, T)
+    diff = torch.where(known, (mb.rollout_logprobs - old).abs(), 0.0)  # (B, T)
+    has = known.any().float()
+    metrics["logprob_diff_mean"] = (diff.sum(), known.sum())
+    metrics["logprob_diff_max"] = (diff.max() * has, has)
     return loss, metrics

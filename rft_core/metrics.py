@@ -52,7 +52,8 @@ class StepTimer:
 
 
 class Means:
-    """Running means of metric dicts, each key over the dicts that hold it. Values may be 0-d device tensors:
+    """Running means of metric dicts, each key over the dicts that hold it; a (total, weight) pair for a value
+    makes it a weighted mean (a key whose weights sum to 0 is left out). Values may be 0-d device tensors:
     they are summed on the device and read once, in `result()` (an .item() per micro-batch stalls the GPU)."""
 
     def __init__(self):
@@ -60,11 +61,13 @@ class Means:
 
     def add(self, metrics):
         for key, value in metrics.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value
-            self.counts[key] = self.counts.get(key, 0) + 1
+            total, weight = value if isinstance(value, tuple) else (value, 1)
+            self.sums[key] = self.sums.get(key, 0.0) + total
+            self.counts[key] = self.counts.get(key, 0) + weight
 
     def result(self):
-        return {key: float(total / self.counts[key]) for key, total in self.sums.items()}
+        return {key: float(total / self.counts[key]) for key, total in self.sums.items()
+                if float(self.counts[key]) > 0}
 
 
 def update_metrics(means):

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from rft_core.engine import Generation
+from rft_core.engine import Generation, wants_logprobs
 from rft_core.errors import ConfigError, OutOfMemory
 from rft_core.vllm_engine import (buckets, engine_group, flatten_group, iter_weights, short_for_training,
                                   slice_for_rank, wake_error)
@@ -40,10 +40,12 @@ def sampling_params(limits, temperature, top_p, eos_token_id):
              "stop_token_ids": [eos_token_id]} for limit in limits]
 
 
-def generation_of(out):
-    """A Generation from one SGLang output dict: its token ids and each one's sampling logprob
+def generation_of(out, with_logprobs=True):
+    """A Generation from one SGLang output dict: its token ids and (with_logprobs) each one's sampling logprob
     (meta_info["output_token_logprobs"] holds (logprob, token id, text) per generated token)."""
     ids = list(out["output_ids"])
+    if not with_logprobs:
+        return Generation(ids, None)
     pairs = out["meta_info"]["output_token_logprobs"]
     if [t for _, t, _ in pairs] != ids:
         raise RuntimeError(f"SGLang returned logprobs for other tokens than its output ids ({len(pairs)} "
@@ -100,11 +102,13 @@ class SGLangEngine:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
         return bool(t.item())
 
-    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None,
+                 logprob_every=1):
         """max_new_tokens: one for all, or a list (one per prompt)."""
         n = len(prompt_token_ids)
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
-        rows = [(list(p), limit) for p, limit in zip(prompt_token_ids, limits)]
+        rows = [(list(p), limit, wants_logprobs(i, logprob_every))
+                for i, (p, limit) in enumerate(zip(prompt_token_ids, limits))]
         sizes = None
         if self.tp_group is not None:  # the group's first rank generates everyone's requests
             per_rank = [None] * len(self.group_ranks)
@@ -112,10 +116,10 @@ class SGLangEngine:
             rows, sizes = flatten_group(per_rank)
         gens = []
         if self.llm is not None and rows:
-            params = sampling_params([limit for _, limit in rows], temperature, top_p, self.eos_token_id)
-            outs = self.llm.generate(input_ids=[ids for ids, _ in rows], sampling_params=params,
-                                     return_logprob=True)
-            gens = [generation_of(out) for out in outs]
+            params = sampling_params([limit for _, limit, _ in rows], temperature, top_p, self.eos_token_id)
+            outs = self.llm.generate(input_ids=[ids for ids, _, _ in rows], sampling_params=params,
+                                     return_logprob=[want for *_, want in rows])
+            gens = [generation_of(out, want) for out, (*_, want) in zip(outs, rows)]
         if self.tp_group is not None:
             box = [gens]
             torch.distributed.broadcast_object_list(box, group_src=0, group=self.tp_group)

@@ -26,7 +26,7 @@ import socket
 
 import torch
 
-from rft_core.engine import Generation
+from rft_core.engine import Generation, wants_logprobs
 from rft_core.distributed import full_weights
 from rft_core.errors import ConfigError, OutOfMemory
 from rft_core.multimodal import vllm_prompt
@@ -200,13 +200,14 @@ class VLLMEngine:
     def _runner_model(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
-    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None):
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None,
+                 logprob_every=1):
         """max_new_tokens: one for all, or a list (one per prompt)."""
         from vllm import SamplingParams
 
         mm = mm or [None] * len(prompt_token_ids)
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(mm)
-        rows = [(list(p), vllm_prompt(p, m, sample=i), limit)
+        rows = [(list(p), vllm_prompt(p, m, sample=i), limit, wants_logprobs(i, logprob_every))
                 for i, (p, m, limit) in enumerate(zip(prompt_token_ids, mm, limits))]
         sizes = None
         if self.tp_group is not None:  # every rank of the group must submit the same requests
@@ -223,20 +224,25 @@ class VLLMEngine:
             # per-request limits; per-request seeds, identical across a TP group, keep its ranks in step
             base = self.seed * 1_000_003 + self.calls * 10_007
             params = [params.clone() for _ in rows]
-            for i, (p, (_, _, limit)) in enumerate(zip(params, rows)):
-                p.max_tokens = limit
+            for i, (p, (_, _, limit, want)) in enumerate(zip(params, rows)):
+                p.max_tokens, p.logprobs = limit, 0 if want else None
                 if self.tp_group is not None:
                     p.seed = (base + i) % (2**31)
-        outputs = self.llm.generate([request for _, request, _ in rows], params, use_tqdm=False)
+        elif not all(want for *_, want in rows):  # two shared parameter sets, with logprobs and without
+            bare = params.clone()
+            bare.logprobs = None
+            params = [params if want else bare for *_, want in rows]
+        outputs = self.llm.generate([request for _, request, _, _ in rows], params, use_tqdm=False)
         gens = []
-        for i, ((ids, request, _), out) in enumerate(zip(rows, outputs)):
+        for i, ((ids, request, _, want), out) in enumerate(zip(rows, outputs)):
             if "multi_modal_data" in request and list(out.prompt_token_ids) != ids:  # image-token accounting
                 raise ConfigError(f"prompt {i}: vLLM expanded it to {len(out.prompt_token_ids)} tokens, "
                                  f"the trainer's has {len(ids)}: "
                                  "is the engine's image processor (min / max pixels) the trainer's?")
             c = out.outputs[0]
             token_ids = list(c.token_ids)
-            gens.append(Generation(token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, token_ids)]))
+            logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, token_ids)] if want else None
+            gens.append(Generation(token_ids, logprobs))
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def sleep(self, needed_bytes=None):

@@ -155,7 +155,7 @@ def test_evaluate_pads_ranks_to_equal_work():
         def wake_up(self):
             pass
 
-        def generate(self, ids, max_len, temperature=0.0, mm=None):
+        def generate(self, ids, max_len, temperature=0.0, mm=None, logprob_every=1):
             self.sizes.append(len(ids))
             return [Generation([7], [0.0]) for _ in ids]
 

@@ -117,6 +117,27 @@ def test_hf_engine_logprobs_match_trainer(tiny_model_dir):
         assert torch.allclose(trainer * exp.action_mask, exp.rollout_logprobs, atol=1e-4)
 
 
+def test_hf_engine_returns_the_logprobs_of_every_kth_request(tiny_model_dir):
+    """logprob_every=k: the sampling logprobs of requests 0, k, 2k, ... only (0: none), the tokens unchanged;
+    the Experience marks the other rows' engine logprobs NaN on their response tokens."""
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    engine = HFEngine(model, tokenizer, micro_batch_size=2)
+    prompts = [[1, 2, 3], [7, 8], [4, 5, 6, 7], [9], [3, 3]]
+    every = engine.generate(prompts, 5, temperature=0.0)
+    some = engine.generate(prompts, 5, temperature=0.0, logprob_every=3)
+    none = engine.generate(prompts, 5, temperature=0.0, logprob_every=0)
+    assert [g.token_ids for g in some] == [g.token_ids for g in every] == [g.token_ids for g in none]
+    assert [g.logprobs is not None for g in some] == [True, False, False, True, False]
+    assert some[0].logprobs == every[0].logprobs and some[3].logprobs == every[3].logprobs
+    assert all(g.logprobs is None for g in none)
+    exp = build_experience(prompts, some, tokenizer.pad_token_id)
+    lengths = [len(g.token_ids) for g in some]
+    for i, n in enumerate(lengths):
+        assert exp.rollout_logprobs[i, :n].isnan().all() == (i not in (0, 3))
+        assert not exp.rollout_logprobs[i, n:].isnan().any()  # padding stays 0
+    assert torch.equal(exp.rollout_logprobs[3, :lengths[3]], torch.tensor(every[3].logprobs))
+
+
 def test_hf_engine_greedy_is_deterministic(tiny_model_dir):
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     engine = HFEngine(model, tokenizer)

@@ -368,3 +368,30 @@ def test_behaviour_weights_truncated_or_masked(mode):
     assert metrics["is_weight_max"].item() == pytest.approx(raw[mask].max().item(), rel=1e-6)
     assert metrics["is_capped_frac"].item() == pytest.approx((raw[mask] > 2.0).float().mean().item())
     assert 0 < metrics["is_capped_frac"].item() < 1
+
+
+def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logprobs():
+    """Rows whose engine logprobs were not asked for (NaN) leave the logprob_diff metrics, the loss finite;
+    over micro-batches the mean is weighted by their known tokens; a micro-batch with none adds nothing."""
+    from rft_core.metrics import Means
+
+    mbs = [_micro_batch(seed) for seed in (3, 4, 5)]
+    mbs[0].rollout_logprobs[[1, 4]] = math.nan
+    mbs[1].rollout_logprobs[:] = math.nan  # a micro-batch without any
+    n = sum(float(mb.action_mask.sum()) for mb in mbs)
+    s = LossSettings(num_tokens=torch.tensor(n), num_pg_tokens=torch.tensor(n), num_seqs=18)
+    stats, gaps, maxima = Means(), [], []
+    for mb in mbs:
+        logprobs = mb.old_logprobs.clone().requires_grad_()
+        loss, m = actor_loss(logprobs, torch.zeros_like(logprobs), mb, s)
+        assert torch.isfinite(loss)
+        stats.add(m)
+        known = mb.action_mask.bool() & ~mb.rollout_logprobs.isnan()
+        gaps += (mb.rollout_logprobs - mb.old_logprobs).abs()[known].tolist()
+        maxima += [max((mb.rollout_logprobs - mb.old_logprobs).abs()[known].tolist())] if known.any() else []
+    result = stats.result()
+    assert result["logprob_diff_mean"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
+    assert result["logprob_diff_max"] == pytest.approx(sum(maxima) / len(maxima), rel=1e-5)
+    stats = Means()
+    stats.add(actor_loss(mbs[1].old_logprobs.clone(), torch.zeros(6, 5), mbs[1], s)[1])
+    assert "logprob_diff_mean" not in stats.result() and "policy_loss" in stats.result()

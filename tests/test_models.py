@@ -239,3 +239,22 @@ def test_the_health_check_runs_compiled_layers_eagerly(tiny_model_dir, tmp_path)
     split = {"micro_batch_size": 2, "packed": False}
     guard.before_checkpoint(model, exp, split, 1.0, None, Accelerator(cpu=True), step=1)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_health_check_measures_the_update_on_rows_with_engine_logprobs(tiny_model_dir, tmp_path):
+    """Rows without engine logprobs (NaN: not asked for) leave the check's KL: unchanged weights pass it."""
+    from accelerate import Accelerator
+
+    from rft_core.engine import Generation
+    from rft_core.experience import batched_logprobs, build_experience
+    from rft_core.health import HealthGuard
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    exp = build_experience([[3, 4, 5], [3, 4]], [Generation([7, 8, 9], None), Generation([7, 8], None)], 0)
+    model.eval()
+    own = batched_logprobs(model, exp, micro_batch_size=2)  # (B, T): the engine, had it the same weights
+    gens = [Generation([7, 8, 9], None), Generation([7, 8], own[1, :2].tolist())]
+    exp = build_experience([[3, 4, 5], [3, 4]], gens, 0)
+    guard = HealthGuard(str(tmp_path), model.config.vocab_size, max_update_kl=1e-4)
+    guard.before_checkpoint(model, exp, {"micro_batch_size": 2, "packed": False}, 1.0, None,
+                            Accelerator(cpu=True), step=1)  # raises if the KL is not finite and small

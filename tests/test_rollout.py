@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rft_core.engine import Generation
+from rft_core.engine import Generation, wants_logprobs
 from rft_core.experience import Sample
 from rft_core.rollout import Rollouts, RolloutSettings
 
@@ -21,9 +21,10 @@ class ScriptedEngine:
     def __init__(self):
         self.calls = []  # (number of requests, limits)
 
-    def generate(self, prompts, limits, temperature=1.0, top_p=1.0, mm=None):
+    def generate(self, prompts, limits, temperature=1.0, top_p=1.0, mm=None, logprob_every=1):
         limits = limits if isinstance(limits, list) else [limits] * len(prompts)
         self.calls.append((len(prompts), list(limits)))
+        self.logprob_every = logprob_every
         out = []
         for p, limit in zip(prompts, limits):
             prompt_len = PROMPT_LEN[p[0]]
@@ -32,7 +33,8 @@ class ScriptedEngine:
             ids = [t + 10 for t in range(done, min(total, done + limit))]
             if done + len(ids) == total:
                 ids[-1] = EOS
-            out.append(Generation(ids, [-t / 100 for t in range(done, done + len(ids))]))
+            logprobs = [-t / 100 for t in range(done, done + len(ids))]
+            out.append(Generation(ids, logprobs if wants_logprobs(len(out), logprob_every) else None))
         return out
 
 
@@ -201,3 +203,25 @@ def test_the_inflight_ratio_keeps_rounds_full():
         assert engine.calls[0][0] == GROUP * math.ceil(4 * inflight)  # k = 4 groups a step
         rounds[inflight] = sum(m["rollout/generation_rounds"] for m in steps)
     assert rounds[2.5] < rounds[1.0]
+
+
+@pytest.mark.parametrize("partial,tis_cap,every", [(False, None, 8), (False, 2.0, 1), (True, None, 1)])
+def test_engine_logprobs_for_all_samples_only_where_tokens_are_weighted_by_them(partial, tis_cap, every):
+    """TIS and partial rollout weight every token by its engine logprob, so every sample has them; otherwise
+    they feed only the engine-vs-trainer metric and one sample in 8 asks for them."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(max_token_budget=None, generate_max_len=24, n_samples_per_prompt=GROUP,
+                           temperature=1.0, top_p=1.0, dynamic_sampling=False, max_num_gen_batches=1,
+                           overlong_buffer_len=0, overlong_penalty_factor=1.0, strict_rewards=False,
+                           partial_rollout=partial, max_staleness=1, inflight_ratio=1.0, tis_cap=tis_cap)
+    settings = RolloutSettings.from_args(args, EOS)
+    assert settings.logprob_every == every
+    r = Rollouts(prompts(), 4, seed=0, rank=0, world=1, settings=settings, device="cpu")
+    r.__class__ = PerSample
+    engine = ScriptedEngine()
+    for step in (1, 2, 3):
+        samples, _ = collect(r, engine, step)
+        assert engine.logprob_every == every
+        with_logprobs = [s.generation.logprobs is not None for s in samples]
+        assert with_logprobs == [i % every == 0 for i in range(len(samples))]

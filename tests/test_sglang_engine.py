@@ -31,6 +31,7 @@ def test_generation_of_an_output():
     out["meta_info"]["output_token_logprobs"] = out["meta_info"]["output_token_logprobs"][:2]
     with pytest.raises(RuntimeError, match="2 logprobs, 3 tokens"):
         generation_of(out)
+    assert generation_of({"output_ids": [5, 2], "meta_info": {}}, with_logprobs=False).logprobs is None
 
 
 def test_flush_waits_for_an_idle_scheduler():

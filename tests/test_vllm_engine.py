@@ -160,6 +160,9 @@ def test_sampling_logprobs_match_trainer(engine_and_model):
         trainer = batched_logprobs(model, exp, temperature=1.0, micro_batch_size=32)
     diff = ((trainer - exp.rollout_logprobs).abs() * exp.action_mask).sum() / exp.action_mask.sum()
     assert diff.item() < 0.05, diff.item()
+    some = engine.generate(prompts, 32, temperature=1.0, logprob_every=4)  # the requests 0, 4, 8, ... only
+    assert [g.logprobs is not None for g in some] == [i % 4 == 0 for i in range(len(prompts))]
+    assert all(len(g.logprobs) == len(g.token_ids) for g in some[::4])
 
 
 def test_kv_cache_bytes():
