@@ -58,6 +58,10 @@ class Experience:
             picked["mm"] = [self.mm[i] for i in idx.tolist()]
         return replace(self, **picked)
 
+    def rollout_known(self):
+        """(B, T) bool: the response tokens whose engine logprob the engine returned (not NaN)."""
+        return self.action_mask.bool() & ~self.rollout_logprobs.isnan()
+
     def mm_inputs(self):
         """The model's image inputs for these rows (None for a text-only batch)."""
         return mm_inputs(self.mm, self.input_ids)

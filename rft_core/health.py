@@ -64,7 +64,7 @@ class HealthGuard:
         mask = mb.action_mask
         tokens = mask.sum().clamp(min=1)  # (a sequence-parallel slice may hold none)
         # k1 KL on the samples of the old policy whose engine logprobs are known
-        known = mask.bool() & ~mb.rollout_logprobs.isnan()
+        known = mb.rollout_known()
         kl = torch.where(known, mb.rollout_logprobs - logprobs.float(), 0.0).sum() / known.sum().clamp(min=1)
         means = accelerator.reduce(torch.stack([(entropy * mask).sum() / tokens, kl]), "mean").tolist()
         self.entropy(means[0], step, "the updated policy")

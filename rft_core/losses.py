@@ -23,6 +23,12 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
+def tis_cap_of(args):
+    """The TIS cap the scripts' flags ask for: --tis_cap, or 2 under partial rollout (tokens sampled by older
+    weights); None: no importance weights."""
+    return 2.0 if args.tis_cap is None and args.partial_rollout else args.tis_cap
+
+
 def masked_mean(x, mask, dim=None):
     """Mean of x over positions where mask is 1 (all of them if dim is None)."""
     mask = mask.to(x.dtype)
@@ -183,9 +189,8 @@ class LossSettings:
         cpgd = args.advantage_estimator == "cpgd"
         drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
         eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-        tis_cap = 2.0 if args.tis_cap is None and args.partial_rollout else args.tis_cap
         return cls(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
-                   args.use_cpg_loss or cpgd, tis_cap, args.tis_mode, args.high_entropy_token_ratio,
+                   args.use_cpg_loss or cpgd, tis_cap_of(args), args.tis_mode, args.high_entropy_token_ratio,
                    args.entropy_coef, drift, args.use_kl_loss, kl_estimator=args.kl_estimator,
                    max_len=args.generate_max_len, num_seqs=args.train_batch_size)
 
@@ -249,7 +254,7 @@ def actor_loss(logprobs, entropy, mb, s):
         metrics["is_capped_frac"] = masked_mean(over.float(), mask)
     # engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
     # pairs, which Means weighs over the micro-batches (one may hold none)
-    known = mask.bool() & ~mb.rollout_logprobs.isnan()  # (B, T)
+    known = mb.rollout_known()  # (B, T)
     diff = torch.where(known, (mb.rollout_logprobs - old).abs(), 0.0)  # (B, T)
     has = known.any().float()
     metrics["logprob_diff_mean"] = (diff.sum(), known.sum())

@@ -26,6 +26,7 @@ import torch
 from rft_core.data import batches
 from rft_core.engine import Generation
 from rft_core.experience import Sample
+from rft_core.losses import tis_cap_of
 from rft_core.rewards import overlong_penalty
 
 
@@ -53,7 +54,7 @@ class RolloutSettings:
         budget = args.max_token_budget or max(1, args.generate_max_len // 4)
         # TIS and partial rollout weight every token by its engine logprob; otherwise they feed only the
         # engine-vs-trainer metric, which one sample in 8 estimates for an eighth of their cost
-        every = 1 if args.tis_cap is not None or args.partial_rollout else 8
+        every = 1 if tis_cap_of(args) else 8
         return cls(args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p,
                    args.dynamic_sampling, args.max_num_gen_batches, args.overlong_buffer_len,
                    args.overlong_penalty_factor, args.strict_rewards, args.partial_rollout, budget,
