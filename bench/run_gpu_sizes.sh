@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLL
 B="python bench/bench_sizes.py"
 case "$1" in
   tests)  # the vLLM engine's GPU tests, the 0.4B wake crash among them
-    timeout 590 python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_vl.py -p no:cacheprovider \
+    timeout 590 python -m pytest -q tests/test_vllm_engine.py tests/test_engine_vl.py -p no:cacheprovider \
       > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -5 "$OUT/gpu_tests.log";;
   small)  # SmolLM2-135M and the 0.5B shape at 32 x 8 x 128, default flags

@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/rft_out}; mkdir -p $OUT
 # ---- session 4, call F: install, VL vLLM tests, VL sync breakdown with the capped KV cache, the default VL run with vLLM
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 [ -d /tmp/site/vllm ] || bash /tmp/gpu/install.sh /tmp/gpu /tmp/site 2>&1 | tail -1
-timeout 150 python -m pytest -q -x -s tests/test_vllm_vl.py -p no:cacheprovider > $OUT/vl_tests.log 2>&1; echo "vl tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl_tests.log | tail -5
+timeout 150 python -m pytest -q -x -s tests/test_engine_vl.py -p no:cacheprovider > $OUT/vl_tests.log 2>&1; echo "vl tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl_tests.log | tail -5
 timeout 100 python bench/vl_sync_breakdown.py 2>&1 | grep -E "^iter|Error" | tail -3
 timeout 250 python train_ppo_vl.py --engine_type vllm --output_dir /tmp/vl_vllm > $OUT/vl_vllm.log 2>&1; echo "vl vllm rc=$?"
 grep -E "\[done\]|Error" $OUT/vl_vllm.log | tail -3; cp /tmp/vl_vllm/metrics.jsonl $OUT/vl_vllm.metrics.jsonl
@@ -62,7 +62,7 @@ done
 
 # ---- session 4, call V: video inputs: the video processor test, the VL vLLM tests (a video among the prompts), a video task run
 timeout 100 python -m pytest -q tests/test_vision.py -p no:cacheprovider 2>&1 | tail -2
-timeout 200 python -m pytest -q -x -s tests/test_vllm_vl.py -p no:cacheprovider > $OUT/vl_tests.log 2>&1; echo "vl tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl_tests.log | tail -8
+timeout 200 python -m pytest -q -x -s tests/test_engine_vl.py -p no:cacheprovider > $OUT/vl_tests.log 2>&1; echo "vl tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl_tests.log | tail -8
 python bench/make_video_task.py /tmp/vid
 timeout 240 python train_ppo_vl.py --engine_type vllm --engine_enforce_eager --prompt_data /tmp/vid/train.jsonl --eval_data /tmp/vid/eval.jsonl \
   --max_steps 30 --output_dir /tmp/vid_run > $OUT/vid.log 2>&1; echo "video run rc=$?"; grep -E "\[done\]|\[data\]|Error" $OUT/vid.log | tail -4
@@ -75,7 +75,7 @@ print({k: round(st.median(r[k] for r in rs[5:]), 4) for k in ("perf/step_time_s"
 PY
 
 # ---- session 4, call Q: Qwen2.5-VL: the VL vLLM tests on a tiny Qwen2.5-VL, and train_ppo_vl.py --pretrain on a saved one
-RFT_TEST_VL_ARCH=qwen2_5_vl timeout 200 python -m pytest -q -x -s tests/test_vllm_vl.py -p no:cacheprovider > $OUT/vl25_tests.log 2>&1; echo "vl 2.5 tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl25_tests.log | tail -8
+RFT_TEST_VL_ARCH=qwen2_5_vl timeout 200 python -m pytest -q -x -s tests/test_engine_vl.py -p no:cacheprovider > $OUT/vl25_tests.log 2>&1; echo "vl 2.5 tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl25_tests.log | tail -8
 python bench/save_tiny_vl.py /tmp/tiny25 --arch qwen2_5_vl > /dev/null 2>&1
 timeout 200 python train_ppo_vl.py --pretrain /tmp/tiny25 --actor_learning_rate 3e-3 --engine_type vllm --engine_enforce_eager --max_steps 60 \
   --output_dir /tmp/r25 > $OUT/r25.log 2>&1; echo "qwen2.5-vl --pretrain run rc=$?"; grep -E "\[done\]|Error" $OUT/r25.log | tail -3

@@ -19,7 +19,7 @@ def main():
     from rft_core.engine import create_engine
     from rft_core.vision import load_vl_model
     from rft_core.vllm_engine import iter_weights
-    from tests.test_vllm_vl import ENGINE
+    from tests.test_engine_vl import ENGINE
 
     model, tokenizer, processor = load_vl_model()
     model = model.cuda()

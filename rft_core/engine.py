@@ -162,8 +162,9 @@ def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_
     max_model_len (prompt + response), requests (one generate call's, per rank: sizes the KV cache of a small
     model), seed. processor: a vision-language model's image processor. vLLM processes the images itself,
     with this processor's settings (so its image grids are the trainer's), at most limit_mm_per_prompt images
-    per prompt, never samples the vision placeholders (the trainer's model blocks them at its LM head:
-    vision.py), and syncs the parameters under static_prefix (a frozen vision tower) once.
+    per prompt; SGLang takes the trainer's pixels. Both never sample the vision placeholders (the trainer's
+    model blocks them at its LM head: vision.py) and sync the parameters under static_prefix (a frozen vision
+    tower) once.
     """
     engine_type = resolve_engine_type(engine_type)
     if engine_type == "hf":
@@ -193,14 +194,13 @@ def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_
     if engine_type == "sglang":
         from rft_core.sglang_engine import SGLangEngine
 
-        if processor is not None:
-            raise ConfigError("--engine_type sglang serves text models for now (image prompts: "
-                              "--engine_type vllm)")
         # the same cap of a small model's KV cache, in tokens; bf16 weights, per engine
         tokens = 2 * max(1, requests or 1) * tp_size * max_len if kv_bytes else None
         weight_bytes = 2 * sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        vision = {k: v for k, v in vision.items() if k != "limit_mm_per_prompt"}
         engine = SGLangEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
-                              max_len, enforce_eager, max_total_tokens=tokens, weight_bytes=weight_bytes)
+                              max_len, enforce_eager, max_total_tokens=tokens, weight_bytes=weight_bytes,
+                              multimodal=processor is not None, **vision)
     else:
         engine = VLLMEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
                             max_len, enforce_eager, kv_bytes=kv_bytes, max_batch=(requests or 1) * tp_size,

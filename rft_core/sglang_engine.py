@@ -13,10 +13,16 @@ scheduler loads its shard) -> wake_up (KV cache). The engine starts from random 
 dummy); the first sync, before step 0, gives it the trained model.
 
 Sampling logprobs come from the temperature-scaled distribution before top-p (vLLM's processed logprobs
-are after it: equal at the default top_p 1). Not supported yet: image prompts (SGLang re-tokenizes
-input_ids that come with raw images, which would break token-in / token-out).
+are after it: equal at the default top_p 1).
+
+Images and videos (the VL script) go in as SGLang's pre-processed input (`"format": "processor_output"`): the
+trainer's own pixel values and grids beside the prompt's token ids, placeholders already expanded. SGLang then
+runs no processor and keeps the ids as they are (with raw images it would decode and re-tokenize them). The
+vision placeholders are never sampled (a logit bias, as in vLLM), and SGLang's cache of image embeddings is
+turned off unless the vision tower is frozen: a sync would leave its entries stale.
 """
 
+import os
 import socket
 import time
 
@@ -34,10 +40,31 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def sampling_params(limits, temperature, top_p, eos_token_id):
-    """One SGLang sampling-params dict per request (its own max_new_tokens); temperature 0 is greedy."""
+def sampling_params(limits, temperature, top_p, eos_token_id, blocked_token_ids=()):
+    """One SGLang sampling-params dict per request (its own max_new_tokens); temperature 0 is greedy;
+    blocked_token_ids are never sampled (-100 on their logits, vLLM's largest bias)."""
+    bias = {"logit_bias": {str(t): -100.0 for t in blocked_token_ids}} if blocked_token_ids else {}
     return [{"max_new_tokens": limit, "temperature": temperature, "top_p": top_p if temperature else 1.0,
-             "stop_token_ids": [eos_token_id]} for limit in limits]
+             "stop_token_ids": [eos_token_id], **bias} for limit in limits]
+
+
+def processor_output(mm):
+    """One prompt's images and videos as SGLang's pre-processed input (a list of one dict), or [None] for a
+    text prompt: the trainer's pixel values and grids, so SGLang keeps the prompt's ids and runs no
+    processor."""
+    if mm is None:
+        return [None]
+    keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    return [{"format": "processor_output", **{k: mm[k] for k in keys if k in mm}}]
+
+
+def sglang_param_name(name):
+    """A trainer parameter name as SGLang's load_weights expects it: a vision-language model's language model
+    and vision tower sit at the top level there (transformers 5 nests both under `model.`)."""
+    for old, new in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def generation_of(out, with_logprobs=True):
@@ -56,13 +83,18 @@ def generation_of(out, with_logprobs=True):
 class SGLangEngine:
     def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
                  max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256,
-                 max_total_tokens=None, weight_bytes=0):
+                 max_total_tokens=None, weight_bytes=0, blocked_token_ids=(), static_prefix=None,
+                 multimodal=False):
         self.group_ranks, self.group_index, self.tp_group = engine_group(tp_size)
         rank = self.group_ranks[self.group_index]
         self.sleep_mode, self.dtype, self.bucket_bytes = sleep, dtype, bucket_mb << 20
         self.eos_token_id, self.sleeping, self.slept_bytes = eos_token_id, set(), 0
         self.weight_bytes = weight_bytes // tp_size  # of this GPU's scheduler
+        self.blocked_token_ids = list(blocked_token_ids)
+        self.static_prefix, self.synced = static_prefix, False  # weights synced once (a frozen vision tower)
         self.llm = None
+        if multimodal and not static_prefix:  # a trained vision tower: cached image embeddings go stale
+            os.environ["SGLANG_VLM_CACHE_SIZE_MB"] = "0"  # read by the schedulers SGLang starts
         if self.group_index == 0:
             self.llm = self._start(model_dir, tp_size, mem_util, sleep, sleep_level, seed + rank // tp_size,
                                    max_model_len, enforce_eager, dtype, max_total_tokens)
@@ -107,8 +139,9 @@ class SGLangEngine:
         """max_new_tokens: one for all, or a list (one per prompt)."""
         n = len(prompt_token_ids)
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
-        rows = [(list(p), limit, wants_logprobs(i, logprob_every))
-                for i, (p, limit) in enumerate(zip(prompt_token_ids, limits))]
+        mm = mm or [None] * n
+        rows = [(list(p), limit, wants_logprobs(i, logprob_every), m)
+                for i, (p, limit, m) in enumerate(zip(prompt_token_ids, limits, mm))]
         sizes = None
         if self.tp_group is not None:  # the group's first rank generates everyone's requests
             per_rank = [None] * len(self.group_ranks)
@@ -116,10 +149,18 @@ class SGLangEngine:
             rows, sizes = flatten_group(per_rank)
         gens = []
         if self.llm is not None and rows:
-            params = sampling_params([limit for _, limit, _ in rows], temperature, top_p, self.eos_token_id)
-            outs = self.llm.generate(input_ids=[ids for ids, _, _ in rows], sampling_params=params,
-                                     return_logprob=[want for *_, want in rows])
-            gens = [generation_of(out, want) for out, (*_, want) in zip(outs, rows)]
+            limits = [limit for _, limit, _, _ in rows]
+            params = sampling_params(limits, temperature, top_p, self.eos_token_id, self.blocked_token_ids)
+            images = [processor_output(m) for *_, m in rows]
+            images = {"image_data": images} if any(m for *_, m in rows) else {}
+            outs = self.llm.generate(input_ids=[ids for ids, *_ in rows], sampling_params=params,
+                                     return_logprob=[want for _, _, want, _ in rows], **images)
+            for i, (out, (ids, *_)) in enumerate(zip(outs, rows)):
+                made = out["meta_info"]["prompt_tokens"]
+                if made != len(ids):  # image-token accounting
+                    raise ConfigError(f"prompt {i}: SGLang made it {made} tokens, the trainer's has "
+                                      f"{len(ids)}")
+            gens = [generation_of(out, want) for out, (_, _, want, _) in zip(outs, rows)]
         if self.tp_group is not None:
             box = [gens]
             torch.distributed.broadcast_object_list(box, group_src=0, group=self.tp_group)
@@ -171,11 +212,16 @@ class SGLangEngine:
         """Load the trainer's weights into the engine, bucket by bucket, cast to the engine's dtype. Every
         rank takes part in the gather (ZeRO-3 / FSDP2); the group's first rank sends."""
         self.wake_up(["weights"])  # the KV cache stays asleep until wake_up()
-        for bucket in buckets(iter_weights(model, self.dtype), self.bucket_bytes):
+        weights = iter_weights(model, self.dtype)
+        if self.synced and self.static_prefix:  # after the first sync, only what trains
+            weights = ((name, t) for name, t in weights if not name.startswith(self.static_prefix))
+        weights = ((sglang_param_name(name), t) for name, t in weights)
+        for bucket in buckets(weights, self.bucket_bytes):
             if self.llm is not None:
                 ok, message = self.llm.update_weights_from_tensor(bucket, flush_cache=False)
                 if not ok:
                     raise RuntimeError(f"SGLang refused the weights: {message}")
+        self.synced = True
         if self.llm is not None:
             self._flush()  # cached KV blocks were computed by the old weights
         self._barrier()

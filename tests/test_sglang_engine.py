@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from rft_core.sglang_engine import SGLangEngine, generation_of, sampling_params
+from rft_core.sglang_engine import (SGLangEngine, generation_of, processor_output, sampling_params,
+                                    sglang_param_name)
 import test_vllm_engine as same  # its GPU checks take any engine: run here on SGLang's
 from test_vllm_engine import _prompts
 
@@ -21,6 +22,29 @@ def test_sampling_params_per_request():
     assert all(p["temperature"] == 0.7 and p["top_p"] == 0.9 and p["stop_token_ids"] == [2] for p in params)
     greedy = sampling_params([4], 0.0, 0.9, eos_token_id=2)[0]  # SGLang: temperature 0 is greedy
     assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0
+
+
+def test_image_prompts_go_in_preprocessed():
+    """An image prompt reaches SGLang as the trainer's own pixels and grids (its ids are kept, no processor
+    runs), vision placeholders get a -100 logit bias, and a VL model's weights take SGLang's names."""
+    from rft_core.vision import encode_vl_prompt, load_vl_model
+    from rft_core.data import shapes_task
+
+    model, tokenizer, processor = load_vl_model(tiny="qwen2_vl")
+    _, rows = shapes_task(num_eval=2)
+    _, mm = encode_vl_prompt(tokenizer, processor, rows[0]["prompt"], rows[0]["images"],
+                             model.config.image_token_id)
+    (item,) = processor_output(mm)
+    assert item["format"] == "processor_output" and set(item) == {"format", "pixel_values", "image_grid_thw"}
+    assert item["pixel_values"] is mm["pixel_values"] and processor_output(None) == [None]
+    assert sampling_params([4], 1.0, 1.0, 2, blocked_token_ids=[7, 9])[0]["logit_bias"] == {"7": -100.0,
+                                                                                            "9": -100.0}
+    assert "logit_bias" not in sampling_params([4], 1.0, 1.0, 2)[0]
+    names = {sglang_param_name(n) for n, _ in model.named_parameters()}
+    assert {"model.layers.0.self_attn.q_proj.weight", "visual.blocks.0.attn.qkv.weight", "lm_head.weight",
+            "model.embed_tokens.weight"} <= names
+    assert not any(n.startswith(("model.language_model", "model.visual")) for n in names)
+    assert sglang_param_name("model.layers.3.mlp.up_proj.weight") == "model.layers.3.mlp.up_proj.weight"
 
 
 def test_generation_of_an_output():
