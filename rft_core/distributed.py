@@ -229,6 +229,7 @@ AUTO_MAX_TOKENS = 32768  # larger micro-batches gain little and take memory from
 def choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens, fixed_budget):
     """(checkpointing, tokens, engine awake during updates) of plan_update_memory, from the activation bytes
     per token and the room for them (bytes)."""
+    per_token = max(per_token, 1)  # below the noise (a tiny model): not what limits the budget
     awake = int((room - engine_bytes) / per_token) // 1024 * 1024  # tokens that fit beside the engine
     asleep = int(room / per_token) // 1024 * 1024 if engine_sleeps else awake
     if fixed_budget:
@@ -259,7 +260,10 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     device = next(net.parameters()).device
     peaks, was_training = [], net.training
     net.train()  # as in the update: a compiled layer's graph depends on the mode (and dropout on it)
-    for n in (512, 1024):  # two rows, not one: a compiled model (--torch_compile) would specialise on 1
+    # two rows, not one: a compiled model (--torch_compile) would specialise on 1; a first, unused forward
+    # takes the one-off allocations (compiling, library workspaces), which can exceed a tiny model's
+    # activations
+    for n in (512, 512, 1024):
         ids = torch.randint(vocab, (2, n // 2), device=device)
         mask = torch.ones_like(ids)
         mask[1, 0] = 0  # one padded column, as in training (and so in the same compiled graph)
@@ -271,8 +275,8 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
         peaks.append(torch.cuda.max_memory_allocated() - before)
         del kept
     net.train(was_training)
-    per_token = (peaks[1] - peaks[0]) / 512
-    fixed = peaks[0] - 512 * per_token
+    per_token = (peaks[2] - peaks[1]) / 512
+    fixed = peaks[1] - 512 * per_token
 
     def local_numel(p):  # ZeRO-3 keeps a partition in ds_tensor, FSDP2 a DTensor shard
         return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(

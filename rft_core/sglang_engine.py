@@ -22,6 +22,7 @@ vision placeholders are never sampled (a logit bias, as in vLLM), and SGLang's c
 turned off unless the vision tower is frozen: a sync would leave its entries stale.
 """
 
+import asyncio
 import os
 import socket
 import time
@@ -151,10 +152,11 @@ class SGLangEngine:
         if self.llm is not None and rows:
             limits = [limit for _, limit, _, _ in rows]
             params = sampling_params(limits, temperature, top_p, self.eos_token_id, self.blocked_token_ids)
-            images = [processor_output(m) for *_, m in rows]
-            images = {"image_data": images} if any(m for *_, m in rows) else {}
-            outs = self.llm.generate(input_ids=[ids for ids, *_ in rows], sampling_params=params,
-                                     return_logprob=[want for _, _, want, _ in rows], **images)
+            if any(m for *_, m in rows):
+                outs = self._generate_each(rows, params)
+            else:
+                outs = self.llm.generate(input_ids=[ids for ids, *_ in rows], sampling_params=params,
+                                         return_logprob=[want for _, _, want, _ in rows])
             for i, (out, (ids, *_)) in enumerate(zip(outs, rows)):
                 made = out["meta_info"]["prompt_tokens"]
                 if made != len(ids):  # image-token accounting
@@ -166,6 +168,18 @@ class SGLangEngine:
             torch.distributed.broadcast_object_list(box, group_src=0, group=self.tp_group)
             gens = box[0]
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
+
+    def _generate_each(self, rows, params):
+        """Image prompts: one request each, all in flight together. (SGLang 0.5.17 processes a batch's image
+        requests one after another and loses the result of one that finishes before the last is sent: a
+        KeyError in its tokenizer manager.)"""
+        async def each():
+            return await asyncio.gather(*(
+                self.llm.async_generate(input_ids=ids, sampling_params=p, return_logprob=want,
+                                        image_data=processor_output(m) if m else None)
+                for (ids, _, want, m), p in zip(rows, params)))
+
+        return self.llm.loop.run_until_complete(each())
 
     def sleep(self, needed_bytes=None):
         """Free the engine's memory for training; auto: only when training is short of needed_bytes on some

@@ -139,6 +139,9 @@ def test_choose_budget():
     assert choose_budget(4 * mib, 12 * gib, 0, True, 16384, False) == (True, 16384, False)  # 3k tokens: ckpt
     assert choose_budget(mib, 64 * gib, 22 * gib, True, 50000, True) == (False, 50000, False)  # the user's
     assert choose_budget(mib, 40 * gib, 22 * gib, True, 50000, True) == (True, 50000, False)
+    # a tiny model whose activations are below the measurement's noise (-154 KiB a token, seen on the tiny
+    # Qwen2-VL with SGLang): the largest budget, no checkpointing, not a checkpointed run
+    assert choose_budget(-154 * 2**10, 66 * gib, 24 * gib, True, 16384, False) == (False, 32768, True)
 
 
 def test_evaluate_pads_ranks_to_equal_work():
