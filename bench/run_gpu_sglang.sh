@@ -38,11 +38,12 @@ case "$mode" in
   partial)  # issue 16 with SGLang: bench_partial.py's heavy-tailed task; PARTIAL_ARGS: its flags
     [ -d $T/datasets ] || bash /tmp/gd/install.sh /tmp/gd $T 2>&1 | tail -1
     # shellcheck disable=SC2086
-    OUT=$OUT python bench/bench_partial.py --timeout 285 ${PARTIAL_ARGS:---seeds 0 --steps 20 --warm_steps 12} \
-      -- --engine_type sglang;;
+    OUT=$OUT python bench/bench_partial.py --timeout 285 \
+      ${PARTIAL_ARGS:---seeds 0 --steps 20 --warm_steps 12} -- --engine_type sglang;;
   sleep)  # sleep every step: sleep / wake / sync times (a hang prints every thread's stack at the timeout)
-    python bench/bench_sizes.py ${SLEEP_SIZES:-135m 0.5b} --steps 8 --timeout 200 --tag=-sglang-sleep -- --engine_type sglang \
-      --enable_engine_sleep;;
+    # shellcheck disable=SC2086
+    python bench/bench_sizes.py ${SLEEP_SIZES:-135m 0.5b} --steps 8 --timeout 200 --tag=-sglang-sleep -- \
+      --engine_type sglang --enable_engine_sleep;;
   sizes)  # step breakdown: SmolLM2 and the 0.5B shape, 32 x 8 x 128 (bench_sizes.py's workload)
     python bench/bench_sizes.py 135m 0.5b --steps 12 --timeout 280 --tag=-sglang -- --engine_type sglang;;
 esac
