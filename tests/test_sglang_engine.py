@@ -47,6 +47,48 @@ def test_image_prompts_go_in_preprocessed():
     assert sglang_param_name("model.layers.3.mlp.up_proj.weight") == "model.layers.3.mlp.up_proj.weight"
 
 
+def test_generate_sends_image_prompts_one_each():
+    """A text-only call is one batched generate; a call with image prompts sends one request each, all in
+    flight on SGLang's loop (its batched path loses image requests that finish early), with each prompt's own
+    pre-processed input and sampling params, outputs in order; a prompt SGLang made longer is an error
+    naming it. A scripted stand-in for sglang.Engine: no sglang needed."""
+    import asyncio
+
+    from rft_core.errors import ConfigError
+
+    def output(ids, limit, extra=0):
+        return {"output_ids": [7] * limit, "meta_info": {"prompt_tokens": len(ids) + extra,
+                                                         "output_token_logprobs": [(-0.5, 7, None)] * limit}}
+
+    class Llm:
+        def __init__(self, extra=0):
+            self.loop, self.batched, self.single, self.extra = asyncio.new_event_loop(), [], [], extra
+
+        def generate(self, input_ids, sampling_params, return_logprob):
+            self.batched.append(len(input_ids))
+            return [output(i, p["max_new_tokens"]) for i, p in zip(input_ids, sampling_params)]
+
+        async def async_generate(self, input_ids, sampling_params, return_logprob, image_data):
+            self.single.append(image_data)
+            await asyncio.sleep(0.001 * (len(self.single) % 3))  # finish out of order
+            return output(input_ids, sampling_params["max_new_tokens"], self.extra)
+
+    engine = SGLangEngine.__new__(SGLangEngine)
+    engine.tp_group, engine.eos_token_id, engine.blocked_token_ids = None, 2, [9]
+    engine.llm = Llm()
+    gens = engine.generate([[1, 2], [3]], [2, 3])
+    assert engine.llm.batched == [2] and not engine.llm.single and [len(g.token_ids) for g in gens] == [2, 3]
+    mm = {"pixel_values": torch.zeros(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    gens = engine.generate([[1, 2], [3], [4, 5, 6]], [2, 3, 4], mm=[mm, None, mm], logprob_every=2)
+    assert engine.llm.batched == [2] and len(engine.llm.single) == 3
+    assert engine.llm.single[1] is None and engine.llm.single[0][0]["pixel_values"] is mm["pixel_values"]
+    assert [len(g.token_ids) for g in gens] == [2, 3, 4]
+    assert [g.logprobs is not None for g in gens] == [True, False, True]
+    engine.llm = Llm(extra=1)
+    with pytest.raises(ConfigError, match="prompt 0: SGLang made it 3 tokens, the trainer's has 2"):
+        engine.generate([[1, 2]], 2, mm=[mm])
+
+
 def test_generation_of_an_output():
     out = {"output_ids": [5, 9, 2], "meta_info": {"output_token_logprobs": [(-0.5, 5, None), (-1.25, 9, None),
                                                                              (-0.125, 2, None)]}}
