@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,7 @@ def main():
     args, extra = parser.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = os.environ.get("OUT", args.root)
+    os.makedirs(out, exist_ok=True)
     os.makedirs(args.root, exist_ok=True)
     data, evals = os.path.join(args.root, "count.jsonl"), os.path.join(args.root, "count_eval.jsonl")
     for path, rows in ((data, task_rows(4000, 0)), (evals, task_rows(64, 1))):
@@ -147,6 +149,8 @@ def run(args, out, data, evals, name, seed, steps, flags, extra):
         config = json.load(open(os.path.join(run_dir, "config.json")))
         per_step = config["rollout_batch_size"] * config["n_samples_per_prompt"]
         result.update(summarise(run_dir, lengths, args.skip, per_step))
+        # the step logs (generation rounds, staleness, buffer) beside the summary
+        shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(out, f"{name}.metrics.jsonl"))
     line = json.dumps(result)
     print(line, flush=True)
     with open(os.path.join(out, "partial.jsonl"), "a") as f:
