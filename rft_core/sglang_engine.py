@@ -226,9 +226,8 @@ class SGLangEngine:
         """Load the trainer's weights into the engine, bucket by bucket, cast to the engine's dtype. Every
         rank takes part in the gather (ZeRO-3 / FSDP2); the group's first rank sends."""
         self.wake_up(["weights"])  # the KV cache stays asleep until wake_up()
-        weights = iter_weights(model, self.dtype)
-        if self.synced and self.static_prefix:  # after the first sync, only what trains
-            weights = ((name, t) for name, t in weights if not name.startswith(self.static_prefix))
+        # after the first sync, only what trains
+        weights = iter_weights(model, self.dtype, self.static_prefix if self.synced else None)
         weights = ((sglang_param_name(name), t) for name, t in weights)
         for bucket in buckets(weights, self.bucket_bytes):
             if self.llm is not None:

@@ -106,11 +106,14 @@ def vllm_param_name(name):
     return ".".join(parts)
 
 
-def iter_weights(model, dtype):
+def iter_weights(model, dtype, skip_prefix=None):
     """(vLLM name, tensor) for every parameter and persistent buffer of the unwrapped model, a LoRA
-    model's adapters merged in. Under ZeRO-3 / FSDP2 one unit (a layer) is gathered at a time."""
+    model's adapters merged in, those whose name starts with skip_prefix left out (a frozen vision tower
+    after the first sync). Under ZeRO-3 / FSDP2 one unit (a layer) is gathered at a time."""
     for name, tensor in full_weights(model, dtype):
-        yield vllm_param_name(name), tensor
+        name = vllm_param_name(name)
+        if not (skip_prefix and name.startswith(skip_prefix)):
+            yield name, tensor
 
 
 def buckets(weights, bucket_bytes):
@@ -282,9 +285,9 @@ class VLLMEngine:
     def update_weights(self, model):
         """Load the trainer's weights into the engine, bucket by bucket, cast to the engine's dtype."""
         self.wake_up(["weights"])  # the KV cache stays asleep until wake_up()
-        target, weights = self._runner_model(), iter_weights(model, self.dtype)
-        if self.synced and self.static_prefix:  # after the first sync, only what trains
-            weights = ((name, t) for name, t in weights if not name.startswith(self.static_prefix))
+        target = self._runner_model()
+        # after the first sync, only what trains
+        weights = iter_weights(model, self.dtype, self.static_prefix if self.synced else None)
         for bucket in buckets(weights, self.bucket_bytes):
             target.load_weights(bucket)
         self.synced = True

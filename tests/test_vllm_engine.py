@@ -71,6 +71,9 @@ def test_iter_weights_and_buckets(tiny_model_dir):
     names = [n for n, _ in weights]
     assert names == list(model.state_dict().keys())
     assert all(t.dtype == torch.bfloat16 for _, t in weights)
+    # a frozen part (--freeze_prefix) left out of the syncs after the first
+    kept = [n for n, _ in iter_weights(wrapped, torch.bfloat16, skip_prefix="model.layers")]
+    assert kept == [n for n in names if not n.startswith("model.layers")] and len(kept) < len(names)
     limit = 4096
     groups = list(buckets(iter(weights), bucket_bytes=limit))
     assert [n for g in groups for n, _ in g] == names and len(groups) > 1
