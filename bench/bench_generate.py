@@ -42,6 +42,7 @@ def main():
     parser.add_argument("--enforce_eager", action="store_true")
     parser.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
     parser.add_argument("--profile", help="a directory: profile the first two variants there")
+    parser.add_argument("--variants", help="comma-separated: only these (engine is always run)")
     args = parser.parse_args()
 
     import torch
@@ -64,6 +65,8 @@ def main():
     torch.cuda.empty_cache()
     own = (sglang_variants if args.engine == "sglang" else vllm_variants)(engine, prompts, args.max_new)
     # every variant once per round, rounds repeated: drift (clocks, caches) falls on all of them alike
+    if args.variants:
+        own = {name: own[name] for name in args.variants.split(",") if name != "engine"}
     variants = {"engine": (lambda: engine.generate(prompts, args.max_new, 1.0, 1.0),
                            lambda gen: len(gen.token_ids)), **own}
     times = {name: [] for name in variants}
