@@ -98,6 +98,7 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["sync", "partial"])
     parser.add_argument("--warm_steps", type=int, default=0,
                         help="first train this many synchronous steps (seed 100); every run starts from them")
+    parser.add_argument("--warm_max_len", type=int, help="the warm-up's --generate_max_len (else --max_len)")
     args, extra = parser.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = os.environ.get("OUT", args.root)
@@ -112,9 +113,11 @@ def main():
     ratio = f"{args.inflight_ratio:g}" if args.inflight_ratio else None
     if ratio:
         modes["partial"] += ["--inflight_ratio", ratio]
-    warm = os.path.join(args.root, "runs", f"warm-{args.warm_steps}", "model")
+    warm_len = args.warm_max_len or args.max_len
+    warm_name = f"warm-{args.warm_steps}" + (f"-len{warm_len}" if warm_len != args.max_len else "")
+    warm = os.path.join(args.root, "runs", warm_name, "model")
     if args.warm_steps and not os.path.exists(warm):
-        run(args, out, data, evals, f"warm-{args.warm_steps}", 100, args.warm_steps, [], extra)
+        run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len)
     start_from = ["--pretrain", warm] if args.warm_steps else []
     for seed in args.seeds:
         for mode in args.modes:
@@ -123,7 +126,7 @@ def main():
             run(args, out, data, evals, name, seed, args.steps, flags, extra)
 
 
-def run(args, out, data, evals, name, seed, steps, flags, extra):
+def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None):
     """One training run; prints and appends its JSON line to $OUT/partial.jsonl."""
     run_dir = os.path.join(args.root, "runs", name)
     lengths = os.path.join(args.root, f"{name}.lengths")
@@ -132,7 +135,7 @@ def run(args, out, data, evals, name, seed, steps, flags, extra):
     cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data,
            "--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward",
            "--rollout_batch_size", "32",
-           "--n_samples_per_prompt", "8", "--generate_max_len", str(args.max_len), "--max_steps",
+           "--n_samples_per_prompt", "8", "--generate_max_len", str(max_len or args.max_len), "--max_steps",
            str(steps), "--eval_steps", "10", "--seed", str(seed), "--output_dir", run_dir,
            "--no_resume", *flags, *extra]
     path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU's packages
