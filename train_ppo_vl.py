@@ -532,7 +532,7 @@ def main():
                     accelerator.backward(loss * scale)  # the losses are already the step's
                     # clipped norms (finite, not exploding: checked) on the step's last micro-batch
                     step_optimizers(accelerator, stepped, args.max_norm, m,
-                                    check=lambda key, norm: guard.grad_norm(key, norm, step))
+                                    check=lambda key, norm: guard.grad_norm(key, norm, step, exp))
                     if ema is not None and accelerator.sync_gradients and not frozen:
                         weights = [p.detach() for p in model.parameters()]
                         torch._foreach_lerp_(ema, weights, 1.0 - args.ema_beta)

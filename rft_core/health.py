@@ -20,16 +20,38 @@ from rft_core.errors import TrainingDiverged
 from rft_core.experience import micro_batch_logprobs
 
 
+def nonfinite_inputs(exp):
+    """The loss inputs of Experience `exp` that are not finite on response tokens, as "old_logprobs 3 tokens,
+    ..." ("" if none). Rows whose engine logprobs are all NaN are the rows the engine returned none for."""
+    mask = exp.action_mask.bool()  # (B, T)
+    found = []
+    for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns",
+                 "rewards"):
+        values = getattr(exp, name)
+        if values is None:
+            continue
+        values = values.unsqueeze(-1).expand(mask.shape) if values.dim() == 1 else values  # (B, T)
+        bad = ~torch.isfinite(values) & mask
+        if name == "rollout_logprobs":
+            bad &= ~(values.isnan() | ~mask).all(-1, keepdim=True)
+        if bad.any():
+            found.append(f"{name} {int(bad.sum())} tokens")
+    return ", ".join(found)
+
+
 class HealthGuard:
     def __init__(self, output_dir, vocab_size, explode_factor=1e4, max_update_kl=1.0):
         self.output_dir, self.explode_factor, self.max_update_kl = output_dir, explode_factor, max_update_kl
         self.max_entropy = math.log(vocab_size)  # the uniform distribution's
         self.norms, self.first_entropy = {}, None  # earlier gradient norms by key; the run's first entropy
 
-    def grad_norm(self, key, norm, step):
-        """Before the optimizer step: `norm` (pre-clip) of `key` ("grad_norm", "critic_grad_norm") is sane."""
+    def grad_norm(self, key, norm, step, experience=None):
+        """Before the optimizer step: `norm` (pre-clip) of `key` ("grad_norm", "critic_grad_norm") is sane. A
+        non-finite one names what of the step's `experience` is not finite."""
         if not math.isfinite(norm):
-            self.stop(f"non-finite loss or gradients ({key} {norm})", step)
+            found = nonfinite_inputs(experience) if experience is not None else ""
+            where = f"; not finite in the step's inputs: {found}" if found else ""
+            self.stop(f"non-finite loss or gradients ({key} {norm}{where})", step)
         earlier = [x for x in self.norms.setdefault(key, []) if x > 0]
         if len(earlier) >= 3 and norm > self.explode_factor * statistics.median(earlier):
             times = norm / statistics.median(earlier)

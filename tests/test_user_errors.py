@@ -4,6 +4,7 @@ failed start leaves output_dir as it was, and SIGINT / SIGTERM stop at a step bo
 
 import http.server
 import json
+import math
 import os
 import random
 import re
@@ -302,6 +303,27 @@ def test_health_guard_catches_explosion_and_collapse(tmp_path):
     random_model = HealthGuard(str(tmp_path), vocab_size=1000)
     random_model.entropy(6.9, 1)
     random_model.entropy(6.9, 2)  # a model that starts uniform is left alone
+
+
+def test_nonfinite_gradients_name_the_nonfinite_inputs(tmp_path):
+    """The stop on a NaN gradient names what of the step's experience is not finite on response tokens; NaN
+    engine logprobs of a row the engine returned none for (one sample in 8) are no finding."""
+    from rft_core.experience import Experience
+    from rft_core.health import HealthGuard, nonfinite_inputs
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    exp = Experience(torch.zeros(3, 6, dtype=torch.long), torch.ones(3, 6), mask,
+                     torch.tensor([[-1.0, -2.0, -3.0, 0.0], [math.nan] * 4, [-1.0, math.nan, -1.0, -1.0]]),
+                     old_logprobs=torch.zeros(3, 4), advantages=torch.tensor([1.0, 0.0, -1.0]))
+    assert nonfinite_inputs(exp) == "rollout_logprobs 1 tokens"  # row 2's one NaN, not row 1's
+    exp.old_logprobs[0, 3] = -math.inf  # padding: no finding
+    exp.old_logprobs[2, 0] = -math.inf
+    exp.advantages[1] = math.nan
+    assert nonfinite_inputs(exp) == "rollout_logprobs 1 tokens, old_logprobs 1 tokens, advantages 2 tokens"
+    with pytest.raises(UserError, match=r"non-finite loss or gradients \(grad_norm nan; not finite in the "
+                                        r"step's inputs: rollout_logprobs 1 tokens, old_logprobs 1 tokens, "
+                                        r"advantages 2 tokens\) at step 4"):
+        HealthGuard(str(tmp_path), vocab_size=1000).grad_norm("grad_norm", math.nan, 4, exp)
 
 
 # ---- checkpoints ----
