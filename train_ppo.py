@@ -268,8 +268,8 @@ class Args:
     """torch.compile each decoder layer of the trained model, dynamic shapes (default: on with a GPU, alone or
     under DDP, with vLLM / SGLang generating)"""
     optimizer_offload: Optional[bool] = None
-    """keep the optimizer state on the CPU outside the update, away from the rollout's KV cache (DDP,
-    FSDP2; with DeepSpeed use a *_offload config)"""
+    """keep the optimizer state on the CPU outside the update, away from the rollout's KV cache (default: on
+    only if the engine could not wake beside it after the first update)"""
     lora_rank: int = 0
     """train LoRA adapters of this rank (0: every weight); vLLM gets the merged weights"""
     lora_alpha: int = 16

@@ -12,6 +12,7 @@ import textwrap
 import typing
 
 from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
+from rft_core.distributed import zero_offloads_optimizer
 from rft_core.errors import ConfigError, Stopped, UserError
 from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 
@@ -183,8 +184,8 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
           "(the export would merge the live adapter) nor under ZeRO-3 / FSDP2 (it averages whole parameters)")
     check(not (deepspeed and estimator == "gae"), "gae trains a critic beside the actor, "
           "which one DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
-    check(not (deepspeed and args.optimizer_offload), "--optimizer_offload moves a torch optimizer's state; "
-          "under DeepSpeed use accelerate_configs/deepspeed_zero3_offload.yaml")
+    check(not (args.optimizer_offload and zero_offloads_optimizer(deepspeed)), "--optimizer_offload: this "
+          "DeepSpeed config (offload_optimizer_device: cpu) keeps the optimizer on the CPU already; drop it")
     check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
     models = len(args.reward_pretrain.split(",")) if args.reward_pretrain else 0
     sources = models + (1 if args.reward_fn or args.remote_rm_url or not models else 0)

@@ -203,11 +203,18 @@ def move_optimizer_state(optimizers, device):
         torch.cuda.empty_cache()  # hand the freed blocks back, for vLLM's wake-up
 
 
+def zero_offloads_optimizer(deepspeed):
+    """Whether accelerate's DeepSpeed plugin (or None) runs ZeRO-Offload: the optimizer on the CPU already."""
+    zero = (getattr(deepspeed, "deepspeed_config", None) or {}).get("zero_optimization", {})
+    return zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+
+
 def offload_after_update(optimizers, offload, engine, deepspeed, log):
     """After an update, --optimizer_offload: the optimizer state to the CPU if offload; None (auto) decides
-    it now, once: on only if the engine could not wake beside the state (DeepSpeed keeps its own, so off
-    there). Returns the decision."""
-    if offload is None and not deepspeed:
+    it now, once: on only if the engine could not wake beside the state (under ZeRO-Offload the state is on
+    the CPU already: off). Under DeepSpeed the state moved is its inner AdamW's, the moments of this rank's
+    partition. Returns the decision."""
+    if offload is None and not zero_offloads_optimizer(deepspeed):
         offload = not engine.can_wake()
         log(f"[memory] optimizer state on the CPU between updates: {offload}")
     if offload:

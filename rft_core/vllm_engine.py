@@ -79,8 +79,8 @@ def memory_error(engine, need, what):
     return OutOfMemory(
         f"{engine} needs {need / 2**30:.1f} GiB to {what}, but only {free / 2**30:.1f} of "
         f"{total / 2**30:.1f} GiB are free, the rest held by the trainer's weights, gradients and optimizer "
-        "state (and the engine's awake parts): lower --engine_mem_util, or add --optimizer_offload (DDP / "
-        "FSDP2) or --lora_rank, or shard further (fsdp2.yaml, an *_offload.yaml config, more GPUs)")
+        "state (and the engine's awake parts): lower --engine_mem_util, or add --optimizer_offload or "
+        "--lora_rank, or shard further (fsdp2.yaml, an *_offload.yaml config, more GPUs)")
 
 
 def flatten_group(per_rank):

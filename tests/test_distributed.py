@@ -5,6 +5,7 @@ import glob
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -58,8 +59,8 @@ def test_full_weights_sharded(tiny_model_dir):
 def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tmp_path, chars_reward):
     """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss) and a
     reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same seed (DDP by
-    one-sample micro-batches, ZeRO-3 by a token budget); stopped after step 1 and resumed, step 2 is still DDP's
-    step 2."""
+    one-sample micro-batches, ZeRO-3 by a token budget, with --optimizer_offload); stopped after step 1 and
+    resumed, step 2 is still DDP's step 2."""
     pytest.importorskip("deepspeed")
     args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN, "--reward_fn", chars_reward,
             "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "1"]
@@ -71,7 +72,8 @@ def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tm
     by_tokens = args[:i] + args[i + 2:]
     zero3 = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
              os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml"), *by_tokens, "--save_steps", "1",
-             "--max_tokens_per_micro_batch", "30", "--output_dir", str(tmp_path / "z3")]
+             "--max_tokens_per_micro_batch", "30", "--optimizer_offload",
+             "--output_dir", str(tmp_path / "z3")]
     launch([*zero3, "--max_steps", "1"])  # the later --max_steps wins
     assert os.path.isdir(tmp_path / "z3" / "checkpoint-1")
     out = launch(zero3)
@@ -122,6 +124,21 @@ def test_move_optimizer_state():
     move_optimizer_state([opt], "cpu")
     assert all(torch.equal(opt.state[p][k], v) for p in net.parameters() for k, v in want[p].items())
     opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_move_optimizer_state_under_deepspeed(stage):
+    """--optimizer_offload under DeepSpeed ZeRO-1 and ZeRO-3 moves the inner AdamW's moments, and the next
+    optimizer step runs (tests/ds_offload_worker.py, one CPU rank)."""
+    pytest.importorskip("deepspeed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ds_offload_worker.py"), str(stage)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and f"stage {stage}: " in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_choose_budget():

@@ -481,6 +481,34 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
             check_args(vl, 2, parallelism=config(**sizes), **kind)
 
 
+def test_optimizer_offload_under_deepspeed():
+    """--optimizer_offload runs under DeepSpeed (it moves the ZeRO optimizer's inner AdamW state:
+    tests/ds_offload_worker.py), not beside ZeRO-Offload, whose optimizer is on the CPU already; left to
+    auto, it is decided after the first update there too, except under ZeRO-Offload."""
+    import types
+
+    import train_ppo
+    from rft_core.cli import check_args
+    from rft_core.distributed import offload_after_update, zero_offloads_optimizer
+
+    def plugin(device):
+        zero = {"offload_optimizer": {"device": device}}
+        return types.SimpleNamespace(deepspeed_config={"zero_optimization": zero})
+
+    args = replace(train_ppo.Args(), optimizer_offload=True)
+    args.train_batch_size = args.rollout_batch_size * args.n_samples_per_prompt
+    check_args(args, 2, deepspeed=plugin("none"), sharded=True)
+    with pytest.raises(UserError, match=r"--optimizer_offload: this DeepSpeed config \(offload_optimizer_"
+                                        r"device: cpu\) keeps the optimizer on the CPU already; drop it"):
+        check_args(args, 2, deepspeed=plugin("cpu"), sharded=True)
+    assert [zero_offloads_optimizer(p) for p in (None, plugin("none"), plugin("cpu"))] == [False, False, True]
+    short = types.SimpleNamespace(can_wake=lambda: False)  # an engine that could not wake beside the state
+    said = []
+    assert offload_after_update([], None, short, plugin("none"), said.append) is True
+    assert said == ["[memory] optimizer state on the CPU between updates: True"]
+    assert offload_after_update([], None, short, plugin("cpu"), said.append) is None and len(said) == 1
+
+
 def test_the_engine_memory_checks_name_the_fix(monkeypatch):
     """vLLM's start and each wake-up are checked against the GPU's free memory first, so a trainer that holds
     too much gets one line naming the flags instead of vLLM's traceback (seen on 2 x H200: the 7B shape's full
