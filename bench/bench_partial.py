@@ -78,8 +78,8 @@ def summarise(out_dir, lengths_file, skip, samples_per_step):
         # where generation's time goes: rounds per step, and the tokens generated per trained sample (a
         # partial run also generates for samples still in the buffer at the end)
         "generation_rounds_mean": statistics.mean(r.get("rollout/generation_rounds", 1) for r in steady),
-        "tokens_per_trained_sample": sum(r["rollout/tokens_generated"] for r in rows) / (samples_per_step
-                                                                                         * len(rows)),
+        "tokens_per_trained_sample": (sum(r["rollout/tokens_generated"] for r in rows)
+                                      / (samples_per_step * len(rows))),
         "length_p50_chars": lengths[len(lengths) // 2] if lengths else None,
         "length_p99_chars": lengths[int(len(lengths) * 0.99)] if lengths else None,
         "reward_by_step": [round(r["rollout/reward_mean"], 4) for r in rows],

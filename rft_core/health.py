@@ -32,8 +32,8 @@ def nonfinite_inputs(exp):
             continue
         values = values.unsqueeze(-1).expand(mask.shape) if values.dim() == 1 else values  # (B, T)
         bad = ~torch.isfinite(values) & mask
-        if name == "rollout_logprobs":
-            bad &= ~(values.isnan() | ~mask).all(-1, keepdim=True)
+        if name == "rollout_logprobs":  # only on the rows the engine returned logprobs for
+            bad &= exp.rollout_known().any(-1, keepdim=True)
         if bad.any():
             found.append(f"{name} {int(bad.sum())} tokens")
     return ", ".join(found)

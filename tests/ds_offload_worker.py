@@ -1,6 +1,6 @@
-"""Run by tests/test_distributed.py (one CPU rank, DS_ACCELERATOR=cpu): --optimizer_offload's move under
-DeepSpeed ZeRO stage argv[1]. The ZeRO optimizer's state is its inner AdamW's: the moments of this rank's
-partition move (to "meta", a stand-in for the GPU: a CPU-to-CPU move would show nothing), the CPU step
+"""Run by tests/test_distributed.py under torchrun (one CPU rank, DS_ACCELERATOR=cpu): --optimizer_offload's
+move under DeepSpeed ZeRO stage argv[1]. The ZeRO optimizer's state is its inner AdamW's: the moments of this
+rank's partition move (to "meta", a stand-in for the GPU: a CPU-to-CPU move would show nothing), the CPU step
 counter stays, and training goes on once they are back."""
 
 import sys

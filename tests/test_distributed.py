@@ -5,7 +5,6 @@ import glob
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -131,14 +130,9 @@ def test_move_optimizer_state_under_deepspeed(stage):
     """--optimizer_offload under DeepSpeed ZeRO-1 and ZeRO-3 moves the inner AdamW's moments, and the next
     optimizer step runs (tests/ds_offload_worker.py, one CPU rank)."""
     pytest.importorskip("deepspeed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ds_offload_worker.py"), str(stage)],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and f"stage {stage}: " in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    out = launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                  os.path.join(ROOT, "tests", "ds_offload_worker.py"), str(stage)])
+    assert f"stage {stage}: " in out, out[-2000:]
 
 
 def test_choose_budget():
