@@ -214,6 +214,40 @@ def test_sharded_configs_with_vllm(tmp_path, config):
     assert os.path.isfile(tmp_path / "model" / "model.safetensors")
 
 
+def moments_of(state):
+    """Every AdamW moment tensor (exp_avg, exp_avg_sq) in a loaded DeepSpeed optimizer checkpoint."""
+    if isinstance(state, dict):
+        return [v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq") and torch.is_tensor(v)] + [
+            t for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq") for t in moments_of(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in moments_of(v)]
+    return []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                    reason="needs a GPU and vllm")
+def test_zero3_optimizer_offload_on_one_gpu_with_vllm(tmp_path):
+    """DeepSpeed ZeRO-3 on one GPU, vLLM colocated, --optimizer_offload: the inner AdamW's moments are on the
+    CPU between updates (the checkpoint saved after step 1 holds them there), the run resumes from it (DeepSpeed
+    loads them back beside the parameters) and step 2 trains, with the layer-wise sync keeping vLLM's logprobs
+    on the trainer's."""
+    pytest.importorskip("deepspeed")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml"), "--num_processes", "1",
+           os.path.join(ROOT, "train_ppo.py"), "--engine_type", "vllm", "--engine_enforce_eager",
+           "--optimizer_offload", "--save_steps", "1", "--output_dir", str(tmp_path)]
+    launch([*cmd, "--max_steps", "1"], DS_ACCELERATOR="cuda")
+    [optim] = glob.glob(str(tmp_path / "checkpoint-1" / "**" / "*optim_states.pt"), recursive=True)
+    moments = moments_of(torch.load(optim, map_location=None, weights_only=False))
+    assert moments and {t.device.type for t in moments} == {"cpu"}
+    out = launch([*cmd, "--max_steps", "2"], DS_ACCELERATOR="cuda")
+    assert "[resume] from" in out
+    steps, _ = read_metrics(str(tmp_path))
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["train/grad_norm"])) for r in steps)
+    assert steps[1]["rollout/logprob_diff_mean"] < 0.05
+
+
 @pytest.mark.parametrize("warmup", [0, 1, 3])
 def test_adamw_warmup_is_transformers_constant_with_warmup(warmup):
     """The scripts' schedule (a torch LambdaLR: importing transformers' get_scheduler pulled in peft, 7 s of
