@@ -3,9 +3,9 @@
 #   test: the GPU test (the embedded model; moments on the CPU in the checkpoint, resume, logprob diff)
 #   auto | off: the 3B shape, 32 x 8 x 128, 5 steps, --optimizer_offload left to auto / false
 #     (bench_sizes.py's JSON and logs in $OUT)
-# Needs, copied to the machine one run call per part: the ../shared/gpu bundle (groups vllm, model) in /tmp/gpu
-# and the deepspeed group (bundle.sh .gpu-ds deepspeed) in /tmp/ds.
-# Usage: bash bench/run_gpu_ds_offload.sh test auto off   (each mode < 600 s; one device call may hold several)
+# Needs, copied to the machine one run call per part: the ../shared/gpu bundle (groups vllm, model) in
+# /tmp/gpu and the deepspeed group (bundle.sh .gpu-ds deepspeed) in /tmp/ds.
+# Usage: bash bench/run_gpu_ds_offload.sh test auto off   (each mode < 600 s; a device call may run several)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -19,8 +19,8 @@ for mode in "$@"; do
     auto|off)
       flags=(--engine_enforce_eager)
       [ "$mode" = off ] && flags+=(--optimizer_offload false)
-      python bench/bench_sizes.py 3b --steps 5 --skip 2 --timeout "${TIMEOUT:-330}" --config $config --gpus 1 \
-        --tag="-zero3-offload-$mode" -- "${flags[@]}" $EXTRA
+      python bench/bench_sizes.py 3b --steps 5 --skip 2 --timeout "${TIMEOUT:-330}" \
+        --config $config --gpus 1 --tag="-zero3-offload-$mode" -- "${flags[@]}" $EXTRA
       grep -h "\[memory\]\|error:\|Error" "$OUT/3b-128-zero3-offload-$mode.log" | head -8;;
     *) echo "usage: $0 test|auto|off ..."; exit 2;;
   esac
