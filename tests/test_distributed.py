@@ -227,10 +227,10 @@ def moments_of(state):
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                     reason="needs a GPU and vllm")
 def test_zero3_optimizer_offload_on_one_gpu_with_vllm(tmp_path):
-    """DeepSpeed ZeRO-3 on one GPU, vLLM colocated, --optimizer_offload: the inner AdamW's moments are on the
-    CPU between updates (the checkpoint saved after step 1 holds them there), the run resumes from it (DeepSpeed
-    loads them back beside the parameters) and step 2 trains, with the layer-wise sync keeping vLLM's logprobs
-    on the trainer's."""
+    """DeepSpeed ZeRO-3 on one GPU, vLLM colocated, --optimizer_offload: the inner AdamW's moments are on
+    the CPU between updates (the checkpoint saved after step 1 holds them there), the run resumes from it
+    (DeepSpeed loads them back beside the parameters) and step 2 trains, with the layer-wise sync keeping
+    vLLM's logprobs on the trainer's."""
     pytest.importorskip("deepspeed")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml"), "--num_processes", "1",
