@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # --optimizer_offload under DeepSpeed ZeRO-3 on one GPU (issue 15), vLLM colocated (eager):
 #   test: the GPU test (the embedded model; moments on the CPU in the checkpoint, resume, logprob diff)
-#   auto | off: the 3B shape, 32 x 8 x 128, 5 steps, --optimizer_offload left to auto / false
+#   auto | on | off: the 3B shape, 32 x 8 x 128, 5 steps, --optimizer_offload left to auto / true / false
 #     (bench_sizes.py's JSON and logs in $OUT)
 # Needs, copied to the machine one run call per part: the ../shared/gpu bundle (groups vllm, model) in
 # /tmp/gpu and the deepspeed group (bundle.sh .gpu-ds deepspeed) in /tmp/ds.
@@ -14,14 +14,16 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLL
 config=accelerate_configs/deepspeed_zero3.yaml
 for mode in "$@"; do
   case $mode in
-    test) python -m pytest -q -x tests/test_distributed.py -k one_gpu -p no:cacheprovider 2>&1 \
+    test) python -m pytest -q -x tests/test_distributed.py -k "one_gpu or pinned" -p no:cacheprovider 2>&1 \
             | tail -30 | tee "$OUT/test.log";;
-    auto|off)
+    pinned) python -m pytest -q tests/test_distributed.py -k pinned -p no:cacheprovider 2>&1 | tail -3;;
+    auto|on|off)
       flags=(--engine_enforce_eager)
+      [ "$mode" = on ] && flags+=(--optimizer_offload true)
       [ "$mode" = off ] && flags+=(--optimizer_offload false)
       python bench/bench_sizes.py 3b --steps 5 --skip 2 --timeout "${TIMEOUT:-330}" \
         --config $config --gpus 1 --tag="-zero3-offload-$mode" -- "${flags[@]}" $EXTRA
       grep -h "\[memory\]\|error:\|Error" "$OUT/3b-128-zero3-offload-$mode.log" | head -8;;
-    *) echo "usage: $0 test|auto|off ..."; exit 2;;
+    *) echo "usage: $0 test|pinned|auto|on|off ..."; exit 2;;
   esac
 done

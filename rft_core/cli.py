@@ -11,6 +11,8 @@ import sys
 import textwrap
 import typing
 
+import torch
+
 from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
 from rft_core.distributed import zero_offloads_optimizer
 from rft_core.errors import ConfigError, Stopped, UserError
@@ -251,8 +253,9 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
 def run_main(main):
     """The scripts' entry point. A UserError (a flag, path, data row, reward or checkpoint the user can fix,
     or a diverging run) ends the process with its one line, `error: ...`, and status 2; a stop on SIGINT /
-    SIGTERM with its line and 130 / 143; RFT_DEBUG=1 or --debug shows the traceback instead. Anything else is
-    a bug and keeps its traceback."""
+    SIGTERM with its line and 130 / 143; a CUDA out-of-memory error with one line naming the flags that make
+    room, and 2; RFT_DEBUG=1 or --debug shows the traceback instead. Anything else is a bug and keeps its
+    traceback."""
     argv = sys.argv[1:] + [""]
     flag = "--debug" in argv and argv[argv.index("--debug") + 1].lower() not in ("0", "false", "no", "off")
     debug = flag or os.environ.get("RFT_DEBUG", "0") not in ("", "0")
@@ -263,6 +266,15 @@ def run_main(main):
             raise
         print(f"{'stopped' if isinstance(e, Stopped) else 'error'}: {e}", file=sys.stderr, flush=True)
         sys.exit(getattr(e, "exit_code", 2))
+    except torch.OutOfMemoryError as e:  # what the memory plan did not foresee: the flags that make room
+        if debug:
+            raise
+        said = ". ".join(str(e).split(". ")[:3])  # out of memory, how much it tried, how much was free
+        print(f"error: {said}: make room with --optimizer_offload, a smaller --max_tokens_per_micro_batch or "
+              "--engine_mem_util, --gradient_checkpointing or --lora_rank, or shard further (fsdp2.yaml, an "
+              "*_offload.yaml config, more GPUs); checkpoints are written atomically, so the last complete "
+              "one is intact (RFT_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         if debug:
             raise

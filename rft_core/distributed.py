@@ -95,6 +95,9 @@ def full_weights(model, dtype):
                 yield name, tensor.detach().to(dtype, copy=True)
 
 
+SUB_GROUP_SIZE = 10**8  # ZeRO-3's optimizer steps at most this many parameters at once (configure_deepspeed)
+
+
 def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm):
     """Fill what DeepSpeed's config needs and cannot infer without a dataloader (call before prepare).
     rows_per_update: a rank's samples per optimizer step; micro_batch_size: per forward, or None when the
@@ -115,6 +118,10 @@ def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm
                                    # accelerate would swap in DeepSpeedCPUAdam with only lr and weight
                                    # decay carried over, not betas
                                    zero_force_ds_cpu_optimizer=False)
+    # ZeRO-3 steps AdamW over sub-groups of this many fp32 parameters, and each step's temporaries are a
+    # sub-group's size: DeepSpeed's default, 1e9, asks for 3.7 GiB at once, which crashed the 3B shape on one
+    # H100 beside the sleeping engine (a config file's own value stays)
+    plugin.deepspeed_config.setdefault("zero_optimization", {}).setdefault("sub_group_size", SUB_GROUP_SIZE)
     if plugin.zero_stage == 3 and not plugin.zero3_init_flag:
         # accelerate registers its config with transformers all the same, which then builds every model
         # partitioned (zero.Init): a GGUF rebuild or a model made from a config breaks. Load them whole, as
@@ -190,16 +197,33 @@ def step_optimizers(accelerator, stepped, max_norm, metrics, check):
         optimizer.zero_grad()
 
 
+HOST_COPIES = {}  # (id(parameter), state key) -> the pinned CPU tensor its optimizer state moves to
+
+
 def move_optimizer_state(optimizers, device):
     """Move the optimizers' state tensors (AdamW's moments; FSDP2's are DTensors) to `device`: to the CPU
-    after an update, so the rollout's KV cache never shares the GPU with them, and back before the next."""
+    after an update, so the rollout's KV cache never shares the GPU with them, and back before the next.
+    With a GPU, a plain tensor goes into a pinned CPU buffer made on its first move and reused after: fresh
+    pageable memory, faulted in on every move, made ZeRO-3's 25 GiB of moments (3B shape, one H100) cost 22 s
+    an update."""
+    to_host = torch.device(device).type == "cpu"
+    pin = to_host and torch.cuda.is_available()
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "optimizer", optimizer)  # under accelerate's AcceleratedOptimizer
-        for state in optimizer.state.values():
+        for param, state in optimizer.state.items():
             for key, value in state.items():
-                if torch.is_tensor(value) and key != "step":  # Adam keeps its step counter on the CPU
-                    state[key] = value.to(device)
-    if torch.device(device).type == "cpu" and torch.cuda.is_available():
+                if not torch.is_tensor(value) or key == "step":  # Adam keeps its step counter on the CPU
+                    continue
+                if pin and type(value) is torch.Tensor and value.is_cuda:
+                    host = HOST_COPIES.get((id(param), key))
+                    if host is None or (host.shape, host.dtype) != (value.shape, value.dtype):
+                        host = torch.empty_like(value, device="cpu", pin_memory=True)
+                        HOST_COPIES[id(param), key] = host
+                    state[key] = host.copy_(value, non_blocking=True)
+                else:
+                    state[key] = value.to(device, non_blocking=not to_host)  # (from pinned: async)
+    if to_host and torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies are done before their blocks go back to the driver
         torch.cuda.empty_cache()  # hand the freed blocks back, for vLLM's wake-up
 
 

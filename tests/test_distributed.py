@@ -21,7 +21,8 @@ RUN = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt"
 
 
 def launch(cmd, **env):
-    env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu", **env}
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU machine's packages
+    env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **env}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out.stdout
@@ -123,6 +124,29 @@ def test_move_optimizer_state():
     move_optimizer_state([opt], "cpu")
     assert all(torch.equal(opt.state[p][k], v) for p in net.parameters() for k, v in want[p].items())
     opt.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_move_optimizer_state_reuses_pinned_buffers():
+    """With a GPU the moments go to pinned CPU buffers, made on the first move and reused by the next ones,
+    holding the values they had on the GPU."""
+    from rft_core.distributed import move_optimizer_state
+
+    net = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    buffers = []
+    for _ in range(2):
+        net(torch.randn(4, 64, device="cuda")).sum().backward()
+        opt.step()
+        want = {(p, k): v.cpu() for p in net.parameters() for k, v in opt.state[p].items() if k != "step"}
+        move_optimizer_state([opt], "cpu")
+        moved = {(p, k): opt.state[p][k] for p, k in want}
+        assert all(v.device.type == "cpu" and v.is_pinned() and torch.equal(v, want[key])
+                   for key, v in moved.items())
+        buffers.append({key: v.data_ptr() for key, v in moved.items()})
+        move_optimizer_state([opt], "cuda")
+        assert all(opt.state[p][k].is_cuda for p, k in want)
+    assert buffers[0] == buffers[1]
 
 
 @pytest.mark.parametrize("stage", [1, 3])

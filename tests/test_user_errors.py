@@ -100,6 +100,29 @@ def test_a_user_error_is_one_line_without_traceback(tmp_path):
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
 
 
+def test_cuda_out_of_memory_is_one_line_naming_the_flags(monkeypatch, capsys):
+    """An out-of-memory error the memory plan did not foresee (seen: ZeRO-3's optimizer step, 3B shape, one
+    H100) ends with one line: what torch tried and had free, and the flags that make room; --debug / RFT_DEBUG
+    keep the traceback."""
+    from rft_core.cli import run_main
+
+    def main():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.74 GiB. GPU 0 has a total capacity "
+                                     "of 79.18 GiB of which 3.20 GiB is free. Process 1558 has 610.00 MiB ...")
+
+    monkeypatch.setattr(sys, "argv", ["train_ppo.py"])
+    monkeypatch.delenv("RFT_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        run_main(main)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and line.startswith(
+        "error: CUDA out of memory. Tried to allocate 3.74 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
+        "3.20 GiB is free: make room with --optimizer_offload")
+    monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--debug"])
+    with pytest.raises(torch.OutOfMemoryError):
+        run_main(main)
+
+
 # ---- data ----
 
 @pytest.mark.parametrize("content, message", [
