@@ -15,7 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(path):
     runs = [json.loads(line) for line in open(path)]
-    runs = [r for r in runs if not r["run"].startswith("warm")]  # the shared warm-up is no arm
+    # the shared warm-up is no arm; a run that stopped (a health-guard stop, a timeout) is left out
+    runs = [r for r in runs if not r["run"].startswith("warm") and r["rc"] == 0]
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
     # a colour per arm, the synchronous loop's first
     arms = sorted({r["run"].rsplit("-seed", 1)[0] for r in runs}, key=lambda a: (a != "sync", a))
