@@ -5,7 +5,7 @@
 # clash).
 # partial also needs the shared list's data group (datasets: bench_partial.py's file dataset) in /tmp/gd.
 # Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, vl, lora, sleep, sizes,
-# partial; in the order given)
+# partial, sharded; in the order given)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 T=/tmp/site-sgl
@@ -51,6 +51,10 @@ case "$mode" in
     # shellcheck disable=SC2086
     python bench/bench_sizes.py ${SLEEP_SIZES:-135m 0.5b} --steps 8 --timeout 200 --tag=-sglang-sleep -- \
       --engine_type sglang --enable_engine_sleep;;
+  sharded)  # the sync under ZeRO-3 / FSDP2, one process (deepspeed's group, bundle.sh .gpu-ds, in /tmp/ds)
+    [ -d $T/deepspeed ] || bash /tmp/ds/install.sh /tmp/ds $T 2>&1 | tail -1
+    python -m pytest -q tests/test_distributed.py -k one_gpu_with_sglang > "$OUT/sharded.log" 2>&1
+    echo "sharded rc=$?"; tail -30 "$OUT/sharded.log";;
   sizes)  # step breakdown: SmolLM2 and the 0.5B shape, 32 x 8 x 128 (bench_sizes.py's workload)
     python bench/bench_sizes.py 135m 0.5b --steps 12 --timeout 280 --tag=-sglang -- --engine_type sglang;;
 esac

@@ -238,6 +238,22 @@ def test_sharded_configs_with_vllm(tmp_path, config):
     assert os.path.isfile(tmp_path / "model" / "model.safetensors")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
+                    reason="needs a GPU and sglang")
+@pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2"])
+def test_sharded_configs_on_one_gpu_with_sglang(tmp_path, config):
+    """SGLang colocated under ZeRO-3 / FSDP2 (one process): the sync gathers one layer at a time into SGLang's
+    update_weights_from_tensor, and SGLang's logprobs stay on the trainer's."""
+    if config.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes", "1",
+            os.path.join(ROOT, "train_ppo.py"), "--engine_type", "sglang", "--use_kl_loss", "--max_steps", "2",
+            "--output_dir", str(tmp_path)], DS_ACCELERATOR="cuda")
+    steps, _ = read_metrics(str(tmp_path))
+    assert len(steps) == 2 and all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)
+
+
 def moments_of(state):
     """Every AdamW moment tensor (exp_avg, exp_avg_sq) in a loaded DeepSpeed optimizer checkpoint."""
     if isinstance(state, dict):
