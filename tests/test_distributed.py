@@ -21,7 +21,7 @@ RUN = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt"
 
 
 def launch(cmd, **env):
-    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU machine's packages
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # beside the GPU's packages
     env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **env}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
