@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # --optimizer_offload under DeepSpeed ZeRO-3 on one GPU (issue 15), vLLM colocated (eager):
-#   test: the GPU test (the embedded model; moments on the CPU in the checkpoint, resume, logprob diff)
+#   test: the GPU tests (the embedded model; moments on the CPU in the checkpoint, resume, logprob diff;
+#     and the pinned buffers' reuse); pinned: the latter alone
 #   auto | on | off: the 3B shape, 32 x 8 x 128, 5 steps, --optimizer_offload left to auto / true / false
 #     (bench_sizes.py's JSON and logs in $OUT)
 # Needs, copied to the machine one run call per part: the ../shared/gpu bundle (groups vllm, model) in

@@ -95,9 +95,6 @@ def full_weights(model, dtype):
                 yield name, tensor.detach().to(dtype, copy=True)
 
 
-SUB_GROUP_SIZE = 10**8  # ZeRO-3's optimizer steps at most this many parameters at once (configure_deepspeed)
-
-
 def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm):
     """Fill what DeepSpeed's config needs and cannot infer without a dataloader (call before prepare).
     rows_per_update: a rank's samples per optimizer step; micro_batch_size: per forward, or None when the
@@ -118,10 +115,10 @@ def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm
                                    # accelerate would swap in DeepSpeedCPUAdam with only lr and weight
                                    # decay carried over, not betas
                                    zero_force_ds_cpu_optimizer=False)
-    # ZeRO-3 steps AdamW over sub-groups of this many fp32 parameters, and each step's temporaries are a
+    # ZeRO-3 steps AdamW over sub-groups of sub_group_size fp32 parameters, and each step's temporaries are a
     # sub-group's size: DeepSpeed's default, 1e9, asks for 3.7 GiB at once, which crashed the 3B shape on one
-    # H100 beside the sleeping engine (a config file's own value stays)
-    plugin.deepspeed_config.setdefault("zero_optimization", {}).setdefault("sub_group_size", SUB_GROUP_SIZE)
+    # H100 beside the sleeping engine; 1e8 asks for 0.37 (a config file's own value stays)
+    plugin.deepspeed_config.setdefault("zero_optimization", {}).setdefault("sub_group_size", 10**8)
     if plugin.zero_stage == 3 and not plugin.zero3_init_flag:
         # accelerate registers its config with transformers all the same, which then builds every model
         # partitioned (zero.Init): a GGUF rebuild or a model made from a config breaks. Load them whole, as
@@ -222,7 +219,7 @@ def move_optimizer_state(optimizers, device):
                     state[key] = host.copy_(value, non_blocking=True)
                 else:
                     state[key] = value.to(device, non_blocking=not to_host)  # (from pinned: async)
-    if to_host and torch.cuda.is_available():
+    if pin:
         torch.cuda.synchronize()  # the copies are done before their blocks go back to the driver
         torch.cuda.empty_cache()  # hand the freed blocks back, for vLLM's wake-up
 

@@ -248,17 +248,18 @@ def test_sharded_configs_on_one_gpu_with_sglang(tmp_path, config):
         pytest.importorskip("deepspeed")
     launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes", "1",
-            os.path.join(ROOT, "train_ppo.py"), "--engine_type", "sglang", "--use_kl_loss", "--max_steps", "2",
-            "--output_dir", str(tmp_path)], DS_ACCELERATOR="cuda")
+            os.path.join(ROOT, "train_ppo.py"), "--engine_type", "sglang", "--use_kl_loss",
+            "--max_steps", "2", "--output_dir", str(tmp_path)], DS_ACCELERATOR="cuda")
     steps, _ = read_metrics(str(tmp_path))
-    assert len(steps) == 2 and all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)
+    assert len(steps) == 2
+    assert all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)
 
 
 def moments_of(state):
     """Every AdamW moment tensor (exp_avg, exp_avg_sq) in a loaded DeepSpeed optimizer checkpoint."""
     if isinstance(state, dict):
-        return [v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq") and torch.is_tensor(v)] + [
-            t for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq") for t in moments_of(v)]
+        return [t for k, v in state.items()
+                for t in ([v] if k in ("exp_avg", "exp_avg_sq") else moments_of(v))]
     if isinstance(state, (list, tuple)):
         return [t for v in state for t in moments_of(v)]
     return []
