@@ -269,13 +269,22 @@ def choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens, fixe
     return True, max_tokens, not engine_sleeps
 
 
+def zero3_gradient_bytes(model):
+    """The bytes of ZeRO-3's gradient partition buffer on the GPU (0 for other models): DeepSpeed 0.19 makes
+    it in accelerator.prepare (with the fp32 master partition; AdamW's moments wait for the first step)."""
+    buffer = getattr(getattr(model, "optimizer", None), "grad_partitions_flat_buffer", None)
+    on_gpu = torch.is_tensor(buffer) and buffer.device.type != "cpu"  # (ZeRO-Offload's is on the CPU)
+    return buffer.numel() * buffer.element_size() if on_gpu else 0
+
+
 def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0, engine_sleeps=True,
                        fixed_budget=False, log=print):
     """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
     ZeRO-3 / FSDP2: two forwards). An update micro-batch's activations are measured: a forward with gradients
     on two synthetic rows of 256 and of 512 tokens gives the bytes kept per token and the fixed part
     (autocast's weight copies). The room for them is the GPU's free memory less the gradients and AdamW's
-    two moments (fp32, this rank's share of the trained parameters). choose_budget picks the largest budget,
+    two moments (fp32, this rank's share of the trained parameters), less what ZeRO-3 made of them in
+    prepare (zero3_gradient_bytes). choose_budget picks the largest budget,
     up to AUTO_MAX_TOKENS, that fits beside the awake engine (engine_share of the GPU's memory; if that is at
     least 8192 tokens), else the largest that fits while it sleeps (engine_sleeps; at least 4096 tokens):
     smaller micro-batches are faster than recomputing activations. Only where neither fits, checkpointing
@@ -311,6 +320,7 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
             p, "to_local") else p.numel()
 
     states = 12 * sum(local_numel(p) for p in net.parameters() if p.requires_grad)
+    states -= zero3_gradient_bytes(model)  # made in prepare(): already out of the free memory below
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()  # what other processes hold is not ours either
     engine_bytes = engine_share * total

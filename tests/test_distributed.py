@@ -179,6 +179,23 @@ def test_choose_budget():
     assert choose_budget(-154 * 2**10, 66 * gib, 24 * gib, True, 16384, False) == (False, 32768, True)
 
 
+def test_zero3_gradient_bytes_counts_what_prepare_made():
+    """The update's plan does not count twice the gradient partition ZeRO-3 allocated in prepare: its bytes,
+    where it is off the CPU (a meta tensor stands in for the GPU's); none for other models or ZeRO-Offload."""
+    from types import SimpleNamespace
+
+    from rft_core.distributed import zero3_gradient_bytes
+
+    def engine(buffer):
+        return SimpleNamespace(optimizer=SimpleNamespace(grad_partitions_flat_buffer=buffer))
+
+    assert zero3_gradient_bytes(engine(torch.empty(1000, device="meta"))) == 4000
+    assert zero3_gradient_bytes(engine(torch.empty(1000, dtype=torch.bfloat16, device="meta"))) == 2000
+    assert zero3_gradient_bytes(engine(torch.empty(1000))) == 0  # offloaded: on the CPU
+    assert zero3_gradient_bytes(engine(None)) == 0
+    assert zero3_gradient_bytes(torch.nn.Linear(2, 2)) == 0
+
+
 def test_evaluate_pads_ranks_to_equal_work():
     """With sharded weights every generate call is a collective: each rank generates for as many rows,
     and the padding rows are not counted."""
