@@ -50,6 +50,13 @@ def reward(prompts, completions, labels):
     if os.environ.get("COUNT_LENGTHS"):
         with open(os.environ["COUNT_LENGTHS"], "a") as f:
             f.write("".join(f"{len(c)}\n" for c in completions))
+        # the answers that went on past N: what the rambling tail says, beside how far they were right
+        with open(os.environ["COUNT_LENGTHS"] + ".overshoot.jsonl", "a") as f:
+            for completion, label, r in zip(completions, labels, out):
+                words = completion.split()
+                if len(words) > int(label):
+                    f.write(json.dumps({"label": int(label), "words": len(words), "chars": len(completion),
+                                        "reward": r, "tail": completion[-160:]}) + "\n")
     return {"correct": [float(r == 1.0) for r in out], "partial": [r if r < 1 else 0.0 for r in out]}
 
 
@@ -135,8 +142,9 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None):
     """One training run; prints and appends its JSON line to $OUT/partial.jsonl."""
     run_dir = os.path.join(args.root, "runs", name)
     lengths = os.path.join(args.root, f"{name}.lengths")
-    if os.path.exists(lengths):
-        os.remove(lengths)
+    for path in (lengths, lengths + ".overshoot.jsonl"):
+        if os.path.exists(path):
+            os.remove(path)
     cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data,
            "--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward",
            "--rollout_batch_size", "32",
@@ -159,6 +167,8 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None):
         result.update(summarise(run_dir, lengths, args.skip, per_step))
         # the step logs (generation rounds, staleness, buffer) beside the summary
         shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(out, f"{name}.metrics.jsonl"))
+    if os.path.exists(lengths + ".overshoot.jsonl"):
+        shutil.copy(lengths + ".overshoot.jsonl", os.path.join(out, f"{name}.overshoot.jsonl"))
     line = json.dumps(result)
     print(line, flush=True)
     with open(os.path.join(out, "partial.jsonl"), "a") as f:

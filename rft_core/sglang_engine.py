@@ -23,6 +23,7 @@ turned off unless the vision tower is frozen: a sync would leave its entries sta
 """
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -39,6 +40,20 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def without_agent_store():
+    """Start SGLang's schedulers without TORCHELASTIC_USE_AGENT_STORE, which torchrun (accelerate launch)
+    exports to its workers: a scheduler inheriting it makes every rank of its own process group a client of
+    a store on SGLang's port that nobody serves, and hangs for NCCL's ten-minute timeout, silently
+    (pytorch/pytorch#192113). The trainer's own group is already made; the variable comes back after."""
+    value = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = value
 
 
 def sampling_params(limits, temperature, top_p, eos_token_id, blocked_token_ids=()):
@@ -115,13 +130,14 @@ class SGLangEngine:
         free, total = torch.cuda.mem_get_info()
         fraction = min(0.95, mem_util * total / free)  # of the free memory: mem_util of the whole GPU
         extra = {"max_total_tokens": max_total_tokens} if max_total_tokens else {}
-        return sglang.Engine(
-            model_path=model_dir, load_format="dummy", skip_tokenizer_init=True,
-            dtype=str(dtype).removeprefix("torch."), tp_size=tp_size, base_gpu_id=device,
-            nccl_port=_free_port(), random_seed=seed,
-            mem_fraction_static=fraction, context_length=max_model_len, disable_cuda_graph=enforce_eager,
-            enable_memory_saver=sleep != "never", enable_weights_cpu_backup=sleep_level == 1,
-            log_level="error", **extra)
+        with without_agent_store():
+            return sglang.Engine(
+                model_path=model_dir, load_format="dummy", skip_tokenizer_init=True,
+                dtype=str(dtype).removeprefix("torch."), tp_size=tp_size, base_gpu_id=device,
+                nccl_port=_free_port(), random_seed=seed,
+                mem_fraction_static=fraction, context_length=max_model_len, disable_cuda_graph=enforce_eager,
+                enable_memory_saver=sleep != "never", enable_weights_cpu_backup=sleep_level == 1,
+                log_level="error", **extra)
 
     def _barrier(self):
         if self.tp_group is not None:

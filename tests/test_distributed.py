@@ -20,10 +20,14 @@ RUN = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt"
        "--micro_rollout_batch_size", "4", "--generate_max_len", "8", "--use_kl_loss", "--init_kl_coef", "0.1", "--actor_learning_rate", "1e-3"]
 
 
-def launch(cmd, **env):
+def launch(cmd, timeout=600, **env):
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # beside the GPU's packages
     env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **env}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # a hang: what it printed until then (bytes, whatever text= says)
+        printed = "".join((x or b"").decode(errors="replace")[-4000:] for x in (e.stdout, e.stderr))
+        pytest.fail(f"no exit in {timeout} s; its output ends:\n{printed}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out.stdout
 
@@ -265,8 +269,9 @@ def test_sharded_configs_on_one_gpu_with_sglang(tmp_path, config):
         pytest.importorskip("deepspeed")
     launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), "--num_processes", "1",
-            os.path.join(ROOT, "train_ppo.py"), "--engine_type", "sglang", "--use_kl_loss",
-            "--max_steps", "2", "--output_dir", str(tmp_path)], DS_ACCELERATOR="cuda")
+            os.path.join(ROOT, "train_ppo.py"), "--engine_type", "sglang", "--engine_enforce_eager",
+            "--use_kl_loss", "--max_steps", "2", "--output_dir", str(tmp_path)],
+           timeout=270, DS_ACCELERATOR="cuda")
     steps, _ = read_metrics(str(tmp_path))
     assert len(steps) == 2
     assert all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)

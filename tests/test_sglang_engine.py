@@ -3,6 +3,7 @@ greedy equality with transformers after a sync, sleep / wake and the logprob dif
 without CUDA and sglang)."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -118,6 +119,35 @@ def test_flush_waits_for_an_idle_scheduler():
     engine.llm = Busy(10 ** 9)
     with pytest.raises(RuntimeError, match="stayed busy 0 s"):
         engine._flush(timeout_s=0.02)
+
+
+def test_schedulers_start_without_torchrun_agent_store(monkeypatch):
+    """Under accelerate launch (torchrun) SGLang's schedulers start without TORCHELASTIC_USE_AGENT_STORE (with
+    it they hang ten minutes making their process group); the trainer keeps it. A stand-in sglang module
+    records the environment its Engine starts in (no GPU needed)."""
+    import sys
+    import types
+
+    seen = {}
+
+    def engine(**kwargs):
+        seen["agent_store"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+        seen.update(kwargs)
+        return "engine"
+
+    fake = {"sglang": types.SimpleNamespace(Engine=engine), "sglang.srt": types.ModuleType("sglang.srt"),
+            "sglang.srt.utils": types.ModuleType("sglang.srt.utils"),
+            "sglang.srt.utils.patch_torch": types.SimpleNamespace(monkey_patch_torch_reductions=lambda: None)}
+    for name, module in fake.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    for name, value in (("current_device", lambda: 0), ("device_count", lambda: 1),
+                        ("empty_cache", lambda: None), ("mem_get_info", lambda: (60 * 2**30, 80 * 2**30))):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    llm = SGLangEngine._start(None, "/model", 1, 0.3, "auto", 1, 0, 2048, True, torch.bfloat16, None)
+    assert llm == "engine" and seen["agent_store"] is None and seen["model_path"] == "/model"
+    assert seen["mem_fraction_static"] == pytest.approx(0.4)  # 0.3 of the GPU, as a share of what is free
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
