@@ -215,7 +215,8 @@ def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync
     for rows in experience.micro_batch_rows(micro_batch_size, max_tokens, sync_count, packed):
         mb = experience.select(rows)._trim()
         values = fn(mb)  # (b, t), t <= T after trimming
-        out[rows, :values.shape[1]] = values * mb.action_mask
+        # (fp32, whatever the pass computed in: FSDP2's bf16 reference model gives bf16)
+        out[rows, :values.shape[1]] = (values * mb.action_mask).to(out.dtype)
     return sp.sum(out) if sp is not None else out
 
 
