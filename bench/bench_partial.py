@@ -12,6 +12,7 @@ line per run: samples trained per second, tokens generated per second, the decod
     python bench/bench_partial.py --seeds 0 1 2 --steps 40              # one H100 (vLLM)
     python bench/bench_partial.py --warm_steps 12 --seeds 0 1 2 --steps 20   # from a model that stops
     python bench/bench_partial.py --warm_steps 12 --modes partial --inflight_ratio 2   # partial-r2-seed0
+    python bench/bench_partial.py --warm_steps 12 --modes sync_tis    # synchronous with --tis_cap 2
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \
         --rollout_batch_size 4 --n_samples_per_prompt 2                  # a CPU smoke run (2-3 minutes)
 """
@@ -107,7 +108,8 @@ def main():
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the rates")
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--root", default="/tmp/rft_partial")
-    parser.add_argument("--modes", nargs="+", default=["sync", "partial"])
+    parser.add_argument("--modes", nargs="+", default=["sync", "partial"],
+                        choices=["sync", "sync_tis", "partial"])
     parser.add_argument("--warm_steps", type=int, default=0,
                         help="first train this many synchronous steps (seed 100); every run starts from them")
     parser.add_argument("--warm_max_len", type=int, help="the warm-up's --generate_max_len (else --max_len)")
@@ -120,8 +122,11 @@ def main():
     for path, rows in ((data, task_rows(4000, 0)), (evals, task_rows(64, 1))):
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    modes = {"sync": [], "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
-                                     "--max_staleness", str(args.staleness)]}
+    # sync_tis: the synchronous loop with the importance weights partial rollout turns on (cap 2), which
+    # the plain synchronous arm runs without
+    modes = {"sync": [], "sync_tis": ["--tis_cap", "2"],
+             "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
+                         "--max_staleness", str(args.staleness)]}
     ratio = f"{args.inflight_ratio:g}" if args.inflight_ratio else None
     if ratio:
         modes["partial"] += ["--inflight_ratio", ratio]
