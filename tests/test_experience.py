@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rft_core.engine import Generation, HFEngine
-from rft_core.experience import batched_logprobs, build_experience
+from rft_core.experience import batched_forward, batched_logprobs, build_experience
 from rft_core.logprobs import response_logprobs
 from rft_core.models import load_model_and_tokenizer
 
@@ -54,6 +54,16 @@ def test_split_widths_are_multiples_of_8_where_the_padding_allows():
     first = exp.split(1)[0]  # row 0: 2 + 2 = 4 -> 8, none of response padding left: 4 of the prompt's
     assert first.input_ids.tolist() == [[0, 0, 0, 0, 5, 5, 7, 7]]
     assert first.attention_mask.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]] and first.action_mask.tolist() == [[1, 1]]
+
+
+def test_batched_forward_stores_any_dtype_as_fp32():
+    """A pass computed in bf16 (FSDP2's reference model) fills the (B, T) fp32 buffer like an fp32 one: the
+    values of each micro-batch's response tokens, zeros elsewhere (it raised a dtype error before)."""
+    exp = build_experience(PROMPTS, GENS, pad_token_id=0)
+    bf16 = lambda mb: mb.action_mask.to(torch.bfloat16) * -0.5  # noqa: E731
+    out = batched_forward(exp, bf16, micro_batch_size=2)
+    assert out.dtype == torch.float32
+    assert out.tolist() == (exp.action_mask * -0.5).tolist()
 
 
 def test_micro_batches_by_tokens():
