@@ -330,7 +330,8 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     log(f"[memory] an update keeps {per_token / 2**10:.0f} KiB of activations per token and "
         f"{room / 2**30:.1f} GiB are left for them ({(room - engine_bytes) / 2**30:.1f} beside the awake "
         f"engine): micro-batches of {tokens} tokens, gradient checkpointing "
-        f"{'on' if checkpointing else 'off'}, the engine {'awake' if beside else 'asleep'} during updates")
+        f"{'on' if checkpointing else 'off'}, sized for the engine {'awake' if beside else 'asleep'} during "
+        "updates (auto sleep follows each update's measured peak)")
     return checkpointing, tokens
 
 
