@@ -13,6 +13,7 @@ line per run: samples trained per second, tokens generated per second, the decod
     python bench/bench_partial.py --warm_steps 12 --seeds 0 1 2 --steps 20   # from a model that stops
     python bench/bench_partial.py --warm_steps 12 --modes partial --inflight_ratio 2   # partial-r2-seed0
     python bench/bench_partial.py --warm_steps 12 --modes sync_tis    # synchronous with --tis_cap 2
+    python bench/bench_partial.py --warm_steps 12 --frozen            # both arms at the warm-up's weights
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \
         --rollout_batch_size 4 --n_samples_per_prompt 2                  # a CPU smoke run (2-3 minutes)
 """
@@ -113,6 +114,10 @@ def main():
     parser.add_argument("--warm_steps", type=int, default=0,
                         help="first train this many synchronous steps (seed 100); every run starts from them")
     parser.add_argument("--warm_max_len", type=int, help="the warm-up's --generate_max_len (else --max_len)")
+    parser.add_argument("--frozen", action="store_true",
+                        help="the measured runs keep their starting weights (learning rate 1e-12, updates "
+                             "of ~1e-12): both arms answer alike, so the rates compare the rollouts alone "
+                             "(named frozen-MODE-seedS)")
     args, extra = parser.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = os.environ.get("OUT", args.root)
@@ -136,10 +141,12 @@ def main():
     if args.warm_steps and not os.path.exists(warm):
         run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len)
     start_from = ["--pretrain", warm] if args.warm_steps else []
+    frozen = ["--actor_learning_rate", "1e-12"] if args.frozen else []  # (0 is refused)
     for seed in args.seeds:
         for mode in args.modes:
-            flags = modes[mode] + start_from
+            flags = modes[mode] + start_from + frozen
             name = f"{mode}-r{ratio}-seed{seed}" if mode == "partial" and ratio else f"{mode}-seed{seed}"
+            name = "frozen-" + name if args.frozen else name
             run(args, out, data, evals, name, seed, args.steps, flags, extra)
 
 
