@@ -14,6 +14,8 @@ line per run: samples trained per second, tokens generated per second, the decod
     python bench/bench_partial.py --warm_steps 12 --modes partial --inflight_ratio 2   # partial-r2-seed0
     python bench/bench_partial.py --warm_steps 12 --modes sync_tis    # synchronous with --tis_cap 2
     python bench/bench_partial.py --warm_steps 12 --frozen            # both arms at the warm-up's weights
+    python bench/bench_partial.py --warm_steps 12 --tag drgrpo --arm_flags "--loss_agg_mode \
+        seq-mean-token-sum-norm"                                     # flags for the measured runs only
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \
         --rollout_batch_size 4 --n_samples_per_prompt 2                  # a CPU smoke run (2-3 minutes)
 """
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -118,6 +121,10 @@ def main():
                         help="the measured runs keep their starting weights (learning rate 1e-12, updates "
                              "of ~1e-12): both arms answer alike, so the rates compare the rollouts alone "
                              "(named frozen-MODE-seedS)")
+    parser.add_argument("--arm_flags", default="",
+                        help="train_ppo.py flags for the measured runs only, not the warm-up (e.g. "
+                             "\"--loss_agg_mode seq-mean-token-sum-norm\"); with --tag")
+    parser.add_argument("--tag", help="a prefix for the measured runs' names (TAG-MODE-seedS)")
     args, extra = parser.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = os.environ.get("OUT", args.root)
@@ -142,11 +149,14 @@ def main():
         run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len)
     start_from = ["--pretrain", warm] if args.warm_steps else []
     frozen = ["--actor_learning_rate", "1e-12"] if args.frozen else []  # (0 is refused)
+    if args.arm_flags and not args.tag:
+        raise SystemExit("--arm_flags needs a --tag, so its runs are not taken for the plain ones")
     for seed in args.seeds:
         for mode in args.modes:
-            flags = modes[mode] + start_from + frozen
+            flags = modes[mode] + start_from + frozen + shlex.split(args.arm_flags)
             name = f"{mode}-r{ratio}-seed{seed}" if mode == "partial" and ratio else f"{mode}-seed{seed}"
             name = "frozen-" + name if args.frozen else name
+            name = f"{args.tag}-{name}" if args.tag else name
             run(args, out, data, evals, name, seed, args.steps, flags, extra)
 
 

@@ -1,0 +1,139 @@
+"""What the step logs of bench_partial.py runs say about partial rollout against the synchronous loop.
+
+1. Where generation's time goes. One cost model is fitted to every steady step of both arms together:
+
+       generate_s = a x tokens generated + b x decode steps + c
+
+   (decode steps: the longest response of a synchronous step; budget x generation rounds for a partial one,
+   whose rounds each run to the budget while any sample still generates). Then: what a partial step would
+   cost had it generated only the synchronous runs' tokens (the same answers, cut into rounds), i.e. the
+   speed of the mechanism itself, apart from how long each arm's policy learned to answer. An estimate from
+   a fit, not a measurement; the residuals say how well the model holds.
+
+2. How large the optimizer's steps were. AdamW divides each gradient by the root of its running mean
+   square, so a step's size relative to the others is about |g_t| / sqrt(v_t), with v_t the bias-corrected
+   running mean of |g|^2 (beta2 of the scripts' AdamW, 0.95). From the logged gradient norms (after
+   clipping): a global proxy of Adam's per-coordinate scaling, not its exact steps. Also the correlation of
+   the gradient norm with the trained responses' mean length (token-mean losses average over more tokens
+   in a batch of longer answers).
+
+    python bench/analyze_partial.py bench/results/partial_h100/long2048 --budget 256
+    python bench/analyze_partial.py RESULTS --budget 256 --tag frozen     # the runs named frozen-MODE-seedS
+"""
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import statistics
+
+import numpy as np
+
+BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
+
+
+def read_runs(results, tag):
+    """{mode: [[rows of a run], ...]} for the runs named [TAG-]sync-seedS / [TAG-]partial-seedS."""
+    prefix = re.escape(tag + "-") if tag else ""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(results, "*.metrics.jsonl"))):
+        name = re.fullmatch(prefix + r"(sync|partial)-seed\d+\.metrics\.jsonl", os.path.basename(path))
+        if name:  # (not partial-rR-seedS, nor a run kept under another name)
+            with open(path) as f:
+                rows = [json.loads(line) for line in f]
+            runs.setdefault(name.group(1), []).append([r for r in rows if "perf/generate_s" in r])
+    if set(runs) != {"sync", "partial"}:
+        raise SystemExit(f"{results}: needs {tag + '-' if tag else ''}sync-seedS and partial-seedS metrics "
+                         f"files, found {sorted(runs)}")
+    return runs
+
+
+def cost_model(runs, budget, skip):
+    def decode_steps(mode, r):
+        if mode == "sync":
+            return r["rollout/response_length_max"]
+        return budget * r["rollout/generation_rounds"]
+
+    steady = {mode: [r for rows in group for r in rows[skip:]] for mode, group in runs.items()}
+    rest = {mode: statistics.median(r["perf/step_time_s"] - r["perf/generate_s"] for r in rows)
+            for mode, rows in steady.items()}  # the step's other phases (update, sync, ...)
+    table = [(mode, r["rollout/tokens_generated"], decode_steps(mode, r), r["perf/generate_s"])
+             for mode, rows in steady.items() for r in rows]
+    x = np.array([[tokens / 1e3, steps / 1e3, 1.0] for _, tokens, steps, _ in table])
+    y = np.array([seconds for *_, seconds in table])
+    (per_k_tokens, per_k_steps, constant), *_ = np.linalg.lstsq(x, y, rcond=None)
+    fitted = x @ np.array([per_k_tokens, per_k_steps, constant])
+    out = {"model": {"s_per_1k_tokens": round(per_k_tokens, 4), "ms_per_decode_step": round(per_k_steps, 3),
+                     "constant_s": round(constant, 3)}}
+    for mode in steady:
+        pick = [i for i, row in enumerate(table) if row[0] == mode]
+        out[mode] = {
+            "steps": len(pick),
+            "tokens_generated_median": statistics.median(table[i][1] for i in pick),
+            "decode_steps_median": statistics.median(table[i][2] for i in pick),
+            "generate_s_median": round(statistics.median(y[i] for i in pick), 2),
+            "fit_s_median": round(statistics.median(fitted[i] for i in pick), 2),
+            "residual_abs_median_s": round(statistics.median(abs(fitted[i] - y[i]) for i in pick), 2),
+            "other_phases_s_median": round(rest[mode], 2),
+        }
+    sync, partial = out["sync"], out["partial"]
+    sync_fit = statistics.median(fitted[i] for i, row in enumerate(table) if row[0] == "sync")
+    same_tokens = (per_k_tokens * sync["tokens_generated_median"] / 1e3
+                   + per_k_steps * partial["decode_steps_median"] / 1e3 + constant)
+    out["partial_at_sync_tokens"] = {
+        "generate_s": round(same_tokens, 2),
+        "generate_speedup": round(sync_fit / same_tokens, 2),
+        # the other phases as the synchronous run's, which trained those tokens
+        "step_speedup": round((sync_fit + rest["sync"]) / (same_tokens + rest["sync"]), 2),
+        "tokens_ratio_measured": round(partial["tokens_generated_median"]
+                                       / sync["tokens_generated_median"], 2),
+    }
+    return out
+
+
+def relative_steps(norms):
+    """|g_t| / sqrt(v_t) for each step: AdamW's running mean square with its bias correction."""
+    v, out = 0.0, []
+    for t, g in enumerate(norms, 1):
+        v = BETA2 * v + (1 - BETA2) * g * g
+        out.append(g / math.sqrt(v / (1 - BETA2 ** t)) if v > 0 else 0.0)
+    return out
+
+
+def step_sizes(runs, windows=((1, 5), (6, 10), (11, 20))):
+    out = {}
+    for mode, group in runs.items():
+        per_run = []
+        for rows in group:
+            rows = [r for r in rows if "train/grad_norm" in r]
+            norms = [r["train/grad_norm"] for r in rows]
+            lengths = [r["rollout/response_length"] for r in rows]
+            rel = relative_steps(norms)
+            per_run.append({
+                **{f"relative_step_{a}_{b}": round(statistics.mean(rel[a - 1:b]), 2)
+                   for a, b in windows if len(rel) >= b},
+                **{f"grad_norm_{a}_{b}": round(statistics.mean(norms[a - 1:b]), 3)
+                   for a, b in windows if len(norms) >= b},
+                "corr_grad_norm_length": (round(statistics.correlation(norms, lengths), 2)
+                                          if len(set(norms)) > 1 and len(set(lengths)) > 1 else None),
+            })
+        out[mode] = per_run
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results", help="a folder of [TAG-]sync-seedS / partial-seedS .metrics.jsonl files")
+    parser.add_argument("--budget", type=int, required=True, help="the partial runs' --max_token_budget")
+    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the cost model")
+    parser.add_argument("--tag", default="", help="read the runs named TAG-MODE-seedS")
+    args = parser.parse_args()
+    runs = read_runs(args.results, args.tag)
+    print(json.dumps({"cost": cost_model(runs, args.budget, args.skip), "optimizer": step_sizes(runs)},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
