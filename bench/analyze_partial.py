@@ -12,10 +12,11 @@
 
 2. How large the optimizer's steps were. AdamW divides each gradient by the root of its running mean
    square, so a step's size relative to the others is about |g_t| / sqrt(v_t), with v_t the bias-corrected
-   running mean of |g|^2 (beta2 of the scripts' AdamW, 0.95). From the logged gradient norms (after
-   clipping): a global proxy of Adam's per-coordinate scaling, not its exact steps. Also the correlation of
-   the gradient norm with the trained responses' mean length (token-mean losses average over more tokens
-   in a batch of longer answers).
+   running mean of |g|^2 (beta2 of the scripts' AdamW, 0.95). From the logged gradient norms (before
+   clipping): a global proxy of Adam's per-coordinate scaling that leaves out its momentum, not its exact
+   steps; runs that log `train/adam_step_rms` (AdamW's own m_hat / sqrt(v_hat), RMS over the parameters)
+   have the exact figure beside it. Also the correlation of the gradient norm with the trained responses'
+   mean length (token-mean losses average over more tokens in a batch of longer answers).
 
     python bench/analyze_partial.py bench/results/partial_h100/long2048 --budget 256
     python bench/analyze_partial.py RESULTS --budget 256 --tag frozen     # the runs named frozen-MODE-seedS
@@ -116,6 +117,9 @@ def step_sizes(runs, windows=((1, 5), (6, 10), (11, 20))):
                    for a, b in windows if len(rel) >= b},
                 **{f"grad_norm_{a}_{b}": round(statistics.mean(norms[a - 1:b]), 3)
                    for a, b in windows if len(norms) >= b},
+                **{f"adam_step_rms_{a}_{b}": round(statistics.mean(r["train/adam_step_rms"]
+                                                                   for r in rows[a - 1:b]), 3)
+                   for a, b in windows if len(rows) >= b and all("train/adam_step_rms" in r for r in rows)},
                 "corr_grad_norm_length": (round(statistics.correlation(norms, lengths), 2)
                                           if len(set(norms)) > 1 and len(set(lengths)) > 1 else None),
             })

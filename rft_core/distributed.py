@@ -188,10 +188,45 @@ def step_optimizers(accelerator, stepped, max_norm, metrics, check):
             metrics[key] = grad_norm_value(accelerator.clip_grad_norm_(net.parameters(), max_norm))
         for key in stepped:
             check(key, metrics[key])
-    for _, optimizer, scheduler in stepped.values():
+    for key, (_, optimizer, scheduler) in stepped.items():
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        if accelerator.sync_gradients and (rms := adam_step_rms(optimizer)) is not None:
+            metrics[key.replace("grad_norm", "adam_step_rms")] = rms
+
+
+def adam_step_rms(optimizer, chunk=1 << 24):
+    """The RMS over this rank's parameters (its shard under ZeRO / FSDP2) of the step AdamW just took, before
+    the learning rate: m_hat / (sqrt(v_hat) + eps). About 1 for a gradient that repeats step after step, less
+    where AdamW's second moment holds larger gradients than the step's own (e.g. from earlier batches of a
+    different make-up): the step's size relative to AdamW's scale. A tensor (no host sync); None where the
+    state is not Adam's, or sits on the CPU while the model is on a GPU (ZeRO-Offload: a slow pass)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper (ZeRO's passes state on)
+    if not optimizer.param_groups or "betas" not in optimizer.param_groups[0]:
+        return None
+    # ZeRO-3 empties its param groups between steps (it swaps sub-groups in), so the state is read on its own
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    total, count = None, 0
+    for param, state in optimizer.state.items():
+        if "exp_avg" not in state:
+            continue
+        group = groups.get(id(param), optimizer.param_groups[0])
+        (beta1, beta2), eps = group["betas"], group["eps"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if hasattr(m, "to_local"):  # FSDP2's DTensors: this rank's shard
+            m, v = m.to_local(), v.to_local()
+        if m.device.type == "cpu" and torch.cuda.is_available():
+            return None
+        t = float(state.get("step", group.get("step", 0)))
+        m_scale, v_scale = 1 - beta1 ** t, 1 - beta2 ** t  # the bias corrections
+        with torch.no_grad():  # a chunk at a time: bounded temporaries
+            for mc, vc in zip(m.reshape(-1).split(chunk), v.reshape(-1).split(chunk)):
+                step = (mc.float() / m_scale) / ((vc.float() / v_scale).sqrt() + eps)
+                part = step.square().sum()
+                total = part if total is None else total + part
+        count += m.numel()
+    return None if total is None else (total / max(count, 1)).sqrt()
 
 
 HOST_COPIES = {}  # (id(parameter), state key) -> the pinned CPU tensor its optimizer state moves to

@@ -1,7 +1,7 @@
 """Run by tests/test_distributed.py under torchrun (one CPU rank, DS_ACCELERATOR=cpu): --optimizer_offload's
 move under DeepSpeed ZeRO stage argv[1]. The ZeRO optimizer's state is its inner AdamW's: the moments of this
 rank's partition move (to "meta", a stand-in for the GPU: a CPU-to-CPU move would show nothing), the CPU step
-counter stays, and training goes on once they are back."""
+counter stays, and training goes on once they are back; adam_step_rms reads the partitions' state."""
 
 import sys
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import deepspeed
 import torch
 
-from rft_core.distributed import move_optimizer_state
+from rft_core.distributed import adam_step_rms, move_optimizer_state
 
 
 def main(stage):
@@ -27,6 +27,8 @@ def main(stage):
 
     step()
     wrapped = SimpleNamespace(optimizer=optimizer)  # as accelerate wraps it (DeepSpeedOptimizerWrapper)
+    # AdamW's first step is m / sqrt(v) = g / |g|: 1 for every coordinate, read through ZeRO's partitions
+    assert abs(adam_step_rms(wrapped).item() - 1) < 1e-4, adam_step_rms(wrapped)
     saved = {id(p): {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
     assert saved, "no optimizer state to move"
     move_optimizer_state([wrapped], "meta")
@@ -36,6 +38,7 @@ def main(stage):
         state.update(saved[id(p)])
     move_optimizer_state([wrapped], "cpu")
     step()
+    assert 0 < adam_step_rms(wrapped).item() < 1  # a second gradient unlike the first: a smaller step
     print(f"stage {stage}: {type(optimizer).__name__} state moved and back")
 
 

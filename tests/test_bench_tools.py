@@ -18,7 +18,8 @@ def write_run(path, steps, norms=None):
             f.write(json.dumps({"perf/generate_s": generate, "perf/step_time_s": generate + 0.5,
                                 "rollout/tokens_generated": tokens, "rollout/response_length_max": decode,
                                 "rollout/generation_rounds": rounds, "rollout/response_length": tokens / 256,
-                                "train/grad_norm": (norms or [0.1] * len(steps))[i]}) + "\n")
+                                "train/grad_norm": (norms or [0.1] * len(steps))[i],
+                                "train/adam_step_rms": 0.5}) + "\n")
 
 
 def analyze(folder, *flags):
@@ -62,3 +63,4 @@ def test_relative_steps_follow_adams_running_mean_square(tmp_path):
     assert abs(result["partial"][0]["relative_step_1_5"] - statistics.mean(want[:5])) < 0.006
     assert result["sync"][0]["relative_step_1_5"] == 1.0  # a constant gradient norm: every step alike
     assert want[-1] < 0.5  # the large start keeps later steps small
+    assert result["partial"][0]["adam_step_rms_1_5"] == 0.5  # the logged figure, where the runs have it

@@ -4,6 +4,7 @@ files, the layer-wise weight gather under FSDP2 and ZeRO-3, and every accelerate
 import glob
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -161,6 +162,30 @@ def test_move_optimizer_state_under_deepspeed(stage):
     out = launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
                   os.path.join(ROOT, "tests", "ds_offload_worker.py"), str(stage)])
     assert f"stage {stage}: " in out, out[-2000:]
+
+
+def test_adam_step_rms_against_adams_recurrences():
+    """adam_step_rms: m_hat / (sqrt(v_hat) + eps) of the step AdamW just took, RMS over the parameters,
+    against the recurrences written out for scalar gradients; 1 for a repeated gradient, small after large
+    gradients (as partial rollout's first batches of short answers leave in AdamW's moments); chunked alike."""
+    from rft_core.distributed import adam_step_rms
+
+    param = torch.nn.Parameter(torch.zeros(5))
+    optimizer = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    scales = [10.0] * 3 + [0.1] * 12
+    direction = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])
+    m = v = 0.0
+    for t, scale in enumerate(scales, 1):
+        param.grad = scale * direction
+        optimizer.step()
+        m, v = 0.9 * m + 0.1 * scale, 0.95 * v + 0.05 * scale ** 2  # per unit of |direction|
+        want = (m / (1 - 0.9 ** t)) / math.sqrt(v / (1 - 0.95 ** t))  # eps: negligible here
+        assert adam_step_rms(optimizer).item() == pytest.approx(want, rel=1e-5), t
+        assert adam_step_rms(optimizer, chunk=2).item() == pytest.approx(want, rel=1e-5)
+    # a hundred times smaller gradients after large ones: momentum carries the large ones a few steps, the
+    # second moment longer, so twelve steps on the step is still about a quarter of a repeated gradient's
+    assert 0.2 < want < 0.35
+    assert adam_step_rms(torch.optim.SGD([param], lr=0.1)) is None  # not Adam: no figure
 
 
 def test_choose_budget():

@@ -67,6 +67,7 @@ def test_every_estimator_three_steps(tiny_model_dir, tmp_path, chars_reward, est
     rows, _ = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["train/policy_loss"]) and r["train/grad_norm"] > 0 for r in rows)
+    assert all(0 < r["train/adam_step_rms"] <= 1.5 for r in rows)  # AdamW's step relative to its scale
     if estimator in ("reinforce", "reinforce_baseline"):  # KL penalty in the reward: 0 before any update
         assert rows[0]["rollout/kl"] == 0 and rows[2]["rollout/kl"] != 0
 
@@ -79,6 +80,7 @@ def test_ppo_critic_warmup_and_adaptive_kl(tiny_model_dir, tmp_path, chars_rewar
     assert "train/grad_norm" not in rows[0] and rows[0]["train/critic_grad_norm"] > 0  # the actor is frozen at step 1
     assert rows[1]["train/grad_norm"] > 0
     assert all(r["train/critic_grad_norm"] > 0 and math.isfinite(r["train/value_loss"]) for r in rows)
+    assert "train/adam_step_rms" not in rows[0] and all(r["train/critic_adam_step_rms"] > 0 for r in rows)
     assert rows[0]["rollout/kl"] == 0 and rows[2]["rollout/kl"] != 0  # KL penalty in the reward
     assert [r["train/kl_coef"] for r in rows][:2] == [0.1, pytest.approx(0.1 * (1 - 0.2 * 4 / 100))]  # KL 0 < target
 
