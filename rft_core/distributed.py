@@ -219,6 +219,8 @@ def adam_step_rms(optimizer, chunk=1 << 24):
         if m.device.type == "cpu" and torch.cuda.is_available():
             return None
         t = float(state.get("step", group.get("step", 0)))
+        if t == 0:  # no step taken yet
+            continue
         m_scale, v_scale = 1 - beta1 ** t, 1 - beta2 ** t  # the bias corrections
         with torch.no_grad():  # a chunk at a time: bounded temporaries
             for mc, vc in zip(m.reshape(-1).split(chunk), v.reshape(-1).split(chunk)):
