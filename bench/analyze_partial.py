@@ -68,19 +68,20 @@ def cost_model(runs, budget, skip):
     fitted = x @ np.array([per_k_tokens, per_k_steps, constant])
     out = {"model": {"s_per_1k_tokens": round(per_k_tokens, 4), "ms_per_decode_step": round(per_k_steps, 3),
                      "constant_s": round(constant, 3)}}
-    for mode in steady:
-        pick = [i for i, row in enumerate(table) if row[0] == mode]
+    picks = {mode: [i for i, row in enumerate(table) if row[0] == mode] for mode in steady}
+    fit_median = {mode: statistics.median(fitted[i] for i in pick) for mode, pick in picks.items()}
+    for mode, pick in picks.items():
         out[mode] = {
             "steps": len(pick),
             "tokens_generated_median": statistics.median(table[i][1] for i in pick),
             "decode_steps_median": statistics.median(table[i][2] for i in pick),
             "generate_s_median": round(statistics.median(y[i] for i in pick), 2),
-            "fit_s_median": round(statistics.median(fitted[i] for i in pick), 2),
+            "fit_s_median": round(fit_median[mode], 2),
             "residual_abs_median_s": round(statistics.median(abs(fitted[i] - y[i]) for i in pick), 2),
             "other_phases_s_median": round(rest[mode], 2),
         }
     sync, partial = out["sync"], out["partial"]
-    sync_fit = statistics.median(fitted[i] for i, row in enumerate(table) if row[0] == "sync")
+    sync_fit = fit_median["sync"]
     same_tokens = (per_k_tokens * sync["tokens_generated_median"] / 1e3
                    + per_k_steps * partial["decode_steps_median"] / 1e3 + constant)
     out["partial_at_sync_tokens"] = {

@@ -207,7 +207,7 @@ def adam_step_rms(optimizer, chunk=1 << 24):
         return None
     # ZeRO-3 empties its param groups between steps (it swaps sub-groups in), so the state is read on its own
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    total, count = None, 0
+    total, count = 0.0, 0
     for param, state in optimizer.state.items():
         if "exp_avg" not in state:
             continue
@@ -225,10 +225,9 @@ def adam_step_rms(optimizer, chunk=1 << 24):
         with torch.no_grad():  # a chunk at a time: bounded temporaries
             for mc, vc in zip(m.reshape(-1).split(chunk), v.reshape(-1).split(chunk)):
                 step = (mc.float() / m_scale) / ((vc.float() / v_scale).sqrt() + eps)
-                part = step.square().sum()
-                total = part if total is None else total + part
+                total = total + step.square().sum()
         count += m.numel()
-    return None if total is None else (total / max(count, 1)).sqrt()
+    return (total / count).sqrt() if count else None
 
 
 HOST_COPIES = {}  # (id(parameter), state key) -> the pinned CPU tensor its optimizer state moves to
