@@ -20,6 +20,7 @@
 
     python bench/analyze_partial.py bench/results/partial_h100/long2048 --budget 256
     python bench/analyze_partial.py RESULTS --budget 256 --tag frozen     # the runs named frozen-MODE-seedS
+    python bench/analyze_partial.py RESULTS --budget 256 --sync sync_tis  # against sync_tis-seedS
 """
 
 import argparse
@@ -35,18 +36,20 @@ import numpy as np
 BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
 
 
-def read_runs(results, tag):
-    """{mode: [[rows of a run], ...]} for the runs named [TAG-]sync-seedS / [TAG-]partial-seedS."""
+def read_runs(results, tag, sync="sync"):
+    """{mode: [[rows of a run], ...]} for the runs named [TAG-]SYNC-seedS / [TAG-]partial-seedS (SYNC: sync,
+    or sync_tis for the synchronous arm with partial rollout's importance weights), SYNC read as "sync"."""
     prefix = re.escape(tag + "-") if tag else ""
     runs = {}
     for path in sorted(glob.glob(os.path.join(results, "*.metrics.jsonl"))):
-        name = re.fullmatch(prefix + r"(sync|partial)-seed\d+\.metrics\.jsonl", os.path.basename(path))
+        name = re.fullmatch(prefix + rf"({sync}|partial)-seed\d+\.metrics\.jsonl", os.path.basename(path))
         if name:  # (not partial-rR-seedS, nor a run kept under another name)
             with open(path) as f:
                 rows = [json.loads(line) for line in f]
-            runs.setdefault(name.group(1), []).append([r for r in rows if "perf/generate_s" in r])
+            mode = "sync" if name.group(1) == sync else "partial"
+            runs.setdefault(mode, []).append([r for r in rows if "perf/generate_s" in r])
     if set(runs) != {"sync", "partial"}:
-        raise SystemExit(f"{results}: needs {tag + '-' if tag else ''}sync-seedS and partial-seedS metrics "
+        raise SystemExit(f"{results}: needs {tag + '-' if tag else ''}{sync}-seedS and partial-seedS metrics "
                          f"files, found {sorted(runs)}")
     return runs
 
@@ -134,8 +137,10 @@ def main():
     parser.add_argument("--budget", type=int, required=True, help="the partial runs' --max_token_budget")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the cost model")
     parser.add_argument("--tag", default="", help="read the runs named TAG-MODE-seedS")
+    parser.add_argument("--sync", default="sync", choices=["sync", "sync_tis"],
+                        help="the synchronous arm: sync-seedS, or sync_tis-seedS (with --tis_cap 2)")
     args = parser.parse_args()
-    runs = read_runs(args.results, args.tag)
+    runs = read_runs(args.results, args.tag, args.sync)
     print(json.dumps({"cost": cost_model(runs, args.budget, args.skip), "optimizer": step_sizes(runs)},
                      indent=1))
 

@@ -64,3 +64,18 @@ def test_relative_steps_follow_adams_running_mean_square(tmp_path):
     assert result["sync"][0]["relative_step_1_5"] == 1.0  # a constant gradient norm: every step alike
     assert want[-1] < 0.5  # the large start keeps later steps small
     assert result["partial"][0]["adam_step_rms_1_5"] == 0.5  # the logged figure, where the runs have it
+
+
+def test_sync_tis_runs_stand_for_the_synchronous_arm(tmp_path):
+    write_run(tmp_path / "sync_tis-seed0.metrics.jsonl", SYNC)
+    write_run(tmp_path / "sync-seed0.metrics.jsonl", [(1, 1, 1)] * 4)  # the plain arm: not read
+    write_run(tmp_path / "partial-seed0.metrics.jsonl", PARTIAL)
+    result = analyze(tmp_path, "--sync", "sync_tis")["cost"]
+    assert result["sync"]["steps"] == 4 and result["sync"]["tokens_generated_median"] == 42500
+    only_tis = tmp_path / "only"
+    only_tis.mkdir()
+    write_run(only_tis / "sync_tis-seed0.metrics.jsonl", SYNC)
+    write_run(only_tis / "partial-seed0.metrics.jsonl", PARTIAL)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "analyze_partial.py"), str(only_tis),
+                          "--budget", "256"], capture_output=True, text=True)
+    assert out.returncode != 0 and "needs sync-seedS" in out.stderr  # sync_tis is read only when asked
