@@ -79,3 +79,16 @@ def test_sync_tis_runs_stand_for_the_synchronous_arm(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "analyze_partial.py"), str(only_tis),
                           "--budget", "256"], capture_output=True, text=True)
     assert out.returncode != 0 and "needs sync-seedS" in out.stderr  # sync_tis is read only when asked
+
+
+def test_schedule_replay_prices_the_tail_and_ages_the_samples():
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "replay_partial_schedule.py"), "--steps", "12",
+           "--skip", "4"]
+    sync = json.loads(subprocess.run(cmd + ["--budget", "2048", "--staleness", "0"], capture_output=True,
+                                     text=True, check=True).stdout)
+    partial = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    assert sync["start_age"] == 0 and sync["rounds_per_step"] == 1  # the synchronous loop: one call a step
+    # 3% of answers run to 2048 tokens: every synchronous call lasts 2048 decode steps
+    assert sync["generate_s_per_step"] > 2048 * 1.68e-3
+    assert partial["start_age"] > 0 and 1 <= partial["rounds_per_step"] <= 3
+    assert partial["generate_s_per_step"] < sync["generate_s_per_step"] / 1.5
