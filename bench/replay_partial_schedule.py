@@ -29,7 +29,9 @@ EOS, GROUP, PROMPT_LEN = 0, 8, 3
 
 
 class Engine:
-    """Answer j of prompt i has a fixed length (its own seeded draw); token t is t + 10, EOS last."""
+    """Answer j of prompt i has a fixed length (its own seeded draw); its token t is 10 + 10000 j + t, EOS
+    last. A continued request names its answer by its first token, a new one by its place among the requests
+    of its prompt (a group's new samples come in order)."""
 
     def __init__(self, max_len, ramble, prompts):
         rng = random.Random(0)
@@ -44,25 +46,20 @@ class Engine:
         return min(self.max_len, 2 * self.tops[prompt] + 6 + rng.randint(0, 10))
 
     def generate(self, prompts, limits, temperature=1.0, top_p=1.0, mm=None, logprob_every=1):
-        out = []
+        out, new = [], {}
         for p, limit in zip(prompts, limits):
-            done, total = len(p) - PROMPT_LEN, self.length(p[0], p[1])
-            ids = [t + 10 for t in range(done, min(total, done + limit))]
+            done = len(p) - PROMPT_LEN
+            if done:
+                j = (p[PROMPT_LEN] - 10) // 10000
+            else:
+                j = new[p[0]] = new.get(p[0], -1) + 1
+            total = self.length(p[0], j)
+            ids = [10 + 10000 * j + t for t in range(done, min(total, done + limit))]
             if done + len(ids) == total and total < self.max_len:
                 ids[-1] = EOS
             out.append(Generation(ids, [0.0] * len(ids)))
         self.calls.append([len(g.token_ids) for g in out])
         return out
-
-
-class PerSample(Rollouts):
-    """A group's samples differ in their second prompt token, which the engine keys their lengths on."""
-
-    def _new_group(self, version):
-        g = super()._new_group(version)
-        for j, s in enumerate(g.samples):
-            s.prompt_ids = [s.prompt_ids[0], j, 99]
-        return g
 
 
 class Tok:
@@ -83,8 +80,8 @@ def replay(max_len, budget, staleness, ratio, ramble, steps, skip, k=32, max_rou
     prompts = 200 * k
     settings = RolloutSettings(GROUP, max_len, max_rounds=max_rounds, partial=True, token_budget=budget,
                                max_staleness=staleness, eos_token_id=EOS, inflight_ratio=ratio)
-    rollouts = PerSample([Sample([i, 0, 99], str(i), f"p{i}") for i in range(prompts)], k, 0, 0, 1, settings,
-                         "cpu")
+    rollouts = Rollouts([Sample([i, 0, 99], str(i), f"p{i}") for i in range(prompts)], k, 0, 0, 1, settings,
+                        "cpu")
     engine = Engine(max_len, ramble, prompts)
     ages, token_ages, late, rounds, seconds = [], [], [], [], []
     for step in range(1, steps + 1):
