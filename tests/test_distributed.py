@@ -302,6 +302,22 @@ def test_sharded_configs_on_one_gpu_with_sglang(tmp_path, config):
     assert all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_engine_tensor_parallel_over_two_gpus(tmp_path, engine):
+    """--engine_tp_size 2 on two GPUs (DDP, two processes): both ranks' prompts go to the one engine the pair
+    shares and each rank gets its own outputs back, in order, so every step trains and the engine's logprobs
+    stay on the trainer's."""
+    if torch.cuda.device_count() < 2 or importlib.util.find_spec(engine) is None:
+        pytest.skip(f"needs 2 GPUs and {engine}")
+    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            os.path.join(ROOT, "accelerate_configs", "multi_gpu.yaml"), os.path.join(ROOT, "train_ppo.py"),
+            "--engine_type", engine, "--engine_tp_size", "2", "--engine_enforce_eager", "--max_steps", "3",
+            "--output_dir", str(tmp_path)], timeout=400, DS_ACCELERATOR="cuda")
+    steps, _ = read_metrics(str(tmp_path))
+    assert len(steps) == 3
+    assert all(r["rollout/logprob_diff_mean"] < 0.05 and r["rollout/tokens_generated"] > 0 for r in steps)
+
+
 def moments_of(state):
     """Every AdamW moment tensor (exp_avg, exp_avg_sq) in a loaded DeepSpeed optimizer checkpoint."""
     if isinstance(state, dict):
