@@ -594,6 +594,9 @@ def main():
         export(os.path.join(args.output_dir, "ema_model"), named_like(accelerator.unwrap_model(model), ema))
     if first_eval:
         accelerator.print(f"[done] {eval_summary(first_eval, last_eval)}; model in {args.output_dir}/model")
+    # every rank waits for the main one's writing, then all tear down the process groups together: a rank
+    # that exits alone while the other still works aborted once at exit on CPU (gloo, ZeRO-3 + Ulysses)
+    accelerator.wait_for_everyone()
     accelerator.end_training()  # last: it also tears down the process group
 
 

@@ -69,7 +69,9 @@ def run_script(script, args, launcher=(sys.executable,), check=True, env=None, t
     assert it exits 0 and show its output's tail if not."""
     import subprocess
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2", **(env or {})}
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT at exit, seen once in CI) prints its Python stacks
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": "2",
+           **(env or {})}
     proc = subprocess.run([*launcher, os.path.join(ROOT, script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if check:
