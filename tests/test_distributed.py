@@ -306,15 +306,23 @@ def test_sharded_configs_on_one_gpu_with_sglang(tmp_path, config):
 def test_engine_tensor_parallel_over_two_gpus(tmp_path, engine):
     """--engine_tp_size 2 on two GPUs (DDP, two processes): both ranks' prompts go to the one engine the pair
     shares and each rank gets its own outputs back, in order, so every step trains and the engine's logprobs
-    stay on the trainer's."""
+    stay on the trainer's after each sync. The model is bench_sizes.py's random Qwen2 of the 0.5B shape (14
+    heads, 2 KV heads: SmolLM2-135M's 9 heads do not split over 2 ranks), with its pseudo-random reward, so
+    every step moves the weights the engine must follow."""
     if torch.cuda.device_count() < 2 or importlib.util.find_spec(engine) is None:
         pytest.skip(f"needs 2 GPUs and {engine}")
+    sys.path.insert(0, ROOT)
+    from bench.bench_sizes import make_model
+
+    model = make_model("0.5b", str(tmp_path))
     launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             os.path.join(ROOT, "accelerate_configs", "multi_gpu.yaml"), os.path.join(ROOT, "train_ppo.py"),
+            "--pretrain", model, "--reward_fn", os.path.join(ROOT, "bench", "bench_sizes.py") + ":reward",
             "--engine_type", engine, "--engine_tp_size", "2", "--engine_enforce_eager", "--max_steps", "3",
-            "--output_dir", str(tmp_path)], timeout=400, DS_ACCELERATOR="cuda")
-    steps, _ = read_metrics(str(tmp_path))
-    assert len(steps) == 3
+            "--rollout_batch_size", "16", "--n_samples_per_prompt", "4", "--generate_max_len", "64",
+            "--output_dir", str(tmp_path / "run")], timeout=400, DS_ACCELERATOR="cuda")
+    steps, _ = read_metrics(str(tmp_path / "run"))
+    assert len(steps) == 3 and all(r["train/grad_norm"] > 0 for r in steps)
     assert all(r["rollout/logprob_diff_mean"] < 0.05 and r["rollout/tokens_generated"] > 0 for r in steps)
 
 
