@@ -233,12 +233,30 @@ def adam_step_rms(optimizer, chunk=1 << 24):
 HOST_COPIES = {}  # (id(parameter), state key) -> the pinned CPU tensor its optimizer state moves to
 
 
+def host_copy(value, key, pin=True):
+    """value (a CUDA tensor, or a DTensor of CUDA shards: FSDP2's moments) copied into key's CPU buffer, made
+    on its first use (pinned if pin) and reused after; a DTensor keeps its mesh, placements and global shape
+    around the copied local shard. The copy is asynchronous: synchronize before reading it."""
+    from torch.distributed.tensor import DTensor
+
+    local = value.to_local() if isinstance(value, DTensor) else value
+    host = HOST_COPIES.get(key)
+    if host is None or (host.shape, host.dtype) != (local.shape, local.dtype):
+        host = torch.empty_like(local, device="cpu", pin_memory=pin)
+        HOST_COPIES[key] = host
+    host.copy_(local, non_blocking=True)
+    if not isinstance(value, DTensor):
+        return host
+    return DTensor.from_local(host, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
+
+
 def move_optimizer_state(optimizers, device):
     """Move the optimizers' state tensors (AdamW's moments; FSDP2's are DTensors) to `device`: to the CPU
     after an update, so the rollout's KV cache never shares the GPU with them, and back before the next.
-    With a GPU, a plain tensor goes into a pinned CPU buffer made on its first move and reused after (ZeRO-3's
-    21 GiB of moments, 3B shape, one H100: +1.6 s an update, against +25 s with fresh pageable memory on every
-    move; pinning them costs the first update ~28 s once)."""
+    With a GPU, a tensor (a DTensor's local shard) goes into a pinned CPU buffer made on its first move and
+    reused after (ZeRO-3's 21 GiB of moments, 3B shape, one H100: +1.6 s an update, against +25 s with fresh
+    pageable memory on every move; pinning them costs the first update ~28 s once)."""
     to_host = torch.device(device).type == "cpu"
     pin = to_host and torch.cuda.is_available()
     for optimizer in optimizers:
@@ -247,12 +265,8 @@ def move_optimizer_state(optimizers, device):
             for key, value in state.items():
                 if not torch.is_tensor(value) or key == "step":  # Adam keeps its step counter on the CPU
                     continue
-                if pin and type(value) is torch.Tensor and value.is_cuda:
-                    host = HOST_COPIES.get((id(param), key))
-                    if host is None or (host.shape, host.dtype) != (value.shape, value.dtype):
-                        host = torch.empty_like(value, device="cpu", pin_memory=True)
-                        HOST_COPIES[id(param), key] = host
-                    state[key] = host.copy_(value, non_blocking=True)
+                if pin and value.is_cuda:
+                    state[key] = host_copy(value, (id(param), key))
                 else:
                     state[key] = value.to(device, non_blocking=not to_host)  # (from pinned: async)
     if pin:

@@ -131,6 +131,37 @@ def test_move_optimizer_state():
     opt.step()
 
 
+def test_host_copy_keeps_a_dtensors_layout():
+    """FSDP2's moments are DTensors: their CPU copy (pinned on a GPU machine; here not) holds the local shard
+    in a buffer reused by the next move, and keeps the mesh, placements and global shape, so moving it back
+    gives the DTensor it was (on one gloo rank: a mesh of 1)."""
+    import socket
+
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from rft_core.distributed import HOST_COPIES, host_copy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+        moment = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+        first = host_copy(moment, ("p", "exp_avg"), pin=False)
+        assert isinstance(first, DTensor) and first.placements == moment.placements
+        assert first.shape == moment.shape and first.device_mesh is moment.device_mesh
+        assert torch.equal(first.to_local(), moment.to_local()) and first.to_local() is not moment.to_local()
+        again = host_copy(moment * 2, ("p", "exp_avg"), pin=False)  # the next move: the same buffer
+        assert again.to_local().data_ptr() == HOST_COPIES["p", "exp_avg"].data_ptr()
+        assert torch.equal(again.full_tensor(), moment.full_tensor() * 2)
+        plain = host_copy(torch.ones(3), ("q", "exp_avg_sq"), pin=False)
+        assert type(plain) is torch.Tensor and plain is HOST_COPIES["q", "exp_avg_sq"]
+    finally:
+        HOST_COPIES.clear()
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_move_optimizer_state_reuses_pinned_buffers():
     """With a GPU the moments go to pinned CPU buffers, made on the first move and reused by the next ones,
@@ -324,6 +355,42 @@ def test_engine_tensor_parallel_over_two_gpus(tmp_path, engine):
     steps, _ = read_metrics(str(tmp_path / "run"))
     assert len(steps) == 3 and all(r["train/grad_norm"] > 0 for r in steps)
     assert all(r["rollout/logprob_diff_mean"] < 0.05 and r["rollout/tokens_generated"] > 0 for r in steps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fsdp2_moments_move_to_pinned_buffers():
+    """FSDP2 (fully_shard on one GPU): --optimizer_offload moves the AdamW moments, DTensors, into pinned
+    buffers (a pageable copy cost ~15x more a move), keeping their layout, and the next step trains on them
+    back on the GPU."""
+    import socket
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from rft_core.distributed import HOST_COPIES, move_optimizer_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        net = fully_shard(torch.nn.Linear(64, 64).cuda())
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+        for _ in range(2):
+            net(torch.randn(4, 64, device="cuda")).sum().backward()
+            opt.step()
+            want = {(p, k): v.full_tensor().cpu() for p in net.parameters() for k, v in opt.state[p].items()
+                    if k != "step"}
+            move_optimizer_state([opt], "cpu")
+            for (p, k), value in want.items():
+                moved = opt.state[p][k]
+                assert isinstance(moved, DTensor) and moved.to_local().is_pinned()
+                assert torch.equal(moved.to_local(), value)  # one rank: the shard is the whole tensor
+            move_optimizer_state([opt], "cuda")
+            assert all(v.is_cuda for p in net.parameters() for k, v in opt.state[p].items() if k != "step")
+    finally:
+        HOST_COPIES.clear()
+        torch.distributed.destroy_process_group()
 
 
 def moments_of(state):
