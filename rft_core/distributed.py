@@ -373,6 +373,10 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     states -= zero3_gradient_bytes(model)  # made in prepare(): already out of the free memory below
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()  # what other processes hold is not ours either
+    # what PyTorch reserves beyond the live tensors, after empty_cache, is held by fragmented segments
+    allocated, reserved = torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30
+    log(f"[memory] loaded: the trainer's tensors take {allocated:.1f} GiB and PyTorch reserves "
+        f"{reserved:.1f} on this GPU; {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free")
     engine_bytes = engine_share * total
     room = 0.85 * free - states - fixed
     checkpointing, tokens, beside = choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens,
