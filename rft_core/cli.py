@@ -94,11 +94,12 @@ RANGES = {
     "inflight_ratio": (lambda v: v >= 1, ">= 1"),
     "image_max_pixels": (lambda v: v >= 28 * 28, ">= 784 (28 x 28 pixels: one token)"),
 }
+# (checked in this order: train_batch_size last, as its default is derived from the two before it)
 AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size",
-                "n_samples_per_prompt", "micro_rollout_batch_size",
-                "chunk_size", "train_batch_size", "max_epochs", "num_episodes", "engine_tp_size",
-                "kl_horizon", "max_num_gen_batches", "eval_n_samples", "logging_steps", "max_ckpt_num",
-                "limit_mm_image_per_prompt", "max_token_budget")
+                "n_samples_per_prompt", "micro_rollout_batch_size", "chunk_size", "max_epochs",
+                "num_episodes", "engine_tp_size", "kl_horizon", "max_num_gen_batches", "eval_n_samples",
+                "logging_steps", "max_ckpt_num", "limit_mm_image_per_prompt", "max_token_budget",
+                "train_batch_size")
 AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every", "lora_rank",
                  "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
 
@@ -144,10 +145,10 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
               "rows are not split across ranks yet; use a config without it")
 
     names = {f.name for f in dataclasses.fields(args)}
-    for name in names & set(RANGES):
+    for name in (name for name in RANGES if name in names):  # in a fixed order: the same error every run
         valid, want = RANGES[name]
         check(valid(getattr(args, name)), f"--{name} {getattr(args, name)}: must be {want}")
-    for name in names & set(AT_LEAST_ONE + AT_LEAST_ZERO):
+    for name in (name for name in AT_LEAST_ONE + AT_LEAST_ZERO if name in names):
         low = 1 if name in AT_LEAST_ONE else 0
         value = getattr(args, name)
         check(value is None or value >= low, f"--{name} {value}: must be >= {low}")

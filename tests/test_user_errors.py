@@ -49,6 +49,9 @@ def main_raises(monkeypatch, script, args, match):
     (["--eps_clip", "-0.2"], "--eps_clip -0.2: must be in (0, 1)"),
     (["--generate_max_len", "0"], "--generate_max_len 0: must be >= 1"),
     (["--max_steps", "0"], "--max_steps 0: must be >= 1"),
+    # the flag given, not --train_batch_size, whose default (rollout x samples) it makes 0
+    (["--n_samples_per_prompt", "0"], "--n_samples_per_prompt 0: must be >= 1"),
+    (["--rollout_batch_size", "0"], "--rollout_batch_size 0: must be >= 1"),
     (["--engine_tp_size", "3"], "--engine_tp_size 3: it sets the vLLM / SGLang engine, but this run uses the transformers"),
     (["--loss_agg_mode", "mean"], "--loss_agg_mode 'mean': choose one of"),
     (["--advantage_estimator", "ppo"], "--advantage_estimator 'ppo': choose one of"),
