@@ -90,6 +90,14 @@ def lora_model(model, rank, alpha, target_modules="all-linear"):
     from peft import LoraConfig, get_peft_model
 
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
+    if targets != "all-linear":  # peft's own refusal is a traceback; its rule: the name or a dotted suffix
+        keys = [key for key, _ in model.named_modules()]
+        missing = [t for t in targets if not any(key == t or key.endswith("." + t) for key in keys)]
+        if missing:
+            linear = sorted({key.rsplit(".", 1)[-1] for key, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(f"--target_modules {target_modules}: the model has no module named "
+                              f"{', '.join(missing)}; its linear layers: {', '.join(linear)} (or all-linear)")
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
 
 

@@ -551,3 +551,19 @@ def test_the_engine_memory_checks_name_the_fix(monkeypatch):
                                  "34.0 of 140.0 GiB are free")
     assert "lower --engine_mem_util" in str(error) and "--lora_rank" in str(error)
     assert "wake its weights and kv_cache, but" in str(V.wake_error("vLLM", 40 << 30, ["weights", "kv_cache"]))
+
+
+def test_lora_target_modules_that_match_nothing_are_one_line(tiny_model_dir):
+    """--target_modules names peft would not find: one line naming them and the model's linear layers (peft's
+    own error is a traceback); names peft matches (a layer's name, a dotted suffix) are kept."""
+    from transformers import AutoModelForCausalLM
+
+    from rft_core.errors import ConfigError
+    from rft_core.models import lora_model
+
+    with pytest.raises(ConfigError, match=re.escape("--target_modules q_proj,qkv: the model has no module "
+                                                    "named qkv; its linear layers: down_proj, gate_proj, ")):
+        lora_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,qkv")
+    model = lora_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "self_attn.q_proj,v_proj")
+    adapted = {name.split(".lora_A")[0].split(".")[-1] for name, _ in model.named_parameters() if "lora_A" in name}
+    assert adapted == {"q_proj", "v_proj"}
