@@ -565,5 +565,6 @@ def test_lora_target_modules_that_match_nothing_are_one_line(tiny_model_dir):
                                                     "named qkv; its linear layers: down_proj, gate_proj, ")):
         lora_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,qkv")
     model = lora_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "self_attn.q_proj,v_proj")
-    adapted = {name.split(".lora_A")[0].split(".")[-1] for name, _ in model.named_parameters() if "lora_A" in name}
+    adapted = {name.split(".lora_A")[0].split(".")[-1] for name, _ in model.named_parameters()
+               if "lora_A" in name}
     assert adapted == {"q_proj", "v_proj"}
