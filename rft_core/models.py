@@ -122,20 +122,20 @@ def compile_blocks(model, backend="inductor"):
     return model
 
 
-def load_value_model(path=None, actor=None, dtype=torch.float32):
+def load_value_model(path=None, actor=None, dtype=torch.float32, flag="--critic_pretrain"):
     """A transformer with a scalar head `score` on every position (AutoModelForTokenClassification,
     one label): the PPO critic, or a reward model.
 
     From `path`, a sequence- or token-classification checkpoint (both name their head `score`, so
     either loads; a missing bias starts at 0), or else from `actor`'s own weights with a zero head, so
-    values start at 0.
+    values start at 0. flag: what a missing path is reported as.
     """
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     if path:
         if not os.path.isdir(path):
-            raise MissingPath(f"{path!r}: not a model directory "
-                                    "(a critic / reward model is an HF checkpoint)")
+            raise MissingPath(f"{flag} {path!r}: not a model directory (a critic / reward model is an HF "
+                              "checkpoint)")
         config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
     else:

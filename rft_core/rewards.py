@@ -19,6 +19,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from rft_core.errors import ConfigError, MissingName, MissingPath, RewardError
@@ -114,6 +115,8 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     """A reward function that POSTs {"prompts", "completions", "labels"} as JSON to `url` and reads
     {"rewards": [...]} (or named components) back; retries with exponential backoff, then raises naming the
     URL and the last failure (HTTP status, unreachable, invalid JSON)."""
+    if urllib.parse.urlparse(url).scheme not in ("http", "https"):
+        raise ConfigError(f"--remote_rm_url {url!r}: not an http(s) URL (e.g. http://host:5000/reward)")
 
     def fn(prompts, completions, labels, **kwargs):
         body = json.dumps({"prompts": prompts, "completions": completions, "labels": labels}).encode()
@@ -149,7 +152,8 @@ def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
 
     from rft_core.models import load_value_model, sequence_scores
 
-    model = load_value_model(path, dtype=dtype or torch.float32).eval().requires_grad_(False)
+    model = load_value_model(path, dtype=dtype or torch.float32, flag="--reward_pretrain")
+    model = model.eval().requires_grad_(False)
     model = place(model) if place else model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token

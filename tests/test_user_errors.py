@@ -276,6 +276,22 @@ def test_remote_reward_failures_name_url_and_status():
         server.shutdown()
 
 
+def test_reward_sources_name_their_flag(tmp_path):
+    """A reward model or critic path that is not there, and a --remote_rm_url that is not http(s), are refused
+    before the first step, each naming its flag (the URL was only found wrong at step 1, as 32 failures)."""
+    from rft_core.errors import ConfigError, MissingPath
+    from rft_core.models import load_value_model
+    from rft_core.rewards import reward_sources
+
+    with pytest.raises(ConfigError, match=re.escape("--remote_rm_url 'localhost:5000': not an http(s) URL")):
+        reward_sources(remote_rm_url="localhost:5000")
+    missing = str(tmp_path / "rm")
+    with pytest.raises(MissingPath, match=re.escape(f"--reward_pretrain {missing!r}: not a model directory")):
+        reward_sources(reward_pretrain=missing)
+    with pytest.raises(MissingPath, match=re.escape(f"--critic_pretrain {missing!r}: not a model directory")):
+        load_value_model(missing)
+
+
 # ---- the output directory ----
 
 def test_a_failed_rerun_leaves_the_finished_run_alone(tiny_model_dir, tmp_path, monkeypatch):
