@@ -24,16 +24,18 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
     local = prompts[rank::world]
     count, local = len(local), (local + prompts[:1] * (-(-len(prompts) // world) - len(local)))
     engine.wake_up()
+    failed = [0]  # rewards that failed (scored as the fallback), on this rank
 
-    def rollout(prompts, temperature):
+    def rollout(prompts, temperature, real):
+        """The first `real` samples (the rest pad the ranks' generate calls alike), scored."""
         if not prompts:
             return []
         gens = engine.generate([p.prompt_ids for p in prompts], max_len, temperature=temperature,
                                mm=[p.mm for p in prompts], logprob_every=0)
         completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
         samples = [replace(p, generation=g, completion=c) for p, g, c in zip(prompts, gens, completions)]
-        score_fn(samples)
-        return samples
+        failed[0] += score_fn(samples[:real]) or 0
+        return samples[:real]
 
     def correct(sample):
         if reward_threshold is not None:
@@ -41,18 +43,20 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
         value = sample.components.get("correct", math.nan)
         return 0.0 if math.isnan(value) else value  # a failed reward is not a right answer
 
-    greedy = rollout(local, 0.0)[:count]
+    greedy = rollout(local, 0.0, count)
     defined = reward_threshold is not None or any("correct" in s.components for s in greedy) or not count
     flag = torch.tensor(float(defined), device=accelerator.device)
     defined = accelerator.reduce(flag, "mean").item() == 1.0  # on every rank
-    sums = [sum(s.reward for s in greedy), count, sum(correct(s) for s in greedy), 0.0, 0.0]
+    sums = [sum(s.reward for s in greedy), count, sum(correct(s) for s in greedy), 0.0, 0.0, 0.0]
     if n > 1 and defined:
-        sampled = rollout([p for p in local for _ in range(n)], temperature)
+        sampled = rollout([p for p in local for _ in range(n)], temperature, count * n)
         hits = [int(sum(correct(s) for s in sampled[i * n:(i + 1) * n])) for i in range(count)]
-        sums[3:] = [sum(pass_at_k(n, c, 1) for c in hits), sum(pass_at_k(n, c, n) for c in hits)]
+        sums[3:5] = [sum(pass_at_k(n, c, 1) for c in hits), sum(pass_at_k(n, c, n) for c in hits)]
+    sums[5] = failed[0]
     totals = accelerator.reduce(torch.tensor(sums, device=accelerator.device, dtype=torch.float64),
                                 "sum").tolist()
-    metrics = {"eval/reward_mean": totals[0] / totals[1], "eval/num_problems": int(totals[1])}
+    metrics = {"eval/reward_mean": totals[0] / totals[1], "eval/num_problems": int(totals[1]),
+               "eval/reward_errors": int(totals[5])}
     if defined:
         metrics["eval/accuracy"] = totals[2] / totals[1]
         if n > 1:
@@ -67,7 +71,10 @@ def eval_line(step, metrics, n):
         line += f" | accuracy {metrics['eval/accuracy']:.3f}"
     if f"eval/pass@{n}" in metrics and n > 1:
         line += f" | pass@1 {metrics['eval/pass@1']:.3f} | pass@{n} {metrics[f'eval/pass@{n}']:.3f}"
-    return line + f" on {metrics['eval/num_problems']} held-out problems"
+    line += f" on {metrics['eval/num_problems']} held-out problems"
+    if metrics.get("eval/reward_errors"):  # their fallback reward is in the figures above
+        line += f" ({metrics['eval/reward_errors']} rewards failed and count as --reward_fallback)"
+    return line
 
 
 def eval_summary(first, last):

@@ -111,6 +111,11 @@ def load_reward_fn(spec):
     return fn
 
 
+class ServiceDown(ConnectionError):
+    """The reward server did not answer at all (refused, unreachable, timed out): every sample of the batch
+    fails with it, and scoring them one by one would only wait as long again for each."""
+
+
 def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     """A reward function that POSTs {"prompts", "completions", "labels"} as JSON to `url` and reads
     {"rewards": [...]} (or named components) back; retries with exponential backoff, then raises naming the
@@ -138,7 +143,9 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
                 error = f"not a valid answer ({e})"
             if attempt + 1 < retries:
                 time.sleep(backoff * 2**attempt)
-        raise ConnectionError(f"--remote_rm_url {url}: no valid answer after {retries} tries: {error}")
+        # a server that never answered is not the samples' doing: they are not retried one by one
+        kind = ServiceDown if error.startswith(("unreachable", "no answer")) else ConnectionError
+        raise kind(f"--remote_rm_url {url}: no valid answer after {retries} tries: {error}")
 
     return fn
 
@@ -262,7 +269,8 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, t
     `fallback`.
 
     The batch is scored in one call; if that call fails (raises, wrong length), each sample is scored
-    alone so one bad sample costs only itself (a batch that timed out is not retried: every sample fails).
+    alone so one bad sample costs only itself (a batch that timed out, or whose reward server did not answer,
+    is not retried: every sample fails).
     Non-finite values count as failures. strict=True raises on the first failure instead, showing the sample.
     """
     failures = []
@@ -276,7 +284,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, t
 
     try:
         rows = _rows(reward_fn, prompts, completions, labels, timeout)
-    except TimeoutError as e:
+    except (TimeoutError, ServiceDown) as e:
         rows = [fail(i, repr(e)) for i in range(len(completions))]
     except Exception:  # find the culprit(s): score one by one
         rows = []

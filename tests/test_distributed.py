@@ -260,7 +260,7 @@ def test_evaluate_pads_ranks_to_equal_work():
     """With sharded weights every generate call is a collective: each rank generates for as many rows,
     and the padding rows are not counted."""
     from rft_core.engine import Generation
-    from rft_core.evaluation import evaluate
+    from rft_core.evaluation import eval_line, evaluate
     from rft_core.experience import Sample
 
     class Engine:
@@ -287,13 +287,18 @@ def test_evaluate_pads_ranks_to_equal_work():
 
     rows = [Sample([1], str(i), "p") for i in range(5)]  # rank 0 gets 3 rows, rank 1 gets 2 (+1 padding)
 
-    def score(samples):
+    def score(samples):  # the reward of problem 0 fails (the fallback, 0): counted, padding copies not
         for s in samples:
-            s.reward, s.components = 1.0, {"correct": 1.0}
-    for rank, count in ((0, 3), (1, 2)):
+            s.reward, s.components = (0.0, {"correct": math.nan}) if s.label == "0" else (1.0, {"correct": 1.0})
+        return sum(s.label == "0" for s in samples)
+    for rank, count, failed in ((0, 3, 1 + 2), (1, 2, 0)):  # rank 1's padding row is a copy of problem 0
         engine = Engine()
         metrics = evaluate(engine, Tok(), rows, score, Accel(rank), 4, n_samples=2)
-        assert engine.sizes == [3, 6] and metrics["eval/num_problems"] == count and metrics["eval/accuracy"] == 1.0
+        assert engine.sizes == [3, 6] and metrics["eval/num_problems"] == count
+        assert metrics["eval/accuracy"] == (count - (rank == 0)) / count and metrics["eval/reward_errors"] == failed
+    line = eval_line(0, {"eval/reward_mean": 0.5, "eval/num_problems": 5, "eval/reward_errors": 3}, 1)
+    assert line == ("[eval] step 0 | greedy reward 0.500 on 5 held-out problems (3 rewards failed and count as "
+                    "--reward_fallback)")
 
 
 # ---- GPU: two GPUs with vllm (run on the GPU machine) ----

@@ -226,3 +226,35 @@ def test_default_rule_and_first_word():
     (name, fn), = reward_sources(default_rule="first_word")
     assert name == "rule" and fn(None, ["red circle", "a red", ""], ["red", "red", "red"]) == {"correct": [1, 0, 0]}
     assert reward_sources()[0][1] is answer_reward
+
+
+def test_a_reward_server_that_never_answers_fails_the_batch_at_once():
+    """An unreachable --remote_rm_url fails every sample of the batch after its retries, without retrying each
+    sample alone (that waited retries x backoff per sample: ~5 minutes for a 96-problem eval); a server that
+    answers badly (HTTP 500) is still retried sample by sample, which finds a sample that breaks it."""
+    from rft_core.rewards import ServiceDown, remote_reward_fn, score
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    remote = remote_reward_fn(f"http://127.0.0.1:{port}/x", timeout=1, retries=2, backoff=0.01)
+    calls = []
+
+    def counted(prompts, completions, labels):
+        calls.append(len(completions))
+        return remote(prompts, completions, labels)
+
+    rewards, _, failures = score(counted, ["p"] * 4, ["c"] * 4, ["l"] * 4, fallback=-1.0)
+    assert calls == [4] and rewards == [-1.0] * 4 and [i for i, _ in failures] == [0, 1, 2, 3]
+    assert all("unreachable" in why and "ServiceDown" in why for _, why in failures)
+
+    def broken_by_one(prompts, completions, labels):  # a ConnectionError that is not ServiceDown
+        calls.append(len(completions))
+        if "bad" in completions:
+            raise ConnectionError("HTTP 500")
+        return [1.0] * len(completions)
+
+    calls.clear()
+    rewards, _, failures = score(broken_by_one, ["p"] * 3, ["c", "bad", "c"], ["l"] * 3, fallback=-1.0)
+    assert calls == [3, 1, 1, 1] and rewards == [1.0, -1.0, 1.0] and [i for i, _ in failures] == [1]
+    assert issubclass(ServiceDown, ConnectionError)
