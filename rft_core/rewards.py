@@ -18,6 +18,7 @@ import os
 import re
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -104,7 +105,15 @@ def load_reward_fn(spec):
         raise MissingPath(f"--reward_fn {spec!r}: no such file {path!r}")
     module_spec = importlib.util.spec_from_file_location(f"reward_module_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: where in it, in one line (--debug shows the traceback)
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if os.path.abspath(f.filename) == os.path.abspath(path)]
+        line = e.lineno if isinstance(e, SyntaxError) else frames[-1].lineno if frames else None
+        where = f" (line {line})" if line else ""
+        raise ConfigError(f"--reward_fn {spec!r}: loading {path} failed{where}: {type(e).__name__}: "
+                          f"{e.msg if isinstance(e, SyntaxError) else e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise MissingName(f"--reward_fn {spec!r}: {path} defines no function {name!r}")

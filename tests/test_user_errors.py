@@ -162,6 +162,32 @@ def test_bad_model_paths(tmp_path, monkeypatch):
     main_raises(monkeypatch, "train_ppo", ["--pretrain", str(tmp_path / "odd"), *TINY,
                                            "--output_dir", str(tmp_path / "b")],
                 "model type 'no_such_model' is not one transformers")
+    # a config without weights, then weights without a tokenizer (the loaders' own errors blamed
+    # sentencepiece / tiktoken)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(half), *TINY, "--output_dir", str(tmp_path / "c")],
+                "config.json but no weights")
+    (half / "model.safetensors").write_bytes(b"")
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(half), *TINY, "--output_dir", str(tmp_path / "d")],
+                "no tokenizer there")
+
+
+def test_a_reward_file_that_fails_to_load_is_one_line(tmp_path):
+    """A --reward_fn file with a syntax error, or one whose imports fail: one line naming the file, the line
+    and the error (the traceback went through importlib's frames)."""
+    from rft_core.errors import ConfigError
+    from rft_core.rewards import load_reward_fn
+
+    (tmp_path / "syntax.py").write_text("def f(prompts, completions, labels:\n    return 1\n")
+    (tmp_path / "imports.py").write_text("import os\nimport no_such_package_here\n")
+    with pytest.raises(ConfigError, match=re.escape(f"loading {tmp_path / 'syntax.py'} failed (line 1): "
+                                                    "SyntaxError: '(' was never closed")):
+        load_reward_fn(f"{tmp_path / 'syntax.py'}:f")
+    with pytest.raises(ConfigError, match=re.escape(f"loading {tmp_path / 'imports.py'} failed (line 2): "
+                                                    "ModuleNotFoundError: No module named")):
+        load_reward_fn(f"{tmp_path / 'imports.py'}:f")
 
 
 def test_vl_image_rows(tmp_path, monkeypatch):
