@@ -53,14 +53,14 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, token_level_advantages
-from rft_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rft_core.checkpoint import latest_checkpoint, load_checkpoint, run_identity, save_checkpoint
 from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
 from rft_core.data import arithmetic_task, encode_rows, load_prompt_rows, text_batches  # VL
 from rft_core.distributed import (accumulate_over, accumulation_divisor, adamw_with_warmup,
-                                  configure_deepspeed, micro_batch_splits, move_optimizer_state,
-                                  offload_after_update, prepare_frozen, process_group_kwargs,
-                                  step_optimizers)
+                                  configure_deepspeed, end_run, move_optimizer_state, offload_after_update,
+                                  prepare_frozen, process_group_kwargs, step_optimizers)
 from rft_core.engine import create_engine, engine_options, resolve_engine_type
+from rft_core.memory import micro_batch_splits
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
 from rft_core.health import HealthGuard
@@ -381,7 +381,8 @@ def main():
 
     configure_deepspeed(accelerator, rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
-    resume_from = None if args.no_resume else latest_checkpoint(args.output_dir, log=accelerator.print)
+    identity = run_identity(args, world, accelerator.distributed_type.name)  # what a resume must share
+    resume_from = None if args.no_resume else latest_checkpoint(args.output_dir, accelerator.print, identity)
 
     # ---- model, data, reward, optimizer, engine ----
     rows = load_rows(args, accelerator.print)  # data errors come before the model loads
@@ -575,7 +576,7 @@ def main():
             # atomic: `latest` names only whole checkpoints, and only healthy weights are saved
             guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator,
                                     step)
-            state = {**rollouts.state_dict(), "kl_coef": kl_coef, "first_eval": first_eval,
+            state = {**rollouts.state_dict(), "kl_coef": kl_coef, "first_eval": first_eval, "run": identity,
                      "moments": moments.state_dict() if moments is not None else None}
             tensors = {"ema": ema, "rollouts": rollouts.buffer_state()}
             save_checkpoint(accelerator, args.output_dir, step, state, tensors, args.max_ckpt_num)
@@ -594,10 +595,7 @@ def main():
         export(os.path.join(args.output_dir, "ema_model"), named_like(accelerator.unwrap_model(model), ema))
     if first_eval:
         accelerator.print(f"[done] {eval_summary(first_eval, last_eval)}; model in {args.output_dir}/model")
-    # every rank waits for the main one's writing, then all tear down the process groups together: a rank
-    # that exits alone while the other still works aborted once at exit on CPU (gloo, ZeRO-3 + Ulysses)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # last: it also tears down the process group
+    end_run(accelerator)  # last: every rank waits for the others, then the process groups are torn down
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ atomically; so a run killed at any moment resumes from the last complete checkpo
 Each checkpoint records in `manifest.json` the size of every file it holds and the SHA-256 of the small
 ones (states, RNG, trainer state). Resuming verifies them: a damaged or missing latest checkpoint is named
 and the newest intact one before it is used instead, never a damaged RNG state.
+
+The trainer state also records the settings the checkpoint's contents depend on (`run_identity`): the data
+stream's order and batch, the per-rank buffers, the models and their layout. A run that would resume it
+with other values of them is refused in one line before anything loads; the other flags (learning rate,
+clipping, lengths, steps...) may change on resume.
 """
 
 import hashlib
@@ -24,6 +29,35 @@ from rft_core.errors import CheckpointError
 LATEST = "latest"
 MANIFEST = "manifest.json"
 HASHED_BYTES = 64 << 20  # files up to this size get a SHA-256 too; larger ones (weights, optimizer): a size
+RESUME_FLAGS = ("pretrain", "prompt_data", "input_key", "label_key", "images_key", "seed",
+                "rollout_batch_size", "n_samples_per_prompt", "partial_rollout", "lora_rank")
+
+
+def run_identity(args, world, distributed_type):
+    """What a run resuming a checkpoint must share with the run that wrote it (JSON-ready): RESUME_FLAGS
+    (paths made absolute), LoRA's target modules, whether a critic trains, the processes and the distributed
+    type (the layout of the saved states)."""
+    identity = {name: getattr(args, name) for name in RESUME_FLAGS if hasattr(args, name)}
+    for name in ("pretrain", "prompt_data"):
+        if identity.get(name) and os.path.exists(identity[name]):  # (not a built-in task's name)
+            identity[name] = os.path.abspath(identity[name])
+    if args.lora_rank:
+        identity["target_modules"] = args.target_modules
+    return {**identity, "critic": args.advantage_estimator == "gae", "processes": world,
+            "distributed_type": distributed_type}
+
+
+def check_identity(ckpt, identity):
+    """Refuse to resume ckpt with settings other than those it was written with (its trainer state's "run";
+    checkpoints from before it was recorded pass)."""
+    with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        saved = json.load(f).get("run") or {}
+    changed = [f"{name} {saved[name]!r} then, {value!r} now" for name, value in identity.items()
+               if name in saved and saved[name] != value]
+    if changed:
+        raise CheckpointError(f"{ckpt} was written with other settings ({'; '.join(changed)}): its data "
+                              "position, buffers and model state belong to those. Resume with them, or pass "
+                              "--no_resume to start afresh (or use another --output_dir)")
 
 
 def _write_atomically(path, text):
@@ -124,10 +158,11 @@ def verify_checkpoint(ckpt):
     return None
 
 
-def latest_checkpoint(output_dir, log=None):
+def latest_checkpoint(output_dir, log=None, identity=None):
     """The newest intact checkpoint: the one `latest` names (it is only written once that checkpoint is
     complete) if it verifies, else the newest older one that does, saying why through log(message). None if
-    there is none at all; an error naming the fix if checkpoints exist but none is intact."""
+    there is none at all; an error naming the fix if checkpoints exist but none is intact, or (identity:
+    run_identity's) if it was written with other settings."""
     path = os.path.join(output_dir, LATEST)
     if not os.path.exists(path):
         return None
@@ -138,6 +173,8 @@ def latest_checkpoint(output_dir, log=None):
     for ckpt in [named] + older:
         problem = verify_checkpoint(ckpt)
         if problem is None:
+            if identity is not None:
+                check_identity(ckpt, identity)
             return ckpt
         if log:
             log(f"[resume] {os.path.basename(ckpt)} is damaged ({problem}): skipping it")

@@ -223,7 +223,7 @@ def test_choose_budget():
     """The update's token budget: beside the awake engine where 8192+ tokens fit there, else while it sleeps
     (4096+), else gradient checkpointing; capped at 32768; a user's budget is kept, checkpointing decided for it.
     Figures: 1 MiB per token, room and engine in GiB (the 135M, 0.5B, 1.5B and 7B cases seen on an H100)."""
-    from rft_core.distributed import AUTO_MAX_TOKENS, choose_budget
+    from rft_core.memory import AUTO_MAX_TOKENS, choose_budget
 
     mib, gib = 2**20, 2**30
     assert AUTO_MAX_TOKENS == 32768
@@ -244,7 +244,7 @@ def test_zero3_gradient_bytes_counts_what_prepare_made():
     where it is off the CPU (a meta tensor stands in for the GPU's); none for other models or ZeRO-Offload."""
     from types import SimpleNamespace
 
-    from rft_core.distributed import zero3_gradient_bytes
+    from rft_core.memory import zero3_gradient_bytes
 
     def engine(buffer):
         return SimpleNamespace(optimizer=SimpleNamespace(grad_partitions_flat_buffer=buffer))

@@ -190,6 +190,19 @@ def test_a_reward_file_that_fails_to_load_is_one_line(tmp_path):
         load_reward_fn(f"{tmp_path / 'imports.py'}:f")
 
 
+def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    """A checkpoint records the settings its contents depend on (data stream, batch, buffers, models, layout):
+    resuming it with others is one line before anything loads, naming each; a changed learning rate or a
+    longer run resumes."""
+    out = str(tmp_path / "run")
+    run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--save_steps", "1", "--output_dir", out])
+    message = main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--rollout_batch_size",
+                                                      "4", "--seed", "7", "--output_dir", out], "other settings")
+    assert "(seed 0 then, 7 now; rollout_batch_size 2 then, 4 now)" in message and "--no_resume" in message
+    said = run(["--pretrain", tiny_model_dir, *TINY, "--actor_learning_rate", "1e-5", "--output_dir", out]).stdout
+    assert f"[resume] from {out}/checkpoint-1: step 1" in said
+
+
 def test_vl_image_rows(tmp_path, monkeypatch):
     """An absent --images_key column is an error; a missing or corrupt image skips its row (counted, the first
     named), or with --strict_data stops the run naming row, column and file."""

@@ -1,0 +1,123 @@
+"""The update's memory plan on a GPU: how many tokens an update micro-batch may hold beside the colocated
+engine, and whether gradient checkpointing must go on, from activations measured at start-up
+(`plan_update_memory`, `choose_budget`), and the micro-batch split that follows (`micro_batch_splits`).
+"""
+
+import torch
+
+from rft_core.logprobs import response_logprobs, unwrap
+
+
+AUTO_MAX_TOKENS = 32768  # larger micro-batches gain little and take memory from the engine
+
+
+def choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens, fixed_budget):
+    """(checkpointing, tokens, engine awake during updates) of plan_update_memory, from the activation bytes
+    per token and the room for them (bytes)."""
+    per_token = max(per_token, 1)  # below the noise (a tiny model): not what limits the budget
+    awake = int((room - engine_bytes) / per_token) // 1024 * 1024  # tokens that fit beside the engine
+    asleep = int(room / per_token) // 1024 * 1024 if engine_sleeps else awake
+    if fixed_budget:
+        return asleep < max_tokens, max_tokens, awake >= max_tokens
+    if awake >= 8192:
+        return False, min(AUTO_MAX_TOKENS, awake), True
+    if asleep >= 4096:  # (an engine that never sleeps: asleep is awake)
+        return False, min(AUTO_MAX_TOKENS, asleep), not engine_sleeps
+    return True, max_tokens, not engine_sleeps
+
+
+def zero3_gradient_bytes(model):
+    """The bytes of ZeRO-3's gradient partition buffer on the GPU (0 for other models): DeepSpeed 0.19 makes
+    it in accelerator.prepare (with the fp32 master partition; AdamW's moments wait for the first step)."""
+    buffer = getattr(getattr(model, "optimizer", None), "grad_partitions_flat_buffer", None)
+    on_gpu = torch.is_tensor(buffer) and buffer.device.type != "cpu"  # (ZeRO-Offload's is on the CPU)
+    return buffer.numel() * buffer.element_size() if on_gpu else 0
+
+
+def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0, engine_sleeps=True,
+                       fixed_budget=False, log=print):
+    """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
+    ZeRO-3 / FSDP2: two forwards). An update micro-batch's activations are measured: a forward with gradients
+    on two synthetic rows of 256 and of 512 tokens gives the bytes kept per token and the fixed part
+    (autocast's weight copies). The room for them is the GPU's free memory less the gradients and AdamW's
+    two moments (fp32, this rank's share of the trained parameters), less what ZeRO-3 made of them in
+    prepare (zero3_gradient_bytes). choose_budget picks the largest budget,
+    up to AUTO_MAX_TOKENS, that fits beside the awake engine (engine_share of the GPU's memory; if that is at
+    least 8192 tokens), else the largest that fits while it sleeps (engine_sleeps; at least 4096 tokens):
+    smaller micro-batches are faster than recomputing activations. Only where neither fits, checkpointing
+    goes on, with max_tokens (also the CPU's budget). A budget the user set (fixed_budget) is kept, with
+    checkpointing if it does not fit. autocast: a function returning the trainer's autocast context."""
+    if not torch.cuda.is_available():
+        return False, max_tokens
+    net = unwrap(model)
+    vocab = net.config.get_text_config().vocab_size
+    device = next(net.parameters()).device
+    peaks, was_training = [], net.training
+    net.train()  # as in the update: a compiled layer's graph depends on the mode (and dropout on it)
+    # two rows, not one: a compiled model (--torch_compile) would specialise on 1; a first, unused forward
+    # takes the one-off allocations (compiling, library workspaces), which can exceed a tiny model's
+    # activations
+    for n in (512, 512, 1024):
+        ids = torch.randint(vocab, (2, n // 2), device=device)
+        mask = torch.ones_like(ids)
+        mask[1, 0] = 0  # one padded column, as in training (and so in the same compiled graph)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with autocast():
+            kept = response_logprobs(net, ids, mask, n // 4, chunk_size=chunk_size)
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        del kept
+    net.train(was_training)
+    per_token = (peaks[2] - peaks[1]) / 512
+    fixed = peaks[1] - 512 * per_token
+
+    def local_numel(p):  # ZeRO-3 keeps a partition in ds_tensor, FSDP2 a DTensor shard
+        return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(
+            p, "to_local") else p.numel()
+
+    states = 12 * sum(local_numel(p) for p in net.parameters() if p.requires_grad)
+    states -= zero3_gradient_bytes(model)  # made in prepare(): already out of the free memory below
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()  # what other processes hold is not ours either
+    # what PyTorch reserves beyond the live tensors, after empty_cache, is held by fragmented segments
+    allocated, reserved = torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30
+    log(f"[memory] loaded: the trainer's tensors take {allocated:.1f} GiB and PyTorch reserves "
+        f"{reserved:.1f} on this GPU; {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free")
+    engine_bytes = engine_share * total
+    room = 0.85 * free - states - fixed
+    checkpointing, tokens, beside = choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens,
+                                                  fixed_budget)
+    log(f"[memory] an update keeps {per_token / 2**10:.0f} KiB of activations per token and "
+        f"{room / 2**30:.1f} GiB are left for them ({(room - engine_bytes) / 2**30:.1f} beside the awake "
+        f"engine): micro-batches of {tokens} tokens, gradient checkpointing "
+        f"{'on' if checkpointing else 'off'}, sized for the engine {'awake' if beside else 'asleep'} during "
+        "updates (auto sleep follows each update's measured peak)")
+    return checkpointing, tokens
+
+
+def micro_batch_splits(args, accelerator, model, nets, chunk_size, sp=None):
+    """(update, logprob passes): Experience.split's keyword arguments. Fixed rows (--micro_train_batch_size),
+    or samples grouped by tokens, as many micro-batches on every rank (under ZeRO-3 / FSDP2 each forward is a
+    collective); on a GPU the budget, unless set, is planned from the measured activations
+    (plan_update_memory). The logprob passes keep no activations: twice the update's budget. Turns on gradient
+    checkpointing in the prepared nets where the plan or the flag says so. sp (SequenceParallel): a rank
+    computes a 1 / sp.size slice of each row, so the budget counts sp.size times its tokens."""
+    device = accelerator.device
+    sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
+    by_tokens = None if args.micro_train_batch_size else args.max_tokens_per_micro_batch or 16384
+    split = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=by_tokens, sync_count=sync_count,
+                 packed=args.packing_samples)
+    if by_tokens and args.gradient_checkpointing is None:  # auto: from the measured activations
+        share = 0.0 if args.enable_engine_sleep else args.engine_mem_util  # of the GPU, an awake engine's
+        args.gradient_checkpointing, split["max_tokens"] = plan_update_memory(
+            model, by_tokens, chunk_size, accelerator.autocast, share, not args.disable_engine_sleep,
+            fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
+    for net in nets if args.gradient_checkpointing else []:
+        # non-reentrant: with LoRA the checkpointed blocks' inputs need no gradient of their own
+        kwargs = {"use_reentrant": False}
+        accelerator.unwrap_model(net).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if sp is not None:
+        split.update(sp=sp, max_tokens=split["max_tokens"] and split["max_tokens"] * sp.size)
+    return split, {**split, "micro_batch_size": args.micro_rollout_batch_size,
+                   "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}
