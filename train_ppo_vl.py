@@ -373,7 +373,7 @@ def main():
 
     configure_deepspeed(accelerator, rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
-    identity = run_identity(args, world, accelerator.distributed_type.name)  # what a resume must share
+    identity = run_identity(args, accelerator)  # what a resume must share with the checkpoint's run
     resume_from = None if args.no_resume else latest_checkpoint(args.output_dir, accelerator.print, identity)
 
     # ---- model, data, reward, optimizer, engine ----

@@ -33,18 +33,21 @@ RESUME_FLAGS = ("pretrain", "prompt_data", "input_key", "label_key", "images_key
                 "rollout_batch_size", "n_samples_per_prompt", "partial_rollout", "lora_rank")
 
 
-def run_identity(args, world, distributed_type):
+def run_identity(args, accelerator):
     """What a run resuming a checkpoint must share with the run that wrote it (JSON-ready): RESUME_FLAGS
-    (paths made absolute), LoRA's target modules, whether a critic trains, the processes and the distributed
-    type (the layout of the saved states)."""
+    (paths made absolute), LoRA's target modules, whether a critic trains, the processes, and the format of
+    the saved states (DeepSpeed and its ZeRO stage, FSDP, or plain: DDP and one process save alike)."""
     identity = {name: getattr(args, name) for name in RESUME_FLAGS if hasattr(args, name)}
     for name in ("pretrain", "prompt_data"):
         if identity.get(name) and os.path.exists(identity[name]):  # (not a built-in task's name)
             identity[name] = os.path.abspath(identity[name])
     if args.lora_rank:
         identity["target_modules"] = args.target_modules
-    return {**identity, "critic": args.advantage_estimator == "gae", "processes": world,
-            "distributed_type": distributed_type}
+    kind = accelerator.distributed_type.name
+    deepspeed = accelerator.state.deepspeed_plugin
+    states = f"ZeRO-{deepspeed.zero_stage}" if deepspeed else kind if kind == "FSDP" else "plain"
+    return {**identity, "critic": args.advantage_estimator == "gae", "processes": accelerator.num_processes,
+            "states": states}
 
 
 def check_identity(ckpt, identity):
