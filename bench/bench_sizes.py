@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -34,6 +35,19 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s of the SXM par
 def reward(prompts, completions, labels):
     """Pseudo-random in [0, 1): the same completion always scores the same."""
     return [int(hashlib.sha256(c.encode()).hexdigest()[:8], 16) / 2**32 for c in completions]
+
+
+def loaded_memory(log_path):
+    """From a run's log, the memory plan's first line per rank (GiB): the trainer's live tensors after loading,
+    what PyTorch reserves after emptying its cache, and the GPU's free memory then; {} if it is not there."""
+    pattern = (r"\[memory\] loaded: the trainer's tensors take ([\d.]+) GiB and PyTorch reserves ([\d.]+) on "
+               r"this GPU; ([\d.]+) of ([\d.]+) GiB are free")
+    with open(log_path, errors="replace") as f:
+        found = re.findall(pattern, f.read())
+    if not found:
+        return {}
+    keys = ("loaded_tensors_gib", "loaded_reserved_gib", "loaded_free_gib")
+    return {key: [float(row[i]) for row in found] for i, key in enumerate(keys)}
 
 
 def make_model(size, root):
@@ -138,7 +152,8 @@ def main():
                     run.kill()
                     run.wait()
         result = {"run": name, "gpu": gpu, "gpus": args.gpus, "rc": rc,
-                  "wall_s": round(time.time() - started, 1), "flags": cmd[len(launch) + 1:]}
+                  "wall_s": round(time.time() - started, 1), "flags": cmd[len(launch) + 1:],
+                  **loaded_memory(os.path.join(out_root, f"{name}.log"))}
         if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
             med = summarise(out_dir, args.skip)
             result.update({k: round(v, 4) for k, v in med.items()})
