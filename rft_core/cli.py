@@ -201,6 +201,12 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
     tp = args.engine_tp_size
     check(engine_type == "hf" or world % tp == 0, f"--engine_tp_size {tp}: must divide the {world} processes "
           "(groups of consecutive ranks share an engine)")
+    existing = os.path.abspath(args.output_dir)  # it, or the nearest folder above it that exists
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    why = "not writable" if os.path.isdir(existing) else "a file"
+    check(os.path.isdir(existing) and os.access(existing, os.W_OK),
+          f"--output_dir {args.output_dir!r}: {existing} is {why}; pass a folder to write to")
     check(not (args.enable_engine_sleep and args.disable_engine_sleep),
           "--enable_engine_sleep or --disable_engine_sleep: pick one")
     if "images_key" in names:  # train_ppo_vl.py: the text script's flags that cannot apply to images

@@ -190,6 +190,15 @@ def test_a_reward_file_that_fails_to_load_is_one_line(tmp_path):
         load_reward_fn(f"{tmp_path / 'imports.py'}:f")
 
 
+def test_an_output_dir_that_cannot_be_written_is_refused_first(tmp_path, monkeypatch):
+    """--output_dir where a file is (or under one): one line before anything loads (it was a makedirs
+    traceback once the model had loaded)."""
+    (tmp_path / "a_file").write_text("")
+    for path in (tmp_path / "a_file", tmp_path / "a_file" / "run"):
+        main_raises(monkeypatch, "train_ppo", [*TINY, "--output_dir", str(path)],
+                    re.escape(f"--output_dir '{path}': {tmp_path / 'a_file'} is a file; pass a folder"))
+
+
 def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     """A checkpoint records the settings its contents depend on (data stream, batch, buffers, models, layout):
     resuming it with others is one line before anything loads, naming each; a changed learning rate or a
