@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from rft_core.errors import ConfigError
+
 
 class StepTimer:
     """Wall time and peak GPU memory of each phase of a step: `phase(name)` ends the running phase and starts
@@ -150,6 +152,15 @@ class MetricsLog:
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_every, self.plot_every, self.max_len = samples_every, plot_every, max_len
+        if project is not None:  # first: a tracker that cannot start leaves output_dir as it was
+            plain = (int, float, str, bool)
+            scalars = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
+            try:
+                accelerator.init_trackers(project, config=scalars)
+            except Exception as e:  # wandb without a login, offline...: one line
+                raise ConfigError(f"the trackers could not start ({type(e).__name__}: {str(e)[:200]}): for "
+                                  "wandb run `wandb login` or set WANDB_MODE=offline; or drop --use_wandb / "
+                                  "--use_tensorboard") from e
         if self.enabled:
             os.makedirs(output_dir, exist_ok=True)
             if config is not None:
@@ -161,10 +172,6 @@ class MetricsLog:
                     kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
             with open(self.path, "w") as f:
                 f.writelines(kept)
-        if project is not None:
-            plain = (int, float, str, bool)
-            config = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
-            accelerator.init_trackers(project, config=config)
 
     def write(self, step, metrics, print_line=False):
         """Append a row (and with print_line, print its step line on the main process)."""

@@ -199,6 +199,28 @@ def test_an_output_dir_that_cannot_be_written_is_refused_first(tmp_path, monkeyp
                     re.escape(f"--output_dir '{path}': {tmp_path / 'a_file'} is a file; pass a folder"))
 
 
+def test_trackers_that_cannot_start_leave_the_output_dir_alone(tmp_path):
+    """wandb without a login (or any tracker failing to start): one line naming the fixes, raised before
+    config.json and metrics.jsonl are touched, so a finished run's record stays as it was."""
+    from types import SimpleNamespace
+
+    from rft_core.errors import ConfigError
+    from rft_core.metrics import MetricsLog
+
+    def init_trackers(project, config):
+        raise RuntimeError("No API key configured. Use `wandb login` to log in.")
+
+    (tmp_path / "config.json").write_text('{"kept": 1}')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    accelerator = SimpleNamespace(is_main_process=True, init_trackers=init_trackers)
+    with pytest.raises(ConfigError, match=re.escape("the trackers could not start (RuntimeError: No API key "
+                                                    "configured. Use `wandb login` to log in.): for wandb run "
+                                                    "`wandb login` or set WANDB_MODE=offline")):
+        MetricsLog(str(tmp_path), {"lr": 1e-6}, accelerator, project="p")
+    assert (tmp_path / "config.json").read_text() == '{"kept": 1}'
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
 def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     """A checkpoint records the settings its contents depend on (data stream, batch, buffers, models, layout):
     resuming it with others is one line before anything loads, naming each; a changed learning rate or a
