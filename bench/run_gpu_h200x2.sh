@@ -4,6 +4,9 @@
 # Needs, copied to the machine one run call per part: the ../shared/gpu bundle (groups vllm, model) in /tmp/gpu
 # and the deepspeed group (bundle.sh .gpu-ds deepspeed) in /tmp/ds. One device call per mode (each < 600 s).
 # Usage: [EXTRA="train_ppo.py flags"] bash bench/run_gpu_h200x2.sh zero3|fsdp2 [TP...]   (TP default: 1 2)
+# Also on two H100s (80 GB each, nvidia-h100-x2): the bf16 7B weights take 15 GB of a TP 1 engine, so TP 1
+# needs --engine_mem_util ~0.25 there, TP 2 fits 0.15; the runs' JSON has loaded_*_gib (what the trainer
+# held after loading: a ZeRO-3 run on two H200s left only 25-36 GiB free) to read before trying ZeRO-3.
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
