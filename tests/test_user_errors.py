@@ -221,6 +221,18 @@ def test_trackers_that_cannot_start_leave_the_output_dir_alone(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+def test_a_step_that_trains_nothing_is_said_once(tmp_path, capsys):
+    """A step whose actor gradient is exactly 0 (every advantage 0: a reward that never varies) is said once,
+    with its cause; later ones only show in train/grad_norm."""
+    from rft_core.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path))
+    for step, norm in ((1, 0.5), (2, 0.0), (3, 0.0)):
+        log.write(step, {"train/grad_norm": norm})
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[signal]")]
+    assert len(said) == 1 and said[0].startswith("[signal] step 2 trained nothing: the actor's gradient is 0")
+
+
 def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     """A checkpoint records the settings its contents depend on (data stream, batch, buffers, models, layout):
     resuming it with others is one line before anything loads, naming each; a changed learning rate or a
