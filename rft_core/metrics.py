@@ -149,7 +149,7 @@ class MetricsLog:
         samples_every, plot_every (steps; 0: never), max_len (of a response): samples_and_plots below.
         Only the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
-        self.said_idle = False  # a step whose actor gradient was exactly 0 is said once
+        self.said = set()  # the notices given (each once): "idle", "cut"
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_every, self.plot_every, self.max_len = samples_every, plot_every, max_len
@@ -176,17 +176,24 @@ class MetricsLog:
 
     def write(self, step, metrics, print_line=False):
         """Append a row (and with print_line, print its step line on the main process). The first step whose
-        actor gradient is exactly 0 is said, with its likely cause: it trained nothing."""
+        actor gradient is exactly 0 (it trained nothing), and the first whose responses were all cut at the
+        length limit, are said, with their likely causes."""
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
             if print_line:
                 tqdm.write(self.line(step, metrics))
-            if metrics.get("train/grad_norm") == 0 and not self.said_idle:
-                self.said_idle = True
+            if metrics.get("train/grad_norm") == 0 and "idle" not in self.said:
+                self.said.add("idle")
                 tqdm.write(f"[signal] step {step} trained nothing: the actor's gradient is 0, so every "
                            "advantage was 0 (each group's rewards equal: all solved, all failed, or a reward "
                            "that does not vary with the answer); said once, train/grad_norm shows the others")
+            if metrics.get("rollout/truncated") == 1 and "cut" not in self.said:
+                self.said.add("cut")
+                tqdm.write(f"[signal] step {step}: every response was cut at --generate_max_len "
+                           f"{self.max_len} before it ended, so the rewards judged unfinished answers: raise "
+                           "the limit if the task needs longer ones; said once, rollout/truncated shows the "
+                           "others")
         if self.accelerator is not None and self.accelerator.trackers:
             self.accelerator.log(metrics, step=step)
 

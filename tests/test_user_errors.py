@@ -223,14 +223,16 @@ def test_trackers_that_cannot_start_leave_the_output_dir_alone(tmp_path):
 
 def test_a_step_that_trains_nothing_is_said_once(tmp_path, capsys):
     """A step whose actor gradient is exactly 0 (every advantage 0: a reward that never varies) is said once,
-    with its cause; later ones only show in train/grad_norm."""
+    with its cause, and so is a step whose responses were all cut at the length limit; later ones only show in
+    their metrics."""
     from rft_core.metrics import MetricsLog
 
-    log = MetricsLog(str(tmp_path))
-    for step, norm in ((1, 0.5), (2, 0.0), (3, 0.0)):
-        log.write(step, {"train/grad_norm": norm})
+    log = MetricsLog(str(tmp_path), max_len=8)
+    for step, norm, cut in ((1, 0.5, 0.5), (2, 0.0, 1.0), (3, 0.0, 1.0)):
+        log.write(step, {"train/grad_norm": norm, "rollout/truncated": cut})
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[signal]")]
-    assert len(said) == 1 and said[0].startswith("[signal] step 2 trained nothing: the actor's gradient is 0")
+    assert len(said) == 2 and said[0].startswith("[signal] step 2 trained nothing: the actor's gradient is 0")
+    assert said[1].startswith("[signal] step 2: every response was cut at --generate_max_len 8 before it ended")
 
 
 def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
