@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -113,6 +114,8 @@ def main():
     parser.add_argument("--tag", default="")
     parser.add_argument("--config", help="an accelerate config: the run goes through accelerate launch")
     parser.add_argument("--gpus", type=int, default=1, help="with --config: its --num_processes")
+    parser.add_argument("--launch_flags", default="", help="with --config: more accelerate launch flags, e.g. "
+                        "\"--zero3_init_flag true\" (parameters partitioned as they are made)")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -128,7 +131,7 @@ def main():
         launch = [sys.executable]
         if args.config:
             launch += ["-m", "accelerate.commands.launch", "--config_file", args.config, "--num_processes",
-                       str(args.gpus)]
+                       str(args.gpus), *shlex.split(args.launch_flags)]
         cmd = [*launch, os.path.join(ROOT, "train_ppo.py"), "--rollout_batch_size", "32",
                "--n_samples_per_prompt", "8", "--generate_max_len", str(args.generate_max_len),
                "--max_steps", str(args.steps), "--output_dir", out_dir, "--no_resume"]
@@ -153,6 +156,7 @@ def main():
                     run.wait()
         result = {"run": name, "gpu": gpu, "gpus": args.gpus, "rc": rc,
                   "wall_s": round(time.time() - started, 1), "flags": cmd[len(launch) + 1:],
+                  **({"launch_flags": args.launch_flags} if args.launch_flags else {}),
                   **loaded_memory(os.path.join(out_root, f"{name}.log"))}
         if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
             med = summarise(out_dir, args.skip)
