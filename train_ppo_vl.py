@@ -30,7 +30,7 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, token_level_advantages
-from rft_core.checkpoint import latest_checkpoint, load_checkpoint, run_identity, save_checkpoint
+from rft_core.checkpoint import finished_run, load_checkpoint, resume_point, save_checkpoint
 from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
 from rft_core.data import shapes_task, text_batches  # VL
 from rft_core.distributed import (accumulate_over, accumulation_divisor, adamw_with_warmup,
@@ -298,7 +298,7 @@ class Args:
 
 
 # VL begin: loading the model and the image prompts
-def load_models(args, accelerator, needs_reference):
+def load_models(args, accelerator, kl_in_reward):
     """(policy, tokenizer, image processor, frozen reference model or None, critic or None)."""
     # with LoRA the base is frozen: kept in bf16, it needs no fp32 master copy (not when the critic copies it)
     bf16_base = args.lora_rank and args.bf16 and args.advantage_estimator != "gae"
@@ -309,7 +309,7 @@ def load_models(args, accelerator, needs_reference):
     if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
         model = lora_model(model, args.lora_rank, args.lora_alpha, args.target_modules)
     ref_model = None
-    if needs_reference and not args.lora_rank:  # sharded like the actor
+    if (args.use_kl_loss or kl_in_reward) and not args.lora_rank:  # sharded like the actor
         reference, _, _ = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)
         ref_model = prepare_frozen(accelerator, reference)
     return model, tokenizer, processor, ref_model, critic
@@ -373,8 +373,7 @@ def main():
 
     configure_deepspeed(accelerator, rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
-    identity = run_identity(args, accelerator)  # what a resume must share with the checkpoint's run
-    resume_from = None if args.no_resume else latest_checkpoint(args.output_dir, accelerator.print, identity)
+    resume_from, identity = resume_point(args, accelerator)  # identity: what a resume must share
 
     # ---- model, data, reward, optimizer, engine ----
     rows = load_rows(args, accelerator.print)  # data errors come before the model loads
@@ -387,8 +386,7 @@ def main():
     score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_timeout,
                              args.reward_failure_limit, log=tqdm.write)  # score_all(samples)
     moments = RunningMoments() if args.normalize_reward else None
-    model, tokenizer, processor, ref_model, critic = load_models(args, accelerator,
-                                                                 args.use_kl_loss or kl_in_reward)
+    model, tokenizer, processor, ref_model, critic = load_models(args, accelerator, kl_in_reward)
     for net in [net for net in (model, critic) if net is not None and args.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
@@ -398,6 +396,8 @@ def main():
     num_steps = min(args.max_steps, args.num_episodes * (len(prompts["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
     warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # optimizer steps of linear warm-up
+    if finished_run(resume_from, num_steps, accelerator.print):  # a rerun of a finished run
+        return end_run(accelerator)
 
     sp = SequenceParallel.from_accelerator(accelerator, model)  # None without SP or CP
     # what one optimizer step updates, by the name its gradient norm is logged under
@@ -577,10 +577,10 @@ def main():
         if args.save_hf_steps and step % args.save_hf_steps == 0:
             export(os.path.join(args.output_dir, f"hf-step-{step}"))
         if stop and step < num_steps:
-            raise stop_error(stop, step, latest_checkpoint(args.output_dir))
+            raise stop_error(stop, step, args.output_dir)
 
-    if start < num_steps:  # the final weights pass the checks a checkpoint's do
-        guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator, step)
+    # the final weights pass the checks a checkpoint's do
+    guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator, step)
     last_eval = run_eval(num_steps) if prompts["eval"] else None
     log.plots(exp.action_mask.sum(-1).tolist())  # the curves again, with the final eval point
     accelerator.wait_for_everyone()

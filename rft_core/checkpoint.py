@@ -50,6 +50,24 @@ def run_identity(args, accelerator):
             "states": states}
 
 
+def resume_point(args, accelerator):
+    """(the checkpoint to resume: the newest intact one in --output_dir, or None with --no_resume or none
+    there, refused if written with other settings; run_identity, which the run's checkpoints record)."""
+    identity = run_identity(args, accelerator)
+    ckpt = None if args.no_resume else latest_checkpoint(args.output_dir, accelerator.print, identity)
+    return ckpt, identity
+
+
+def finished_run(ckpt, num_steps, log):
+    """Whether ckpt (None: not resuming) already ends a run of num_steps steps; if so, it says what to do."""
+    if ckpt is None or int(ckpt.rsplit("-", 1)[1]) < num_steps:
+        return False
+    log(f"[done] {ckpt} is step {num_steps} of {num_steps}: the run is finished, nothing to do, and the "
+        "output directory is left as it is (raise --max_steps to train further, or --no_resume to start "
+        "afresh)")
+    return True
+
+
 def check_identity(ckpt, identity):
     """Refuse to resume ckpt with settings other than those it was written with (its trainer state's "run";
     checkpoints from before it was recorded pass)."""

@@ -14,6 +14,7 @@ import typing
 import torch
 
 from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
+from rft_core.checkpoint import latest_checkpoint
 from rft_core.distributed import zero_offloads_optimizer
 from rft_core.errors import ConfigError, Stopped, UserError
 from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES
@@ -318,9 +319,10 @@ class StopSignals:
         return None if not total else "SIGTERM" if total >= 100 else "SIGINT"
 
 
-def stop_error(signal_name, step, checkpoint):
+def stop_error(signal_name, step, output_dir):
     """The Stopped error that ends a run on signal_name ("SIGINT" / "SIGTERM") after `step`, naming the
-    newest intact checkpoint (None: there is none)."""
+    newest intact checkpoint in output_dir (if there is one)."""
+    checkpoint = latest_checkpoint(output_dir)
     where = "no checkpoint was written (--save_steps 0): a rerun starts afresh"
     if checkpoint:
         where = f"{os.path.basename(checkpoint)} is intact; rerun the same command to resume from it"

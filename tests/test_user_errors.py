@@ -235,6 +235,19 @@ def test_a_step_that_trains_nothing_is_said_once(tmp_path, capsys):
     assert said[1].startswith("[signal] step 2: every response was cut at --generate_max_len 8 before it ended")
 
 
+def test_rerunning_a_finished_run_leaves_it_alone(tiny_model_dir, tmp_path):
+    """The same command again after a run whose last checkpoint is its last step: one line, exit 0, and its
+    record untouched (it used to evaluate again, append a second final eval row, then fail on the empty loop
+    with an UnboundLocalError)."""
+    out = tmp_path / "run"
+    args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--save_steps", "1", "--output_dir", str(out)]
+    run(args)
+    before = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "config.json")}
+    said = run(args).stdout
+    assert f"[done] {out}/checkpoint-1 is step 1 of 1: the run is finished, nothing to do" in said
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
 def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     """A checkpoint records the settings its contents depend on (data stream, batch, buffers, models, layout):
     resuming it with others is one line before anything loads, naming each; a changed learning rate or a
