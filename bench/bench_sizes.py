@@ -39,8 +39,8 @@ def reward(prompts, completions, labels):
 
 
 def loaded_memory(log_path):
-    """From a run's log, the memory plan's first line per rank (GiB): the trainer's live tensors after loading,
-    what PyTorch reserves after emptying its cache, and the GPU's free memory then; {} if it is not there."""
+    """From a run's log, the memory plan's first line (GiB; the main rank's): the trainer's live tensors after
+    loading, what PyTorch reserves after emptying its cache, and the GPU's free memory then; {} if absent."""
     pattern = (r"\[memory\] loaded: the trainer's tensors take ([\d.]+) GiB and PyTorch reserves ([\d.]+) on "
                r"this GPU; ([\d.]+) of ([\d.]+) GiB are free")
     with open(log_path, errors="replace") as f:
@@ -114,8 +114,8 @@ def main():
     parser.add_argument("--tag", default="")
     parser.add_argument("--config", help="an accelerate config: the run goes through accelerate launch")
     parser.add_argument("--gpus", type=int, default=1, help="with --config: its --num_processes")
-    parser.add_argument("--launch_flags", default="", help="with --config: more accelerate launch flags, e.g. "
-                        "\"--zero3_init_flag true\" (parameters partitioned as they are made)")
+    parser.add_argument("--launch_flags", default="", help="with --config: more accelerate launch flags, "
+                        "e.g. \"--zero3_init_flag true\" (parameters partitioned as they are made)")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)

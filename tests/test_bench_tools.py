@@ -95,9 +95,9 @@ def test_schedule_replay_prices_the_tail_and_ages_the_samples():
 
 
 def test_the_memory_plans_lines_on_a_simulated_gpu(tiny_model_dir, monkeypatch, tmp_path):
-    """plan_update_memory with torch's CUDA memory calls simulated on the CPU (80 GiB GPU, 30 free, the trainer
-    holding 20 in tensors and 50 reserved; 1 MiB a token measured): it says what the trainer holds, in the
-    line bench_sizes.py reads back, and plans from the free memory; the activation it reports is the
+    """plan_update_memory with torch's CUDA memory calls simulated on the CPU (80 GiB GPU, 30 free, the
+    trainer holding 20 in tensors and 50 reserved; 1 MiB a token measured): it says what the trainer holds,
+    in the line bench_sizes.py reads back, and plans from the free memory; the activation it reports is the
     measured difference between the forwards of 1024 and of 512 tokens."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -108,22 +108,23 @@ def test_the_memory_plans_lines_on_a_simulated_gpu(tiny_model_dir, monkeypatch, 
 
     gib = 2**30
     peaks = iter([900 << 20, 600 << 20, 1112 << 20])  # the unused forward, then 512 and 1024 tokens
-    for name, fn in {"is_available": lambda: True, "synchronize": lambda: None, "empty_cache": lambda: None,
-                     "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 20 * gib,
-                     "max_memory_allocated": lambda: 20 * gib + next(peaks),
-                     "memory_reserved": lambda: 50 * gib, "mem_get_info": lambda: (30 * gib, 80 * gib)}.items():
+    simulated = {"is_available": lambda: True, "synchronize": lambda: None, "empty_cache": lambda: None,
+                 "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 20 * gib,
+                 "max_memory_allocated": lambda: 20 * gib + next(peaks),
+                 "memory_reserved": lambda: 50 * gib, "mem_get_info": lambda: (30 * gib, 80 * gib)}
+    for name, fn in simulated.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     said = []
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     no_autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
     checkpointing, tokens = plan_update_memory(model, 16384, None, no_autocast, engine_share=0.3,
                                                log=said.append)
-    assert said[0] == ("[memory] loaded: the trainer's tensors take 20.0 GiB and PyTorch reserves 50.0 on this "
-                       "GPU; 30.0 of 80.0 GiB are free")
+    assert said[0] == ("[memory] loaded: the trainer's tensors take 20.0 GiB and PyTorch reserves 50.0 on "
+                       "this GPU; 30.0 of 80.0 GiB are free")
     assert said[1].startswith("[memory] an update keeps 1024 KiB of activations per token")
     (tmp_path / "run.log").write_text("\n".join(said))
-    assert loaded_memory(tmp_path / "run.log") == {"loaded_tensors_gib": [20.0], "loaded_reserved_gib": [50.0],
-                                                   "loaded_free_gib": [30.0]}
+    want = {"loaded_tensors_gib": [20.0], "loaded_reserved_gib": [50.0], "loaded_free_gib": [30.0]}
+    assert loaded_memory(tmp_path / "run.log") == want
     # 0.85 x 30 GiB less the tiny model's states and the fixed 88 MiB, at 1 MiB a token: 25600 tokens (in
     # steps of 1024) while the engine (0.3 x 80 = 24 GiB) sleeps, 1024 beside it (under 8192: it must sleep)
     assert not checkpointing and tokens == 25600 and "sized for the engine asleep" in said[1]

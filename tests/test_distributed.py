@@ -289,16 +289,18 @@ def test_evaluate_pads_ranks_to_equal_work():
 
     def score(samples):  # the reward of problem 0 fails (the fallback, 0): counted, padding copies not
         for s in samples:
-            s.reward, s.components = (0.0, {"correct": math.nan}) if s.label == "0" else (1.0, {"correct": 1.0})
+            failed = s.label == "0"
+            s.reward, s.components = (0.0, {"correct": math.nan}) if failed else (1.0, {"correct": 1.0})
         return sum(s.label == "0" for s in samples)
     for rank, count, failed in ((0, 3, 1 + 2), (1, 2, 0)):  # rank 1's padding row is a copy of problem 0
         engine = Engine()
         metrics = evaluate(engine, Tok(), rows, score, Accel(rank), 4, n_samples=2)
         assert engine.sizes == [3, 6] and metrics["eval/num_problems"] == count
-        assert metrics["eval/accuracy"] == (count - (rank == 0)) / count and metrics["eval/reward_errors"] == failed
+        assert metrics["eval/accuracy"] == (count - (rank == 0)) / count
+        assert metrics["eval/reward_errors"] == failed
     line = eval_line(0, {"eval/reward_mean": 0.5, "eval/num_problems": 5, "eval/reward_errors": 3}, 1)
-    assert line == ("[eval] step 0 | greedy reward 0.500 on 5 held-out problems (3 rewards failed and count as "
-                    "--reward_fallback)")
+    assert line == ("[eval] step 0 | greedy reward 0.500 on 5 held-out problems (3 rewards failed and count "
+                    "as --reward_fallback)")
 
 
 # ---- GPU: two GPUs with vllm (run on the GPU machine) ----

@@ -167,11 +167,11 @@ def test_bad_model_paths(tmp_path, monkeypatch):
     half = tmp_path / "half"
     half.mkdir()
     (half / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(half), *TINY, "--output_dir", str(tmp_path / "c")],
-                "config.json but no weights")
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(half), *TINY, "--output_dir",
+                                           str(tmp_path / "c")], "config.json but no weights")
     (half / "model.safetensors").write_bytes(b"")
-    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(half), *TINY, "--output_dir", str(tmp_path / "d")],
-                "no tokenizer there")
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", str(half), *TINY, "--output_dir",
+                                           str(tmp_path / "d")], "no tokenizer there")
 
 
 def test_a_reward_file_that_fails_to_load_is_one_line(tmp_path):
@@ -213,9 +213,9 @@ def test_trackers_that_cannot_start_leave_the_output_dir_alone(tmp_path):
     (tmp_path / "config.json").write_text('{"kept": 1}')
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     accelerator = SimpleNamespace(is_main_process=True, init_trackers=init_trackers)
-    with pytest.raises(ConfigError, match=re.escape("the trackers could not start (RuntimeError: No API key "
-                                                    "configured. Use `wandb login` to log in.): for wandb run "
-                                                    "`wandb login` or set WANDB_MODE=offline")):
+    want = ("the trackers could not start (RuntimeError: No API key configured. Use `wandb login` to log "
+            "in.): for wandb run `wandb login` or set WANDB_MODE=offline")
+    with pytest.raises(ConfigError, match=re.escape(want)):
         MetricsLog(str(tmp_path), {"lr": 1e-6}, accelerator, project="p")
     assert (tmp_path / "config.json").read_text() == '{"kept": 1}'
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
@@ -232,7 +232,7 @@ def test_a_step_that_trains_nothing_is_said_once(tmp_path, capsys):
         log.write(step, {"train/grad_norm": norm, "rollout/truncated": cut})
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[signal]")]
     assert len(said) == 2 and said[0].startswith("[signal] step 2 trained nothing: the actor's gradient is 0")
-    assert said[1].startswith("[signal] step 2: every response was cut at --generate_max_len 8 before it ended")
+    assert said[1].startswith("[signal] step 2: every response was cut at --generate_max_len 8 before it")
 
 
 def test_rerunning_a_finished_run_leaves_it_alone(tiny_model_dir, tmp_path):
@@ -240,7 +240,8 @@ def test_rerunning_a_finished_run_leaves_it_alone(tiny_model_dir, tmp_path):
     record untouched (it used to evaluate again, append a second final eval row, then fail on the empty loop
     with an UnboundLocalError)."""
     out = tmp_path / "run"
-    args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--save_steps", "1", "--output_dir", str(out)]
+    args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--save_steps", "1",
+            "--output_dir", str(out)]
     run(args)
     before = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "config.json")}
     said = run(args).stdout
@@ -254,10 +255,12 @@ def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monke
     longer run resumes."""
     out = str(tmp_path / "run")
     run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "1", "--save_steps", "1", "--output_dir", out])
-    message = main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--rollout_batch_size",
-                                                      "4", "--seed", "7", "--output_dir", out], "other settings")
+    changed = ["--pretrain", tiny_model_dir, *TINY, "--rollout_batch_size", "4", "--seed", "7",
+               "--output_dir", out]
+    message = main_raises(monkeypatch, "train_ppo", changed, "other settings")
     assert "(seed 0 then, 7 now; rollout_batch_size 2 then, 4 now)" in message and "--no_resume" in message
-    said = run(["--pretrain", tiny_model_dir, *TINY, "--actor_learning_rate", "1e-5", "--output_dir", out]).stdout
+    said = run(["--pretrain", tiny_model_dir, *TINY, "--actor_learning_rate", "1e-5",
+                "--output_dir", out]).stdout
     assert f"[resume] from {out}/checkpoint-1: step 1" in said
 
 
