@@ -30,14 +30,13 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, token_level_advantages
-from rft_core.checkpoint import finished_run, load_checkpoint, resume_point, save_checkpoint
+from rft_core.checkpoint import checkpoint_step, finished_run, load_checkpoint, resume_point, save_checkpoint
 from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
 from rft_core.data import shapes_task, text_batches  # VL
 from rft_core.distributed import (accumulate_over, accumulation_divisor, adamw_with_warmup,
                                   configure_deepspeed, end_run, move_optimizer_state, offload_after_update,
                                   prepare_frozen, process_group_kwargs, step_optimizers)
 from rft_core.engine import create_engine, engine_options, resolve_engine_type
-from rft_core.memory import micro_batch_splits
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
 from rft_core.health import HealthGuard
@@ -45,6 +44,7 @@ from rft_core.experience import (build_experience, logprob_passes, micro_batch_l
                                  micro_batch_values, optimizer_chunks)
 from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
                              value_loss)
+from rft_core.memory import micro_batch_splits
 from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics, update_metrics
 from rft_core.models import compile_blocks, export_hf, lora_model, named_like, text_lm_loss
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
@@ -432,7 +432,7 @@ def main():
     # the run's record starts here, once everything has loaded: a failed start leaves output_dir as it was
     config = {**asdict(args), "world_size": world}
     log = MetricsLog(args.output_dir, config, accelerator, args.wandb_project if trackers else None,
-                     keep_until=int(resume_from.rsplit("-", 1)[1]) if resume_from else None,
+                     keep_until=checkpoint_step(resume_from) if resume_from else None,
                      samples_every=args.log_samples_steps, plot_every=args.plot_every,
                      max_len=args.generate_max_len)
     guard = HealthGuard(args.output_dir, accelerator.unwrap_model(model).config.get_text_config().vocab_size)

@@ -58,9 +58,14 @@ def resume_point(args, accelerator):
     return ckpt, identity
 
 
+def checkpoint_step(ckpt):
+    """The step a checkpoint-N directory was written after: N."""
+    return int(ckpt.rsplit("-", 1)[1])
+
+
 def finished_run(ckpt, num_steps, log):
     """Whether ckpt (None: not resuming) already ends a run of num_steps steps; if so, it says what to do."""
-    if ckpt is None or int(ckpt.rsplit("-", 1)[1]) < num_steps:
+    if ckpt is None or checkpoint_step(ckpt) < num_steps:
         return False
     log(f"[done] {ckpt} is step {num_steps} of {num_steps}: the run is finished, nothing to do, and the "
         "output directory is left as it is (raise --max_steps to train further, or --no_resume to start "
@@ -189,8 +194,7 @@ def latest_checkpoint(output_dir, log=None, identity=None):
         return None
     with open(path) as f:
         named = os.path.join(output_dir, f.read().strip())
-    step = lambda c: int(c.rsplit("-", 1)[1])  # noqa: E731
-    older = [c for c in reversed(list_checkpoints(output_dir)) if step(c) < step(named)]
+    older = [c for c in reversed(list_checkpoints(output_dir)) if checkpoint_step(c) < checkpoint_step(named)]
     for ckpt in [named] + older:
         problem = verify_checkpoint(ckpt)
         if problem is None:

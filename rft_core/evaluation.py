@@ -24,17 +24,18 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
     local = prompts[rank::world]
     count, local = len(local), (local + prompts[:1] * (-(-len(prompts) // world) - len(local)))
     engine.wake_up()
-    failed = [0]  # rewards that failed (scored as the fallback), on this rank
+    failed = 0  # rewards that failed (scored as the fallback), on this rank
 
     def rollout(prompts, temperature, real):
         """The first `real` samples (the rest pad the ranks' generate calls alike), scored."""
+        nonlocal failed
         if not prompts:
             return []
         gens = engine.generate([p.prompt_ids for p in prompts], max_len, temperature=temperature,
                                mm=[p.mm for p in prompts], logprob_every=0)
         completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
         samples = [replace(p, generation=g, completion=c) for p, g, c in zip(prompts, gens, completions)]
-        failed[0] += score_fn(samples[:real]) or 0
+        failed += score_fn(samples[:real]) or 0
         return samples[:real]
 
     def correct(sample):
@@ -52,7 +53,7 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
         sampled = rollout([p for p in local for _ in range(n)], temperature, count * n)
         hits = [int(sum(correct(s) for s in sampled[i * n:(i + 1) * n])) for i in range(count)]
         sums[3:5] = [sum(pass_at_k(n, c, 1) for c in hits), sum(pass_at_k(n, c, n) for c in hits)]
-    sums[5] = failed[0]
+    sums[5] = failed
     totals = accelerator.reduce(torch.tensor(sums, device=accelerator.device, dtype=torch.float64),
                                 "sum").tolist()
     metrics = {"eval/reward_mean": totals[0] / totals[1], "eval/num_problems": int(totals[1]),

@@ -183,19 +183,23 @@ class MetricsLog:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
             if print_line:
                 tqdm.write(self.line(step, metrics))
-            if metrics.get("train/grad_norm") == 0 and "idle" not in self.said:
-                self.said.add("idle")
-                tqdm.write(f"[signal] step {step} trained nothing: the actor's gradient is 0, so every "
-                           "advantage was 0 (each group's rewards equal: all solved, all failed, or a reward "
-                           "that does not vary with the answer); said once, train/grad_norm shows the others")
-            if metrics.get("rollout/truncated") == 1 and "cut" not in self.said:
-                self.said.add("cut")
-                tqdm.write(f"[signal] step {step}: every response was cut at --generate_max_len "
-                           f"{self.max_len} before it ended, so the rewards judged unfinished answers: raise "
-                           "the limit if the task needs longer ones; said once, rollout/truncated shows the "
-                           "others")
+            if metrics.get("train/grad_norm") == 0:
+                self._say_once("idle", f"[signal] step {step} trained nothing: the actor's gradient is 0, "
+                               "so every advantage was 0 (each group's rewards equal: all solved, all "
+                               "failed, or a reward that does not vary with the answer); said once, "
+                               "train/grad_norm shows the others")
+            if metrics.get("rollout/truncated") == 1:
+                self._say_once("cut", f"[signal] step {step}: every response was cut at --generate_max_len "
+                               f"{self.max_len} before it ended, so the rewards judged unfinished answers: "
+                               "raise the limit if the task needs longer ones; said once, rollout/truncated "
+                               "shows the others")
         if self.accelerator is not None and self.accelerator.trackers:
             self.accelerator.log(metrics, step=step)
+
+    def _say_once(self, kind, message):
+        if kind not in self.said:
+            self.said.add(kind)
+            tqdm.write(message)
 
     def samples(self, step, rows):
         """Append sample rows (dicts) to samples.jsonl, print two, and log them as a wandb table if wandb is

@@ -24,10 +24,10 @@ def embedded_model_path():
     return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
 
 
-def check_model_path(path, flag="--pretrain", tokenizer=True):
+def check_model_path(path, flag="--pretrain"):
     """Refuse, naming the fix, a model path that is missing, a directory without config.json, of a model type
     this transformers does not know (else the tokenizer loader blames sentencepiece or tiktoken), without
-    weights, or (tokenizer: one is loaded from it) without a tokenizer."""
+    weights, or without a tokenizer."""
     import json
 
     import transformers
@@ -51,7 +51,7 @@ def check_model_path(path, flag="--pretrain", tokenizer=True):
     if not any(f.endswith(weights) for f in files):
         raise MissingPath(f"{flag} {path!r}: config.json but no weights (*.safetensors or *.bin) there; "
                           "save the model with save_pretrained")
-    if tokenizer and not files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
+    if not files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
         raise MissingPath(f"{flag} {path!r}: no tokenizer there (tokenizer.json or tokenizer_config.json); "
                           "save it beside the model with tokenizer.save_pretrained")
 

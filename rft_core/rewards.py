@@ -136,6 +136,7 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
         body = json.dumps({"prompts": prompts, "completions": completions, "labels": labels}).encode()
         request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         for attempt in range(retries):
+            down = False  # the server never answered (not the samples' doing)
             try:
                 with urllib.request.urlopen(request, timeout=timeout) as response:
                     out = json.loads(response.read())
@@ -145,16 +146,16 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code} {e.reason}"
             except urllib.error.URLError as e:
-                error = f"unreachable ({e.reason})"
+                error, down = f"unreachable ({e.reason})", True
             except (OSError, TimeoutError) as e:
-                error = f"no answer ({e!r})"
+                error, down = f"no answer ({e!r})", True
             except ValueError as e:
                 error = f"not a valid answer ({e})"
             if attempt + 1 < retries:
                 time.sleep(backoff * 2**attempt)
-        # a server that never answered is not the samples' doing: they are not retried one by one
-        kind = ServiceDown if error.startswith(("unreachable", "no answer")) else ConnectionError
-        raise kind(f"--remote_rm_url {url}: no valid answer after {retries} tries: {error}")
+        # a server that never answered fails the batch: its samples are not retried one by one
+        raise (ServiceDown if down else ConnectionError)(f"--remote_rm_url {url}: no valid answer after "
+                                                         f"{retries} tries: {error}")
 
     return fn
 
