@@ -6,6 +6,7 @@ engine, and whether gradient checkpointing must go on, from activations measured
 import torch
 
 from rft_core.logprobs import response_logprobs, unwrap
+from rft_core.models import checkpointing_on
 
 
 AUTO_MAX_TOKENS = 32768  # larger micro-batches gain little and take memory from the engine
@@ -114,9 +115,7 @@ def micro_batch_splits(args, accelerator, model, nets, chunk_size, sp=None):
             model, by_tokens, chunk_size, accelerator.autocast, share, not args.disable_engine_sleep,
             fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
     for net in nets if args.gradient_checkpointing else []:
-        # non-reentrant: with LoRA the checkpointed blocks' inputs need no gradient of their own
-        kwargs = {"use_reentrant": False}
-        accelerator.unwrap_model(net).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        checkpointing_on(accelerator.unwrap_model(net))
     if sp is not None:
         split.update(sp=sp, max_tokens=split["max_tokens"] and split["max_tokens"] * sp.size)
     return split, {**split, "micro_batch_size": args.micro_rollout_batch_size,

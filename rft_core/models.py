@@ -110,6 +110,17 @@ def lora_model(model, rank, alpha, target_modules="all-linear"):
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
 
 
+def checkpointing_on(model):
+    """Non-reentrant activation checkpointing (with LoRA the checkpointed blocks' inputs need no gradient of
+    their own), under the name transformers gives it: activation_checkpointing_enable since about 5.2x,
+    gradient_checkpointing_enable before (5.17, the GPU machine's)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def compile_blocks(model, backend="inductor"):
     """torch.compile every repeated block (each ModuleList element: a decoder layer) in place, parameter names
     unchanged, with dynamic shapes (lengths change every step). It fuses the fp32 element-wise ops (norms,

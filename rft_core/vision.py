@@ -21,7 +21,7 @@ import torch
 
 from rft_core.data import COLOURS, IMAGE_SIZE, NUMBERS
 from rft_core.errors import DataError, MissingPath
-from rft_core.models import check_model_path
+from rft_core.models import check_model_path, checkpointing_on
 from rft_core.multimodal import VISION_TOKENS, video_processor_like, vision_token_ids
 
 SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>", *VISION_TOKENS)
@@ -236,8 +236,8 @@ class VisionValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.score.weight)
         torch.nn.init.zeros_(self.score.bias)
 
-    def gradient_checkpointing_enable(self, **kwargs):
-        self.model.gradient_checkpointing_enable(**kwargs)
+    def activation_checkpointing_enable(self, **kwargs):  # rft_core.models.checkpointing_on
+        checkpointing_on(self.model)
 
     def forward(self, input_ids, attention_mask, position_ids=None, **mm_inputs):
         from transformers.modeling_outputs import TokenClassifierOutput

@@ -154,14 +154,14 @@ def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir, checkpointing):
     """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight sync),
     the same logits and gradients (the eager backend here; inductor on the GPU machine), also with the
     non-reentrant gradient checkpointing the scripts turn on when an update would not fit."""
-    from rft_core.models import compile_blocks
+    from rft_core.models import checkpointing_on, compile_blocks
 
     torch._dynamo.reset()
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     compiled = compile_blocks(AutoModelForCausalLM.from_pretrained(tiny_model_dir), backend="eager")
     for model in (plain, compiled) if checkpointing else ():
         model.train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(model)
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in compiled.named_parameters()]
     assert compiled.model.layers[0]._compiled_call_impl is not None
     ids = torch.tensor([[3, 4, 5, 6, 7], [0, 0, 5, 6, 7]])

@@ -54,8 +54,10 @@ def test_file_dataset_with_images(tmp_path, chars_reward):
 @pytest.mark.parametrize("estimator", ["cpgd", "reinforce", "gae"])  # dr_grpo, rloo: only their pure function differs
 def test_estimators_with_images(tmp_path, estimator, chars_reward):
     """More of the text script's estimators on the shapes task (group_norm and reinforce_baseline run above); gae
-    trains its vision critic, alone for the first step (--freezing_actor_steps 1), on a reward that always varies."""
-    extra = ["--freezing_actor_steps", "1", "--critic_learning_rate", "1e-3"] if estimator == "gae" else []
+    trains its vision critic, alone for the first step (--freezing_actor_steps 1), on a reward that always varies,
+    with activation checkpointing on (the critic's wrapper passes it to its Qwen2-VL)."""
+    extra = ["--freezing_actor_steps", "1", "--critic_learning_rate", "1e-3", "--gradient_checkpointing", "true"
+             ] if estimator == "gae" else []
     run_vl([*VL_TINY, "--advantage_estimator", estimator, "--reward_fn", chars_reward, *extra,
             "--output_dir", str(tmp_path)])
     rows, _ = read_metrics(str(tmp_path))
