@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Re-cut a ../shared/gpu/bundle.sh output into parts of SIZE (e.g. 55M) instead of its 48 MiB: a device call
+# carries at most 64 MiB with the working tree (about 7 MiB here), so bigger parts mean fewer calls (SGLang's
+# 1.1 GB: 20 parts instead of 23). install.sh and MANIFEST stay in part00; install.sh joins bundle.tar.* as
+# before.
+# Usage: bash bench/resplit_bundle.sh DIR SIZE
+set -euo pipefail
+dir=${1:?usage: resplit_bundle.sh DIR SIZE}; size=${2:?usage: resplit_bundle.sh DIR SIZE}
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+cp "$dir/part00/install.sh" "$dir/part00/MANIFEST" "$tmp/"
+cat "$dir"/part*/bundle.tar.* > "$tmp/bundle.tar"
+rm -rf "$dir"; mkdir -p "$dir"
+(cd "$tmp" && split -b "$size" -d -a 2 bundle.tar bundle.tar. && rm bundle.tar)
+i=0
+for p in "$tmp"/bundle.tar.*; do
+  d=$(printf '%s/part%02d' "$dir" "$i"); mkdir -p "$d"; mv "$p" "$d/"; i=$((i+1))
+done
+mv "$tmp/install.sh" "$tmp/MANIFEST" "$dir/part00/"
+echo "[resplit] $i parts of at most $size in $dir" >&2
