@@ -23,14 +23,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(config, tp, train_args, out_dir, timeout):
     path = os.path.join(ROOT, "accelerate_configs", f"{config}.yaml")
     run_dir = os.path.join(out_dir, f"{config}-tp{tp}")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, os.path.join(ROOT, "train_ppo.py"),
-           *train_args, "--engine_tp_size", str(tp), "--output_dir", run_dir]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path,
+           os.path.join(ROOT, "train_ppo.py"), *train_args, "--engine_tp_size", str(tp),
+           "--output_dir", run_dir]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         rc, log = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, log = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        rc, log = "timeout", ((e.stdout or b"").decode(errors="replace")
+                              + (e.stderr or b"").decode(errors="replace"))
     with open(f"{run_dir}.log", "w") as f:
         f.write(log)
     row = {"config": config, "tp": tp, "rc": rc, "wall_s": round(time.time() - t0, 1)}

@@ -5,7 +5,8 @@ ZeRO-3 (Ulysses SP) or FSDP2 (context parallelism).
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml bench/bench_sp_length.py \\
         --lengths 8192 16384 32768 --out sp1.json
     accelerate launch --config_file accelerate_configs/deepspeed_zero3_sp2.yaml bench/bench_sp_length.py ...
-    accelerate launch --config_file accelerate_configs/fsdp2.yaml bench/bench_sp_length.py ...  (and fsdp2_cp2)
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml bench/bench_sp_length.py ...
+        (and fsdp2_cp2)
 
 Per length: one row of a 64-token prompt and L response tokens for each data-parallel rank (without SP each
 GPU has its own row; with SP 2 the two GPUs share one), through the scripts' update: the chunked logprobs
@@ -46,9 +47,10 @@ def main():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, heads, kv_heads, inter, tied = {**SHAPES, "tiny": (64, 2, 4, 2, 128, True)}[args.size]
-    config = Qwen2Config(vocab_size=49152, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, intermediate_size=inter, tie_word_embeddings=tied,
-                         max_position_embeddings=max(args.lengths) + 64, attn_implementation="sdpa")
+    config = Qwen2Config(vocab_size=49152, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
+                         tie_word_embeddings=tied, max_position_embeddings=max(args.lengths) + 64,
+                         attn_implementation="sdpa")
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)  # fp32 weights, as the scripts train
     accelerator = Accelerator(mixed_precision="bf16", kwargs_handlers=process_group_kwargs())
@@ -73,7 +75,8 @@ def main():
                          torch.zeros(1, length, device=device), advantages=torch.randn(1, device=device))
         mb = sp.shard(exp) if sp else exp
         tokens = accelerator.reduce(mb.action_mask.sum().float(), "sum")
-        settings = LossSettings(num_tokens=tokens, num_pg_tokens=tokens, num_seqs=world // (sp.size if sp else 1))
+        settings = LossSettings(num_tokens=tokens, num_pg_tokens=tokens,
+                                num_seqs=world // (sp.size if sp else 1))
         with sliced(sp, model, mb), accelerator.autocast():  # CP: the forward and the backward in its context
             logprobs, entropy = micro_batch_logprobs(model, mb, 1.0, True, 2048, sp=sp)
             loss, _ = actor_loss(logprobs, entropy, mb, settings)

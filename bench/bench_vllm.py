@@ -66,8 +66,8 @@ def bench_engine(args):
     model.config.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     t = time.perf_counter()
-    engine = VLLMEngine(model_dir, tokenizer.eos_token_id, mem_util=args.mem_util, sleep="always", sleep_level=args.sleep_level,
-                        max_model_len=1024, enforce_eager=args.enforce_eager)
+    engine = VLLMEngine(model_dir, tokenizer.eos_token_id, mem_util=args.mem_util, sleep="always",
+                        sleep_level=args.sleep_level, max_model_len=1024, enforce_eager=args.enforce_eager)
     result = {"model": args.model, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
               "engine_start_s": time.perf_counter() - t, "enforce_eager": args.enforce_eager}
     result["weight_sync_s"], _ = timed(lambda: engine.update_weights(model), 5)
@@ -110,8 +110,10 @@ def bench_engine(args):
 def summarize(path):
     rows = [json.loads(line) for line in open(path)]
     steps = [r for r in rows if "perf/step_time_s" in r][3:]  # steady state: skip warm-up steps
-    keys = sorted({k for r in steps for k in r if k.startswith("perf/") or k.startswith("rollout/logprob_diff")})
-    print(json.dumps({"steps": len(steps), **{k: statistics.median(r[k] for r in steps if k in r) for k in keys},
+    keys = sorted({k for r in steps for k in r
+                   if k.startswith("perf/") or k.startswith("rollout/logprob_diff")})
+    print(json.dumps({"steps": len(steps),
+                      **{k: statistics.median(r[k] for r in steps if k in r) for k in keys},
                       "eval": [r for r in rows if "eval/accuracy" in r]}))
 
 

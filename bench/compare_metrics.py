@@ -2,7 +2,8 @@
 python bench/compare_metrics.py BEFORE AFTER [names...]"""
 import json, sys, math
 before, after = sys.argv[1:3]
-names = sys.argv[3:] or ["text_default","vl_default","gae","cpgd","rloo_kl","variants","lora","vl_gae","vl_kl"]
+names = sys.argv[3:] or ["text_default","vl_default","gae","cpgd","rloo_kl","variants","lora","vl_gae",
+                         "vl_kl"]
 for n in names:
     try:
         a = [json.loads(l) for l in open(f"{before}/{n}/metrics.jsonl")]

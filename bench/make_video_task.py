@@ -1,6 +1,7 @@
-"""A small file dataset of videos for train_ppo_vl.py: each prompt is a clip of 4 drawn frames (84 x 84 PNGs) in
-which every shape has one colour, asked "what colour is the shape ?" (answer: the colour). It exercises the video
-path end to end (the file loader, the video processor, vLLM video requests); writes DIR/train.jsonl and DIR/eval.jsonl.
+"""A small file dataset of videos for train_ppo_vl.py: each prompt is a clip of 4 drawn frames (84 x 84 PNGs)
+in which every shape has one colour, asked "what colour is the shape ?" (answer: the colour). It exercises the
+video path end to end (the file loader, the video processor, vLLM video requests); writes DIR/train.jsonl and
+DIR/eval.jsonl.
 
     python bench/make_video_task.py DIR [--num_train 256 --num_eval 32]
 """
@@ -32,7 +33,8 @@ def main():
                     path = f"frames/{split}{i}_{t}.png"
                     draw_shapes(colour, rng.randint(1, 3), rng).save(os.path.join(args.dir, path))
                     paths.append(path)
-                f.write(json.dumps({"prompt": "what colour is the shape ?", "label": colour, "images": [paths]}) + "\n")
+                f.write(json.dumps({"prompt": "what colour is the shape ?", "label": colour,
+                                    "images": [paths]}) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no_item_syncs", action="store_true")
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (--torch_compile)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each decoder layer (--torch_compile)")
     args = parser.parse_args()
 
     from accelerate import Accelerator
@@ -62,8 +63,10 @@ def main():
         num_tokens = exp.action_mask.sum().float()
         for mb in exp.split(args.micro_batch):
             with accelerator.accumulate(model), accelerator.autocast():
-                logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask, R, 1.0, with_entropy=True)
-                loss, m = policy_loss(logprobs, logprobs.detach(), mb.advantages, mb.action_mask, 0.2, num_tokens=num_tokens)
+                logprobs, entropy = response_logprobs(model, mb.input_ids, mb.attention_mask, R, 1.0,
+                                                      with_entropy=True)
+                loss, m = policy_loss(logprobs, logprobs.detach(), mb.advantages, mb.action_mask, 0.2,
+                                      num_tokens=num_tokens)
                 accelerator.backward(loss * accelerator.gradient_accumulation_steps)
                 if accelerator.sync_gradients:
                     metrics.append(sync(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
@@ -80,14 +83,15 @@ def main():
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    activities = ([torch.profiler.ProfilerActivity.CPU]
+                  + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
     with torch.profiler.profile(activities=activities) as prof:
         step()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:args.top]
     print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "batch": B, "tokens": P + R,
-                      "micro_batch": args.micro_batch, "item_syncs": not args.no_item_syncs, "compile": args.compile,
-                      "step_s_median": statistics.median(times), "step_s": times,
+                      "micro_batch": args.micro_batch, "item_syncs": not args.no_item_syncs,
+                      "compile": args.compile, "step_s_median": statistics.median(times), "step_s": times,
                       "top_ops_ms": {e.key: round(getattr(e, key) / 1e3, 2) for e in events},
                       "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}))
 

@@ -14,4 +14,5 @@ save_tiny_rm(f"{out}/rm", save_tiny_model(f"{out}/model"))
 with open(f"{out}/chars.py", "w") as f:
     f.write(CHARS_REWARD)
 with open(f"{out}/ptx.jsonl", "w") as f:
-    f.write("\n".join(json.dumps({"text": f"The number {i} is {'even' if i % 2 == 0 else 'odd'}."}) for i in range(6)))
+    f.write("\n".join(json.dumps({"text": f"The number {i} is {'even' if i % 2 == 0 else 'odd'}."})
+                      for i in range(6)))

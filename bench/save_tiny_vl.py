@@ -1,5 +1,6 @@
 """Save the built-in tiny vision-language model (random weights, the word-level tokenizer) as an HF directory,
-so `train_ppo_vl.py --pretrain DIR` goes through the checkpoint path (AutoModelForImageTextToText, AutoTokenizer).
+so `train_ppo_vl.py --pretrain DIR` goes through the checkpoint path (AutoModelForImageTextToText,
+AutoTokenizer).
 
     python bench/save_tiny_vl.py DIR [--arch qwen2_vl|qwen2_5_vl]
 """

@@ -38,8 +38,8 @@ def main():
         _, t_prefix = timed(engine.llm.reset_prefix_cache)
         _, t_encoder = timed(engine.llm.llm_engine.reset_encoder_cache)
         _, t_all = timed(lambda: engine.update_weights(model))
-        print(f"iter {t_iter:.4f} load {t_load:.4f} reset_prefix {t_prefix:.4f} reset_encoder {t_encoder:.4f} "
-              f"update_weights {t_all:.4f}", flush=True)
+        print(f"iter {t_iter:.4f} load {t_load:.4f} reset_prefix {t_prefix:.4f} "
+              f"reset_encoder {t_encoder:.4f} update_weights {t_all:.4f}", flush=True)
 
 
 if __name__ == "__main__":

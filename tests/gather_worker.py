@@ -50,7 +50,8 @@ def check(model_dir, mode, lora):
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst == 0.0, worst
     layers = [sum(v.numel() for k, v in want.items() if k.startswith(f"model.layers.{i}.")) for i in range(2)]
-    biggest = max(max(layers), max(v.numel() for v in want.values()))  # a layer or a single tensor (embedding)
+    # a layer or a single tensor (embedding)
+    biggest = max(max(layers), max(v.numel() for v in want.values()))
     assert max(units) <= biggest and len(units) >= 4, units  # one piece at a time, never the whole model
     print(f"OK {mode} lora={lora} rank={dist.get_rank()} units={units}")
 

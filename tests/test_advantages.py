@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from rft_core.advantages import (ADVANTAGE_ESTIMATORS, adaptive_kl_coef, outcome_scores, discounted_returns, gae,
-                                 token_rewards, whiten)
+from rft_core.advantages import (ADVANTAGE_ESTIMATORS, adaptive_kl_coef, outcome_scores, discounted_returns,
+                                 gae, token_rewards, whiten)
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.1, 0.1, 0.0, 0.0]  # 3 prompts x 4 samples
 N = 4
@@ -52,7 +52,8 @@ def test_known_values():
     assert adv.tolist() == [0.5, -0.5]
     adv = outcome_scores(torch.tensor([1.0, 0.0, 0.0]), 3, "rloo")
     assert adv.tolist() == pytest.approx([1.0, -0.5, -0.5])
-    assert outcome_scores(torch.tensor([1.0, 0.0]), 2, "cpgd").tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert (outcome_scores(torch.tensor([1.0, 0.0]), 2, "cpgd").tolist()
+            == pytest.approx([1.0, -1.0], abs=1e-5))
     # a group where every sample got the same reward carries no signal
     assert outcome_scores(torch.tensor([0.5, 0.5, 0.5]), 3, "group_norm").abs().max() == 0
 
@@ -60,9 +61,10 @@ def test_known_values():
 @pytest.mark.parametrize("estimator", ["group_norm", "cpgd", "dr_grpo", "rloo", "reinforce_baseline"])
 @pytest.mark.parametrize("group", [[0.3] * 8, [123.456] * 5, [1.1] * 3, [1e-7] * 4])
 def test_tied_group_scores_exactly_zero(estimator, group):
-    """A group whose rewards are all equal (partial credit, --normalize_reward, dynamic sampling's fillers) has
-    no better sample: every baseline estimator gives exactly 0. In float32 the mean of [0.3] * 8 is one ulp off
-    and its std one ulp, so (r - mean) / (std + eps) used to give +0.029, and [123.456] * 5 gave 0.80."""
+    """A group whose rewards are all equal (partial credit, --normalize_reward, dynamic sampling's fillers)
+    has no better sample: every baseline estimator gives exactly 0. In float32 the mean of [0.3] * 8 is one
+    ulp off and its std one ulp, so (r - mean) / (std + eps) used to give +0.029, and [123.456] * 5 gave
+    0.80."""
     mixed = torch.tensor(group + [2.0] + group[1:])  # a tied group, then one that is not
     scores = outcome_scores(mixed, len(group), estimator)
     assert scores[:len(group)].tolist() == [0.0] * len(group)
@@ -115,7 +117,8 @@ def test_token_rewards():
     scores, mask, kl, _ = batch()
     got = token_rewards(scores, mask, kl, 0.1)
     close(got, naive_token_rewards(scores, mask, kl, 0.1))
-    assert token_rewards(scores, mask).sum(-1).tolist() == pytest.approx(scores.tolist())  # no KL: the score once
+    # no KL: the score once
+    assert token_rewards(scores, mask).sum(-1).tolist() == pytest.approx(scores.tolist())
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.9])

@@ -66,14 +66,16 @@ def test_encode_prompt(tiny_model_dir):
     plain = encode_prompt(tok, "What is 1 + 1?", apply_chat_template=False)
     assert tok.decode(plain) == "What is 1 + 1?"
     chat = tok.decode(encode_prompt(tok, "What is 1 + 1?", system_prompt="Be brief."))
-    assert chat.startswith("<|im_start|>system\nBe brief.<|im_end|>") and chat.endswith("<|im_start|>assistant\n")
+    assert (chat.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+            and chat.endswith("<|im_start|>assistant\n"))
     messages = [{"role": "user", "content": "hello"}]
     assert encode_prompt(tok, messages) == encode_prompt(tok, "hello")
 
 
 def test_unusable_rows_counted_and_all_bad_is_an_error(tmp_path):
     rows = [{"prompt": "fine", "label": 1}, {"prompt": "", "label": 2}, {"prompt": None, "label": 3},
-            {"prompt": [{"role": "user", "content": "hi"}], "label": 4}, {"prompt": [{"content": 5}], "label": 5}]
+            {"prompt": [{"role": "user", "content": "hi"}], "label": 4},
+            {"prompt": [{"content": 5}], "label": 5}]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     loaded, skipped = load_prompt_rows(str(path))
@@ -91,6 +93,7 @@ def test_text_batches_name_their_flag(tmp_path):
     path = tmp_path / "ptx.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n')
     stream = text_batches(str(path), "text", 2, rank=1, world=2)
-    assert [next(stream) for _ in range(3)] == [["b"], ["b"], ["b"]]  # rank 1 of 2 gets the odd rows, endlessly
+    # rank 1 of 2 gets the odd rows, endlessly
+    assert [next(stream) for _ in range(3)] == [["b"], ["b"], ["b"]]
     with pytest.raises(KeyError, match="--pretrain_data .* has no column 'body'"):
         next(text_batches(str(path), "body", 2))

@@ -17,8 +17,9 @@ from test_train_smoke import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "accelerate_configs", "*.yaml")))
-RUN = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2", "--micro_train_batch_size", "1",
-       "--micro_rollout_batch_size", "4", "--generate_max_len", "8", "--use_kl_loss", "--init_kl_coef", "0.1", "--actor_learning_rate", "1e-3"]
+RUN = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
+       "--micro_train_batch_size", "1", "--micro_rollout_batch_size", "4", "--generate_max_len", "8",
+       "--use_kl_loss", "--init_kl_coef", "0.1", "--actor_learning_rate", "1e-3"]
 
 
 def launch(cmd, timeout=600, **env):
@@ -44,8 +45,10 @@ def test_config_files_load():
         config, name = load_config_from_file(path), os.path.basename(path)
         if name.startswith("deepspeed") or name == "multi_node":
             stage = int(name[len("deepspeed_zero")]) if name.startswith("deepspeed") else 3
-            assert config.distributed_type.name == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == stage
-            assert (config.deepspeed_config["offload_optimizer_device"] == "cpu") == name.endswith("offload.yaml")
+            assert (config.distributed_type.name == "DEEPSPEED"
+                    and config.deepspeed_config["zero_stage"] == stage)
+            assert ((config.deepspeed_config["offload_optimizer_device"] == "cpu")
+                    == name.endswith("offload.yaml"))
         if name.startswith("fsdp2"):
             assert config.distributed_type.name == "FSDP" and config.fsdp_config["fsdp_version"] == 2
             assert config.fsdp_config["fsdp_offload_params"] == name.endswith("offload.yaml")
@@ -62,13 +65,13 @@ def test_full_weights_sharded(tiny_model_dir):
 
 
 def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tmp_path, chars_reward):
-    """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss) and a
-    reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same seed (DDP by
-    one-sample micro-batches, ZeRO-3 by a token budget, with --optimizer_offload); stopped after step 1 and
-    resumed, step 2 is still DDP's step 2."""
+    """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss)
+    and a reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same
+    seed (DDP by one-sample micro-batches, ZeRO-3 by a token budget, with --optimizer_offload); stopped after
+    step 1 and resumed, step 2 is still DDP's step 2."""
     pytest.importorskip("deepspeed")
-    args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN, "--reward_fn", chars_reward,
-            "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "1"]
+    args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN,
+            "--reward_fn", chars_reward, "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "1"]
     launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args,
             "--output_dir", str(tmp_path / "ddp")], ACCELERATE_USE_CPU="true")
     # ZeRO-3 with micro-batches by tokens: a budget of about one sample, so the ranks' counts can differ (and
@@ -76,8 +79,8 @@ def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tm
     i = args.index("--micro_train_batch_size")
     by_tokens = args[:i] + args[i + 2:]
     zero3 = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-             os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml"), *by_tokens, "--save_steps", "1",
-             "--max_tokens_per_micro_batch", "30", "--optimizer_offload",
+             os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml"), *by_tokens,
+             "--save_steps", "1", "--max_tokens_per_micro_batch", "30", "--optimizer_offload",
              "--output_dir", str(tmp_path / "z3")]
     launch([*zero3, "--max_steps", "1"])  # the later --max_steps wins
     assert os.path.isdir(tmp_path / "z3" / "checkpoint-1")
@@ -87,7 +90,8 @@ def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tm
     z3, _ = read_metrics(str(tmp_path / "z3"))
     assert [r["step"] for r in z3] == [1, 2]
     for a, b in zip(ddp, z3):
-        for key in ("train/grad_norm", "train/kl", "train/policy_loss", "rollout/reward_mean", "rollout/reward/rm0"):
+        for key in ("train/grad_norm", "train/kl", "train/policy_loss", "rollout/reward_mean",
+                    "rollout/reward/rm0"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert z3[1]["train/kl"] > 0  # the sharded reference model is in use
     want, got = (load_file(str(tmp_path / d / "model" / "model.safetensors")) for d in ("ddp", "z3"))
@@ -108,7 +112,8 @@ def test_hf_architecture_names_the_transformers_class(tiny_model_dir):
 
     model.__class__ = type("FSDPLlamaForCausalLM", (FSDPModule, type(model)), {})  # as fully_shard does
     assert hf_architecture(model) == "LlamaForCausalLM"
-    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, target_modules="all-linear"))
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                          LoraConfig(r=2, target_modules="all-linear"))
     assert hf_architecture(lora) == "LlamaForCausalLM"
 
 
@@ -122,7 +127,8 @@ def test_move_optimizer_state():
     opt.step()
     want = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in net.parameters()}
     move_optimizer_state([opt], "meta")  # a stand-in for the GPU
-    assert all({k: v.device.type for k, v in opt.state[p].items()} == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
+    assert all({k: v.device.type for k, v in opt.state[p].items()}
+               == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
                for p in net.parameters())
     for p in net.parameters():  # meta holds no data: put the values back, then a round trip to the CPU
         opt.state[p].update(want[p])
@@ -198,7 +204,8 @@ def test_move_optimizer_state_under_deepspeed(stage):
 def test_adam_step_rms_against_adams_recurrences():
     """adam_step_rms: m_hat / (sqrt(v_hat) + eps) of the step AdamW just took, RMS over the parameters,
     against the recurrences written out for scalar gradients; 1 for a repeated gradient, small after large
-    gradients (as partial rollout's first batches of short answers leave in AdamW's moments); chunked alike."""
+    gradients (as partial rollout's first batches of short answers leave in AdamW's moments); chunked
+    alike."""
     from rft_core.distributed import adam_step_rms
 
     param = torch.nn.Parameter(torch.zeros(5))
@@ -221,16 +228,19 @@ def test_adam_step_rms_against_adams_recurrences():
 
 def test_choose_budget():
     """The update's token budget: beside the awake engine where 8192+ tokens fit there, else while it sleeps
-    (4096+), else gradient checkpointing; capped at 32768; a user's budget is kept, checkpointing decided for it.
-    Figures: 1 MiB per token, room and engine in GiB (the 135M, 0.5B, 1.5B and 7B cases seen on an H100)."""
+    (4096+), else gradient checkpointing; capped at 32768; a user's budget is kept, checkpointing decided for
+    it. Figures: 1 MiB per token, room and engine in GiB (the 135M, 0.5B, 1.5B and 7B cases seen on an
+    H100)."""
     from rft_core.memory import AUTO_MAX_TOKENS, choose_budget
 
     mib, gib = 2**20, 2**30
     assert AUTO_MAX_TOKENS == 32768
     assert choose_budget(mib, 64 * gib, 22 * gib, True, 16384, False) == (False, 32768, True)  # capped
     assert choose_budget(mib, 38 * gib, 22 * gib, True, 16384, False) == (False, 16384, True)  # 16 GiB beside
-    assert choose_budget(2 * mib, 36 * gib, 22 * gib, True, 16384, False) == (False, 18432, False)  # 7k beside
-    assert choose_budget(2 * mib, 36 * gib, 22 * gib, False, 16384, False) == (False, 7168, True)  # never sleeps
+    # 7k beside
+    assert choose_budget(2 * mib, 36 * gib, 22 * gib, True, 16384, False) == (False, 18432, False)
+    # never sleeps
+    assert choose_budget(2 * mib, 36 * gib, 22 * gib, False, 16384, False) == (False, 7168, True)
     assert choose_budget(4 * mib, 12 * gib, 0, True, 16384, False) == (True, 16384, False)  # 3k tokens: ckpt
     assert choose_budget(mib, 64 * gib, 22 * gib, True, 50000, True) == (False, 50000, False)  # the user's
     assert choose_budget(mib, 40 * gib, 22 * gib, True, 50000, True) == (True, 50000, False)
@@ -318,7 +328,8 @@ def test_sharded_configs_with_vllm(tmp_path, config):
             "--engine_type", "vllm", "--engine_enforce_eager", "--use_kl_loss", "--max_steps", "2",
             "--output_dir", str(tmp_path)], DS_ACCELERATOR="cuda")
     steps, _ = read_metrics(str(tmp_path))
-    assert len(steps) == 2 and all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)
+    assert len(steps) == 2 and all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0
+                                   for r in steps)
     assert os.path.isfile(tmp_path / "model" / "model.safetensors")
 
 

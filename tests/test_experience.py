@@ -9,7 +9,8 @@ from rft_core.logprobs import response_logprobs
 from rft_core.models import load_model_and_tokenizer
 
 PROMPTS = [[5, 6, 7], [8], [9, 10]]
-GENS = [Generation([11, 12], [-0.1, -0.2]), Generation([13, 14, 15, 2], [-1.0, -2.0, -3.0, -4.0]), Generation([16], [-0.5])]
+GENS = [Generation([11, 12], [-0.1, -0.2]), Generation([13, 14, 15, 2], [-1.0, -2.0, -3.0, -4.0]),
+        Generation([16], [-0.5])]
 
 
 def test_build_experience_layout():
@@ -53,7 +54,8 @@ def test_split_widths_are_multiples_of_8_where_the_padding_allows():
     assert exp.input_ids.shape == (2, 16)  # 14 + 2: no response padding added
     first = exp.split(1)[0]  # row 0: 2 + 2 = 4 -> 8, none of response padding left: 4 of the prompt's
     assert first.input_ids.tolist() == [[0, 0, 0, 0, 5, 5, 7, 7]]
-    assert first.attention_mask.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]] and first.action_mask.tolist() == [[1, 1]]
+    assert (first.attention_mask.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
+            and first.action_mask.tolist() == [[1, 1]])
 
 
 def test_batched_forward_stores_any_dtype_as_fp32():
@@ -96,7 +98,8 @@ def test_micro_batches_by_tokens():
     assert len(groups) == local + 3 and sorted(i for g in groups for i in g) == list(range(37))
     with pytest.raises(ValueError, match="cannot make"):
         exp.micro_batch_rows(max_tokens=200, sync_count=lambda n: 38)
-    assert exp.micro_batch_rows(micro_batch_size=16) == [list(range(16)), list(range(16, 32)), list(range(32, 37))]
+    assert exp.micro_batch_rows(micro_batch_size=16) == [list(range(16)), list(range(16, 32)),
+                                                         list(range(32, 37))]
 
 
 def test_logprobs_independent_of_padding_and_batching(tiny_model_dir):
@@ -105,7 +108,8 @@ def test_logprobs_independent_of_padding_and_batching(tiny_model_dir):
     model.eval()
     exp = build_experience(PROMPTS, GENS, pad_token_id=0)
     batched = batched_logprobs(model, exp, micro_batch_size=2)  # (B, R)
-    assert torch.allclose(batched_logprobs(model, exp, max_tokens=8), batched, atol=1e-5)  # by tokens, regrouped
+    # by tokens, regrouped
+    assert torch.allclose(batched_logprobs(model, exp, max_tokens=8), batched, atol=1e-5)
     for i, (p, g) in enumerate(zip(PROMPTS, GENS)):
         ids = torch.tensor([p + g.token_ids])
         alone, _ = response_logprobs(model, ids, torch.ones_like(ids), len(g.token_ids))
@@ -197,16 +201,19 @@ def test_packed_equals_padded(tiny_model_dir, chunk_size):
         model.zero_grad()
         logprobs, entropy = micro_batch_logprobs(model, exp, 0.9, "grad", chunk_size, packed)
         ((logprobs + 0.5 * entropy) * upstream * exp.action_mask).sum().backward()
-        results.append((logprobs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append((logprobs.detach(), entropy.detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
     (lp, ent, grads), (plp, pent, pgrads) = results
-    assert torch.allclose(lp * exp.action_mask, plp, atol=1e-5) and torch.allclose(ent * exp.action_mask, pent, atol=1e-5)
+    assert (torch.allclose(lp * exp.action_mask, plp, atol=1e-5)
+            and torch.allclose(ent * exp.action_mask, pent, atol=1e-5))
     assert (plp * (1 - exp.action_mask)).abs().sum() == 0  # zeros on the padding
     assert all(torch.allclose(grads[n], pgrads[n], rtol=1e-4, atol=1e-5) for n in grads)
     other = exp.input_ids.clone()
     other[1, exp.input_ids.shape[1] - exp.action_mask.shape[1] + 1] = 77  # sample 1's second response token
     with torch.no_grad():
         moved = micro_batch_logprobs(model, replace(exp, input_ids=other), 0.9, False, chunk_size, True)[0]
-    assert torch.allclose(moved[[0, 2, 3]], plp[[0, 2, 3]], atol=1e-6) and not torch.allclose(moved[1], plp[1])
+    assert (torch.allclose(moved[[0, 2, 3]], plp[[0, 2, 3]], atol=1e-6)
+            and not torch.allclose(moved[1], plp[1]))
     critic = load_value_model(actor=model)
     torch.nn.init.normal_(critic.score.weight)
     with torch.no_grad():

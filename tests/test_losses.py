@@ -64,7 +64,8 @@ def test_split_invariance(mode, splits):
     totals = dict(num_tokens=mask.sum(), num_seqs=8, max_len=6)
     pieces, lo = [], 0
     for n in splits:
-        piece, _ = policy_loss(logprobs[lo:lo + n], old[lo:lo + n], adv[lo:lo + n], mask[lo:lo + n], 0.2, mode, **totals)
+        piece, _ = policy_loss(logprobs[lo:lo + n], old[lo:lo + n], adv[lo:lo + n], mask[lo:lo + n], 0.2,
+                               mode, **totals)
         pieces.append(piece)
         lo += n
     total = sum(pieces)
@@ -139,7 +140,8 @@ def test_masked_mean_and_entropy():
     logits = torch.tensor([[0.0, 0.0], [0.0, math.log(3.0)]])
     expected = [math.log(2), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
     assert entropy_from_logits(logits).tolist() == pytest.approx(expected, rel=1e-5)
-    assert entropy_from_logits(logits, torch.logsumexp(logits, -1)).tolist() == pytest.approx(expected, rel=1e-5)
+    assert (entropy_from_logits(logits, torch.logsumexp(logits, -1)).tolist()
+            == pytest.approx(expected, rel=1e-5))
 
 
 def naive_token_losses(logprobs, old, adv, mask, lo, hi, dual=None):
@@ -199,9 +201,9 @@ def test_importance_weights_scale_token_losses():
 
 
 def test_cpg_loss_value_and_gradient():
-    """CPGD: per token -A * log(pi / pi_old), the log-ratio clipped to [log(1-eps), log(1+eps_high)] on the side
-    A pushes it (up for A > 0, down for A < 0): the paper's objective, whose value has no -A log pi_old term;
-    gradient -A / n inside the range, 0 where clipped."""
+    """CPGD: per token -A * log(pi / pi_old), the log-ratio clipped to [log(1-eps), log(1+eps_high)] on the
+    side A pushes it (up for A > 0, down for A < 0): the paper's objective, whose value has no -A log pi_old
+    term; gradient -A / n inside the range, 0 where clipped."""
     lo, hi = 0.2, 0.28
     logprobs = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
     old = torch.tensor([[-1.1, -1.0, -2.0], [-0.9, -2.0, -0.1]])
@@ -247,7 +249,8 @@ def test_value_loss_split_invariance():
     torch.manual_seed(6)
     values, old, returns = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
     whole = value_loss(values, old, returns, MASK, 0.2)
-    parts = sum(value_loss(values[i:i + 1], old[i:i + 1], returns[i:i + 1], MASK[i:i + 1], 0.2, num_tokens=MASK.sum())
+    parts = sum(value_loss(values[i:i + 1], old[i:i + 1], returns[i:i + 1], MASK[i:i + 1], 0.2,
+                           num_tokens=MASK.sum())
                 for i in range(3))
     assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
 
@@ -255,7 +258,8 @@ def test_value_loss_split_invariance():
 def test_high_entropy_mask():
     entropy = torch.tensor([[0.1, 5.0, 0.3, 9.0], [2.0, 0.2, 7.0, 8.0], [1.0, 4.0, 3.0, 6.0]])
     keep = high_entropy_mask(entropy, MASK, 0.4)  # 9 response tokens -> round(3.6) = 4 kept
-    flat = sorted(((entropy[i, t].item(), (i, t)) for i in range(3) for t in range(4) if MASK[i, t]), reverse=True)
+    flat = sorted(((entropy[i, t].item(), (i, t)) for i in range(3) for t in range(4) if MASK[i, t]),
+                  reverse=True)
     want = torch.zeros(3, 4)
     for _, (i, t) in flat[:4]:
         want[i, t] = 1
@@ -284,15 +288,17 @@ def _micro_batch(seed, rows=6, width=5):
 
 
 def test_actor_loss_matches_its_parts():
-    """actor_loss = policy loss (on the high-entropy tokens, TIS-weighted) - entropy bonus + CPGD drift + KL loss,
-    each term checked against the pure functions it is built from."""
+    """actor_loss = policy loss (on the high-entropy tokens, TIS-weighted) - entropy bonus + CPGD drift + KL
+    loss, each term checked against the pure functions it is built from."""
     mb = _micro_batch(0)
-    logprobs = (mb.old_logprobs + 0.1 * torch.randn(6, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    logprobs = (mb.old_logprobs
+                + 0.1 * torch.randn(6, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
     entropy = torch.rand(6, 5, generator=torch.Generator().manual_seed(2)).requires_grad_()
     n = float(mb.action_mask.sum())
     s = LossSettings("token-mean", 0.2, 0.28, dual_clip=3.0, tis_cap=2.0, high_entropy_token_ratio=0.5,
-                     entropy_coef=0.01, policy_drift_coef=0.1, use_kl_loss=True, kl_coef=0.05, kl_estimator="k2",
-                     num_tokens=torch.tensor(n), num_pg_tokens=torch.tensor(float(round(0.5 * n))), num_seqs=6)
+                     entropy_coef=0.01, policy_drift_coef=0.1, use_kl_loss=True, kl_coef=0.05,
+                     kl_estimator="k2", num_tokens=torch.tensor(n),
+                     num_pg_tokens=torch.tensor(float(round(0.5 * n))), num_seqs=6)
     loss, metrics = actor_loss(logprobs, entropy, mb, s)
     keep = high_entropy_mask(entropy, mb.action_mask, 0.5)
     weights = (mb.old_logprobs - mb.rollout_logprobs).exp().clamp(max=2.0)
@@ -323,10 +329,11 @@ def test_actor_loss_logged_policy_loss_is_the_steps():
     logprobs = (mb.old_logprobs + 0.05).requires_grad_()
     entropy = torch.rand(8, 5)
     counts = policy_token_counts([mb.action_mask])
-    whole = LossSettings(num_tokens=torch.tensor(counts[0]), num_pg_tokens=torch.tensor(counts[1]), num_seqs=8)
+    whole = LossSettings(num_tokens=torch.tensor(counts[0]), num_pg_tokens=torch.tensor(counts[1]),
+                         num_seqs=8)
     full, _ = actor_loss(logprobs, entropy, mb, whole)
-    split = LossSettings(num_tokens=torch.tensor(counts[0]), num_pg_tokens=torch.tensor(counts[1]), num_seqs=8,
-                         micro_batches_per_step=4)
+    split = LossSettings(num_tokens=torch.tensor(counts[0]), num_pg_tokens=torch.tensor(counts[1]),
+                         num_seqs=8, micro_batches_per_step=4)
     per_rank, total = [], 0.0
     for rank in range(2):
         logged = []
@@ -351,7 +358,8 @@ def test_behaviour_weights_truncated_or_masked(mode):
     """Off-policy tokens (partial rollout: sampled by older weights) are weighted by pi_old / pi_behaviour:
     truncated at the cap, or masked above it; the weights' mean, max and capped fraction are logged."""
     mb = _micro_batch(0)
-    mb.rollout_logprobs = mb.old_logprobs - torch.linspace(-1.5, 1.5, 30).reshape(6, 5)  # weights e^-1.5..e^1.5
+    # weights e^-1.5..e^1.5
+    mb.rollout_logprobs = mb.old_logprobs - torch.linspace(-1.5, 1.5, 30).reshape(6, 5)
     logprobs = mb.old_logprobs.clone().requires_grad_()
     entropy = torch.zeros(6, 5)
     n = float(mb.action_mask.sum())

@@ -53,7 +53,8 @@ def test_merged_state_dict_matches_peft_merge(tiny_model_dir):
     from rft_core.models import merged_state_dict
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p)  # B starts at 0: make the delta non-zero
@@ -79,16 +80,19 @@ def test_response_logprobs_against_full_log_softmax(tiny_model_dir, temperature)
     logprobs, entropy = response_logprobs(model, ids, mask, 3, temperature, with_entropy=True)
     for b in range(2):
         real = mask[b].bool()
-        logits = model(input_ids=ids[b:b + 1, real]).logits[0].float() / temperature  # (L, V), no padding at all
+        # (L, V), no padding at all
+        logits = model(input_ids=ids[b:b + 1, real]).logits[0].float() / temperature
         logp = torch.log_softmax(logits, -1)
         want = [logp[t - 1, ids[b, real][t]].item() for t in range(real.sum() - 3, real.sum())]
-        want_entropy = [-(logp[t - 1].exp() * logp[t - 1]).sum().item() for t in range(real.sum() - 3, real.sum())]
+        want_entropy = [-(logp[t - 1].exp() * logp[t - 1]).sum().item()
+                        for t in range(real.sum() - 3, real.sum())]
         assert logprobs[b].tolist() == pytest.approx(want, abs=1e-5)
-        assert entropy[b].tolist() == pytest.approx(want_entropy, abs=1e-5, rel=1e-5)  # fp32 sums over the vocab
+        # fp32 sums over the vocab
+        assert entropy[b].tolist() == pytest.approx(want_entropy, abs=1e-5, rel=1e-5)
 
 
-@pytest.mark.parametrize("dtype, temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.0),
-                                                (torch.bfloat16, 0.6)])
+@pytest.mark.parametrize("dtype, temperature", [(torch.float32, 1.0), (torch.float32, 0.7),
+                                                (torch.bfloat16, 1.0), (torch.bfloat16, 0.6)])
 def test_token_logprobs_gradient_against_autograd(dtype, temperature):
     """TokenLogprobs' hand-written backward ((onehot - softmax) g / T) == autograd through a naive
     log_softmax, for fp32 and bf16 logits (a sliced, non-contiguous view as the model gives), with the entropy
@@ -110,7 +114,8 @@ def test_token_logprobs_gradient_against_autograd(dtype, temperature):
     assert torch.allclose(logprobs, want, atol=1e-5) and not entropy.requires_grad
     assert torch.allclose(entropy, -(logp.exp() * logp).sum(-1).detach(), atol=1e-4)
     assert ours_in.grad.dtype == dtype
-    assert torch.allclose(ours_in.grad.float(), ref_in.grad.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert torch.allclose(ours_in.grad.float(), ref_in.grad.float(),
+                          atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     assert torch.equal(full, before)
     none_logprobs, no_entropy = TokenLogprobs.apply(full[:, :-1], targets, temperature, False)
     assert no_entropy is None and torch.allclose(none_logprobs, want.detach(), atol=1e-5)
@@ -118,9 +123,10 @@ def test_token_logprobs_gradient_against_autograd(dtype, temperature):
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast):
-    """--fused_linear_logprob: logprobs, entropy (with its gradient, for an entropy bonus) and every parameter's
-    gradient equal the model's own logits path, on rows of several lengths, prompts left-padded and responses
-    right-padded, at a temperature, in fp32 and under bf16 autocast; chunks that do not divide the tokens."""
+    """--fused_linear_logprob: logprobs, entropy (with its gradient, for an entropy bonus) and every
+    parameter's gradient equal the model's own logits path, on rows of several lengths, prompts left-padded
+    and responses right-padded, at a temperature, in fp32 and under bf16 autocast; chunks that do not divide
+    the tokens."""
     from rft_core.experience import build_experience
     from rft_core.engine import Generation
     from rft_core.logprobs import response_logprobs
@@ -135,24 +141,27 @@ def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast):
     for chunk_size in (None, 5, 1000):
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logprobs, entropy = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.action_mask.shape[1],
-                                                  0.8, with_entropy="grad", chunk_size=chunk_size)
+            logprobs, entropy = response_logprobs(model, exp.input_ids, exp.attention_mask,
+                                                  exp.action_mask.shape[1], 0.8, with_entropy="grad",
+                                                  chunk_size=chunk_size)
         ((logprobs + 0.3 * entropy) * upstream).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         results.append((logprobs.detach() * exp.action_mask, entropy.detach() * exp.action_mask, grads))
     atol = 3e-2 if autocast else 1e-5
     for logprobs, entropy, grads in results[1:]:
-        assert torch.allclose(logprobs, results[0][0], atol=atol) and torch.allclose(entropy, results[0][1], atol=atol)
+        assert (torch.allclose(logprobs, results[0][0], atol=atol)
+                and torch.allclose(entropy, results[0][1], atol=atol))
         for name, grad in grads.items():
             want = results[0][2][name]
             assert torch.allclose(grad, want, atol=atol * want.abs().max().item() + 1e-7), name
-    assert results[0][0].abs().sum() > 0 and results[0][2]["model.embed_tokens.weight"].abs().sum() > 0  # tied head
+    # tied head
+    assert results[0][0].abs().sum() > 0 and results[0][2]["model.embed_tokens.weight"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir, checkpointing):
-    """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight sync),
-    the same logits and gradients (the eager backend here; inductor on the GPU machine), also with the
+    """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight
+    sync), the same logits and gradients (the eager backend here; inductor on the GPU machine), also with the
     non-reentrant gradient checkpointing the scripts turn on when an update would not fit."""
     from rft_core.models import checkpointing_on, compile_blocks
 
@@ -170,7 +179,8 @@ def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir, checkpointing):
     assert torch.allclose(outs[0], outs[1], atol=1e-6)
     for out in outs:
         out.sum().backward()
-    assert torch.allclose(plain.model.layers[1].mlp.up_proj.weight.grad, compiled.model.layers[1].mlp.up_proj.weight.grad, atol=1e-6)
+    assert torch.allclose(plain.model.layers[1].mlp.up_proj.weight.grad,
+                          compiled.model.layers[1].mlp.up_proj.weight.grad, atol=1e-6)
 
 
 @pytest.mark.parametrize("fix", [False, True])

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from rft_core.rewards import (RunningMoments, answer_reward, load_reward_fn, math_label, math_reward, overlong_penalty,
-                              parse_answer, pass_at_k, remote_reward_fn, reward_model_fn, reward_sources, score,
-                              RewardScorer)
+from rft_core.rewards import (RunningMoments, answer_reward, load_reward_fn, math_label, math_reward,
+                              overlong_penalty, parse_answer, pass_at_k, remote_reward_fn, reward_model_fn,
+                              reward_sources, score, RewardScorer)
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [
@@ -35,7 +35,8 @@ def test_answer_reward():
     assert parts["correct"] == [1.0, 0.0, 0.0, 1.0]
     assert parts["format"] == pytest.approx([0.1, 0.1, 0.0, 0.0])
     rewards, components, errors = score(answer_reward, [None] * 4, completions, ["15", "15", "15", 15])
-    assert rewards == pytest.approx([1.1, 0.1, 0.0, 1.0]) and errors == [] and set(components) == {"correct", "format"}
+    assert (rewards == pytest.approx([1.1, 0.1, 0.0, 1.0]) and errors == []
+            and set(components) == {"correct", "format"})
 
 
 def test_exact_match_is_exact():
@@ -76,7 +77,8 @@ def test_strict_rewards_show_the_sample():
 
 def test_load_reward_fn(tmp_path):
     path = tmp_path / "my_reward.py"
-    path.write_text("def length(prompts, completions, labels, **kw):\n    return {'len': [len(c) for c in completions]}\n")
+    path.write_text("def length(prompts, completions, labels, **kw):\n"
+                    "    return {'len': [len(c) for c in completions]}\n")
     fn = load_reward_fn(f"{path}:length")
     assert fn(None, ["abc"], [None]) == {"len": [3]}
     with pytest.raises(AttributeError, match="no function 'nope'"):
@@ -97,7 +99,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(503)
             self.end_headers()
             return
-        out = json.dumps({"rewards": [float(c == l) for c, l in zip(body["completions"], body["labels"])]}).encode()
+        out = json.dumps({"rewards": [float(c == l)
+                                      for c, l in zip(body["completions"], body["labels"])]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
@@ -113,7 +116,8 @@ def test_remote_reward_model_on_loopback():
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        fn = remote_reward_fn(f"http://127.0.0.1:{server.server_port}/score", timeout=5, retries=3, backoff=0.01)
+        fn = remote_reward_fn(f"http://127.0.0.1:{server.server_port}/score", timeout=5, retries=3,
+                              backoff=0.01)
         rewards, _, errors = score(fn, ["p", "q"], ["7", "8"], ["7", "9"])
         assert rewards == [1.0, 0.0] and errors == [] and _Handler.calls == 2
     finally:
@@ -190,7 +194,8 @@ def test_reward_model_fn_scores_like_the_classifier(tiny_rm_dir):
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_rm_dir)
     texts = [prompts[0] + completions[0],
-             tok.apply_chat_template(prompts[1] + [{"role": "assistant", "content": completions[1]}], tokenize=False),
+             tok.apply_chat_template(prompts[1] + [{"role": "assistant", "content": completions[1]}],
+                                     tokenize=False),
              prompts[2] + completions[2]]
     with torch.no_grad():
         want = [rm(**tok(t, return_tensors="pt", add_special_tokens=False)).logits.item() for t in texts]
@@ -204,7 +209,8 @@ def test_reward_scorer_sets_each_samples_reward_and_components():
     from rft_core.experience import Sample
 
     def rule(prompts, completions, labels, **kw):
-        return {"correct": [float(c == lab) for c, lab in zip(completions, labels)], "format": [0.1] * len(labels)}
+        return {"correct": [float(c == lab) for c, lab in zip(completions, labels)],
+                "format": [0.1] * len(labels)}
 
     def model(prompts, completions, labels, **kw):
         if "boom" in completions:
@@ -212,7 +218,8 @@ def test_reward_scorer_sets_each_samples_reward_and_components():
         return [len(c) for c in completions]
 
     samples = [Sample([1], "ab", "p", completion=c) for c in ("ab", "xyz", "boom")]
-    errors = RewardScorer([("rule", rule), ("rm0", model)], [1.0, 0.5], fallback=-1.0, log=lambda m: None)(samples)
+    errors = RewardScorer([("rule", rule), ("rm0", model)], [1.0, 0.5], fallback=-1.0,
+                          log=lambda m: None)(samples)
     assert errors == 1
     assert [s.reward for s in samples] == pytest.approx([1.1 + 1.0, 0.1 + 1.5, 0.1 - 0.5])
     assert samples[0].components == {"correct": 1.0, "format": 0.1, "rm0": 2.0}
@@ -224,7 +231,8 @@ def test_reward_scorer_sets_each_samples_reward_and_components():
 def test_default_rule_and_first_word():
     """With no reward flag the script's default rule is the source: answer for text, first_word for images."""
     (name, fn), = reward_sources(default_rule="first_word")
-    assert name == "rule" and fn(None, ["red circle", "a red", ""], ["red", "red", "red"]) == {"correct": [1, 0, 0]}
+    assert name == "rule" and (fn(None, ["red circle", "a red", ""], ["red", "red", "red"])
+                               == {"correct": [1, 0, 0]})
     assert reward_sources()[0][1] is answer_reward
 
 

@@ -15,8 +15,9 @@ EOS = 0
 
 
 class ScriptedEngine:
-    """Response i of a prompt is (prompt_ids[0] * 7 + i-th call's salt) % 23 + 1 tokens long, then EOS; token t
-    of a response is t + 10 with logprob -t / 100, so a continued response can be checked token for token."""
+    """Response i of a prompt is (prompt_ids[0] * 7 + i-th call's salt) % 23 + 1 tokens long, then EOS; token
+    t of a response is t + 10 with logprob -t / 100, so a continued response can be checked token for
+    token."""
 
     def __init__(self):
         self.calls = []  # (number of requests, limits)
@@ -188,7 +189,8 @@ def test_slot_utilization_rises_with_a_budget():
             samples, m = steps[0]
             lengths = [len(s.generation.token_ids) for s in samples]
             assert m["rollout/tokens_generated"] == sum(lengths)
-            assert m["rollout/slot_utilization"] == pytest.approx(sum(lengths) / (len(lengths) * max(lengths)))
+            assert m["rollout/slot_utilization"] == pytest.approx(sum(lengths)
+                                                                  / (len(lengths) * max(lengths)))
     assert util[True] > util[False] + 0.2
 
 

@@ -70,5 +70,6 @@ def test_the_check_catches_an_unmarked_edit():
     edited[i] = edited[i].replace("loss * scale", "loss")
     assert [line for _, _, line in unmarked_differences(text_lines, edited)] == [text_lines[i], edited[i]]
     edited[i] += "  # VL"
-    assert unmarked_differences(text_lines, edited) == [(SCRIPTS[0], i, text_lines[i])]  # the other copy's line
+    # the other copy's line
+    assert unmarked_differences(text_lines, edited) == [(SCRIPTS[0], i, text_lines[i])]
     assert marked(["a", "# VL begin: x", "b", "# VL end", "c  # VL", "d"]) == {1, 2, 3, 4}

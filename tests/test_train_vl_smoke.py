@@ -39,11 +39,14 @@ def test_file_dataset_with_images(tmp_path, chars_reward):
         draw_shapes("red", i + 1, random.Random(i)).save(tmp_path / f"img{i}.png")
     rows = [{"prompt": "what colour is the shape ?", "images": ["img0.png"], "label": "red"},
             {"prompt": "how many shapes are there ?", "images": "img1.png", "label": "two"},
-            {"prompt": "what is the colour ?", "images": [], "label": "red"},  # text only: kept with --mixed_mm_data
-            {"prompt": "how many shapes are there ?", "images": ["img1.png", "img2.png"], "label": "five"}]  # over the limit
+            # text only: kept with --mixed_mm_data
+            {"prompt": "what is the colour ?", "images": [], "label": "red"},
+            # over the limit
+            {"prompt": "how many shapes are there ?", "images": ["img1.png", "img2.png"], "label": "five"}]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    proc = run_vl([*VL_TINY, "--prompt_data", str(tmp_path / "train.jsonl"), "--mixed_mm_data", "--limit_mm_image_per_prompt", "1",
-                   "--reward_fn", chars_reward, "--advantage_estimator", "reinforce_baseline", "--use_kl_loss", "--num_episodes", "3",
+    proc = run_vl([*VL_TINY, "--prompt_data", str(tmp_path / "train.jsonl"), "--mixed_mm_data",
+                   "--limit_mm_image_per_prompt", "1", "--reward_fn", chars_reward,
+                   "--advantage_estimator", "reinforce_baseline", "--use_kl_loss", "--num_episodes", "3",
                    "--output_dir", str(tmp_path / "out")])
     assert "skipped 1 train prompts" in proc.stdout
     steps, _ = read_metrics(str(tmp_path / "out"))
@@ -51,13 +54,14 @@ def test_file_dataset_with_images(tmp_path, chars_reward):
     assert steps[2]["train/kl"] != 0  # the reference model saw the images too
 
 
-@pytest.mark.parametrize("estimator", ["cpgd", "reinforce", "gae"])  # dr_grpo, rloo: only their pure function differs
+# dr_grpo, rloo: only their pure function differs
+@pytest.mark.parametrize("estimator", ["cpgd", "reinforce", "gae"])
 def test_estimators_with_images(tmp_path, estimator, chars_reward):
-    """More of the text script's estimators on the shapes task (group_norm and reinforce_baseline run above); gae
-    trains its vision critic, alone for the first step (--freezing_actor_steps 1), on a reward that always varies,
-    with activation checkpointing on (the critic's wrapper passes it to its Qwen2-VL)."""
-    extra = ["--freezing_actor_steps", "1", "--critic_learning_rate", "1e-3", "--gradient_checkpointing", "true"
-             ] if estimator == "gae" else []
+    """More of the text script's estimators on the shapes task (group_norm and reinforce_baseline run above);
+    gae trains its vision critic, alone for the first step (--freezing_actor_steps 1), on a reward that always
+    varies, with activation checkpointing on (the critic's wrapper passes it to its Qwen2-VL)."""
+    extra = ["--freezing_actor_steps", "1", "--critic_learning_rate", "1e-3",
+             "--gradient_checkpointing", "true"] if estimator == "gae" else []
     run_vl([*VL_TINY, "--advantage_estimator", estimator, "--reward_fn", chars_reward, *extra,
             "--output_dir", str(tmp_path)])
     rows, _ = read_metrics(str(tmp_path))
@@ -88,29 +92,31 @@ def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
         with pytest.raises(ValueError, match=message):
             train_ppo_vl.main()
     run_vl([*VL_TINY, "--max_steps", "3", "--optimizer_offload", "--system_prompt", "answer with a word .",
-            "--reward_fn", chars_reward, "--partial_rollout", "--max_token_budget", "2", "--max_staleness", "1",
-            "--output_dir", str(tmp_path / "out")])
+            "--reward_fn", chars_reward, "--partial_rollout", "--max_token_budget", "2",
+            "--max_staleness", "1", "--output_dir", str(tmp_path / "out")])
     rows, _ = read_metrics(str(tmp_path / "out"))
     assert rows[0]["train/grad_norm"] > 0
     assert sum(r["rollout/resumed"] for r in rows) > 0 and all(r["rollout/staleness_max"] <= 1 for r in rows)
 
 
 def test_deepspeed_zero3_matches_ddp(tmp_path, chars_reward):
-    """train_ppo_vl.py through accelerate_configs/deepspeed_zero3.yaml on two CPU ranks (DS_ACCELERATOR=cpu), the
-    policy and the image-seeing reference sharded: the same rewards, grad norms and KL as DDP on the same seed."""
+    """train_ppo_vl.py through accelerate_configs/deepspeed_zero3.yaml on two CPU ranks (DS_ACCELERATOR=cpu),
+    the policy and the image-seeing reference sharded: the same rewards, grad norms and KL as DDP on the same
+    seed."""
     pytest.importorskip("deepspeed")
     import subprocess
 
-    args = [os.path.join(ROOT, "train_ppo_vl.py"), "--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "4",
-            "--micro_train_batch_size", "2", "--generate_max_len", "4", "--use_kl_loss", "--init_kl_coef", "0.1",
-            "--reward_fn", chars_reward]
+    args = [os.path.join(ROOT, "train_ppo_vl.py"), "--max_steps", "2", "--rollout_batch_size", "2",
+            "--n_samples_per_prompt", "4", "--micro_train_batch_size", "2", "--generate_max_len", "4",
+            "--use_kl_loss", "--init_kl_coef", "0.1", "--reward_fn", chars_reward]
     env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for launcher, out, extra in (([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], "ddp",
-                                  {"ACCELERATE_USE_CPU": "true"}),
+    for launcher, out, extra in (([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+                                  "ddp", {"ACCELERATE_USE_CPU": "true"}),
                                  ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                                   os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml")], "z3", {})):
-        proc = subprocess.run([*launcher, *args, "--output_dir", str(tmp_path / out)], cwd=ROOT, env={**env, **extra},
-                              capture_output=True, text=True, timeout=600)
+                                   os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3.yaml")],
+                                  "z3", {})):
+        proc = subprocess.run([*launcher, *args, "--output_dir", str(tmp_path / out)], cwd=ROOT,
+                              env={**env, **extra}, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ddp, z3 = read_metrics(str(tmp_path / "ddp"))[0], read_metrics(str(tmp_path / "z3"))[0]
     assert len(z3) == 2 and z3[1]["train/kl"] > 0
@@ -123,6 +129,7 @@ def test_deepspeed_zero3_matches_ddp(tmp_path, chars_reward):
 def test_vllm_engine_without_vllm_is_a_clear_error(tmp_path, monkeypatch):
     import train_ppo_vl
 
-    monkeypatch.setattr(sys, "argv", ["train_ppo_vl.py", "--engine_type", "vllm", "--output_dir", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["train_ppo_vl.py", "--engine_type", "vllm",
+                                      "--output_dir", str(tmp_path)])
     with pytest.raises(ImportError, match="--engine_type vllm needs vllm"):
         train_ppo_vl.main()

@@ -1,6 +1,6 @@
-"""Nothing lost, nothing silent: every mistake a user can make with flags, data, rewards and checkpoints ends in
-one line naming the fix (or a counted, printed skip), a diverging run stops before its bad update is saved, a
-failed start leaves output_dir as it was, and SIGINT / SIGTERM stop at a step boundary."""
+"""Nothing lost, nothing silent: every mistake a user can make with flags, data, rewards and checkpoints ends
+in one line naming the fix (or a counted, printed skip), a diverging run stops before its bad update is saved,
+a failed start leaves output_dir as it was, and SIGINT / SIGTERM stop at a step boundary."""
 
 import http.server
 import json
@@ -52,14 +52,17 @@ def main_raises(monkeypatch, script, args, match):
     # the flag given, not --train_batch_size, whose default (rollout x samples) it makes 0
     (["--n_samples_per_prompt", "0"], "--n_samples_per_prompt 0: must be >= 1"),
     (["--rollout_batch_size", "0"], "--rollout_batch_size 0: must be >= 1"),
-    (["--engine_tp_size", "3"], "--engine_tp_size 3: it sets the vLLM / SGLang engine, but this run uses the transformers"),
+    (["--engine_tp_size", "3"],
+     "--engine_tp_size 3: it sets the vLLM / SGLang engine, but this run uses the transformers"),
     (["--loss_agg_mode", "mean"], "--loss_agg_mode 'mean': choose one of"),
     (["--advantage_estimator", "ppo"], "--advantage_estimator 'ppo': choose one of"),
-    (["--n_samples_per_prompt", "1"], "--n_samples_per_prompt 1 with group_norm: the group baseline is the sample"),
+    (["--n_samples_per_prompt", "1"],
+     "--n_samples_per_prompt 1 with group_norm: the group baseline is the sample"),
     (["--kl_target", "0.1"], "--kl_target 0.1: it adapts the KL penalty in the reward"),
     (["--gamma", "0.9"], "--gamma 0.9: it discounts the token-level estimators"),
     (["--freezing_actor_steps", "1"], "--freezing_actor_steps 1: it is the critic's"),
-    (["--max_num_gen_batches", "5"], "--max_num_gen_batches 5: it bounds the rounds of --dynamic_sampling and"),
+    (["--max_num_gen_batches", "5"],
+     "--max_num_gen_batches 5: it bounds the rounds of --dynamic_sampling and"),
     (["--max_token_budget", "16"], "--max_token_budget 16: --partial_rollout is off"),
     (["--partial_rollout", "--max_token_budget", "0"], "--max_token_budget 0: must be >= 1"),
     (["--partial_rollout", "--max_staleness", "-1"], "--max_staleness -1: must be >= 0"),
@@ -67,7 +70,8 @@ def main_raises(monkeypatch, script, args, match):
     (["--inflight_ratio", "2"], "--inflight_ratio 2.0: --partial_rollout is off"),
     (["--tis_mode", "mask"], "--tis_mode mask: --tis_cap is off"),
     (["--tis_cap", "2", "--tis_mode", "clip"], "--tis_mode 'clip': choose truncate or mask"),
-    (["--eps_clip", "0.3", "--eps_clip_low_high", "0.2", "0.28"], "--eps_clip 0.3: --eps_clip_low_high replaces"),
+    (["--eps_clip", "0.3", "--eps_clip_low_high", "0.2", "0.28"],
+     "--eps_clip 0.3: --eps_clip_low_high replaces"),
     (["--dual_clip", "0.5"], "--dual_clip 0.5: must be > 1"),
     (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 reward sources"),
     (["--train_batch_size", "3"], "must be a multiple of --train_batch_size 3"),
@@ -75,10 +79,13 @@ def main_raises(monkeypatch, script, args, match):
     (["--high_entropy_token_ratio", "1.5"], "--high_entropy_token_ratio 1.5: must be in [0, 1]"),
     (["--ema_beta", "0.9", "--lora_rank", "4"], "--ema_beta is not supported with --lora_rank"),
     (["--overlong_buffer_len", "8"], "--overlong_buffer_len 8: must be below --generate_max_len 8"),
-    (["--enable_engine_sleep", "--disable_engine_sleep"], "--enable_engine_sleep or --disable_engine_sleep: pick one"),
-    (["--max_tokens_per_micro_batch", "100"], "--max_tokens_per_micro_batch 100: --micro_train_batch_size sets"),
+    (["--enable_engine_sleep", "--disable_engine_sleep"],
+     "--enable_engine_sleep or --disable_engine_sleep: pick one"),
+    (["--max_tokens_per_micro_batch", "100"],
+     "--max_tokens_per_micro_batch 100: --micro_train_batch_size sets"),
     (["--micro_train_batch_size", "0"], "--micro_train_batch_size 0: must be >= 1"),
-    (["--fused_linear_logprob", "false", "--chunk_size", "64"], "--chunk_size 64: it sizes --fused_linear_logprob"),
+    (["--fused_linear_logprob", "false", "--chunk_size", "64"],
+     "--chunk_size 64: it sizes --fused_linear_logprob"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(tmp_path, monkeypatch, extra, message):
     main_raises(monkeypatch, "train_ppo", ["--pretrain", "/not/loaded", *TINY, *extra, "--output_dir",
@@ -97,8 +104,8 @@ def test_a_user_error_is_one_line_without_traceback(tmp_path):
     proc = run(["--temperature", "0", "--output_dir", str(tmp_path)], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "[WARNING]" not in line]
-    assert lines == ["error: --temperature 0.0: must be > 0 (0 would sample greedily: a group's samples alike, "
-                     "no signal)"]
+    assert lines == ["error: --temperature 0.0: must be > 0 (0 would sample greedily: a group's samples "
+                     "alike, no signal)"]
     proc = run(["--temperature", "0", "--output_dir", str(tmp_path)], check=False, env={"RFT_DEBUG": "1"})
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
 
@@ -137,8 +144,9 @@ def test_cuda_out_of_memory_is_one_line_naming_the_flags(monkeypatch, capsys):
 def test_bad_data_files_name_file_and_line(tmp_path, monkeypatch, tiny_model_dir, content, message):
     path = tmp_path / "train.jsonl"
     path.write_text(content)
-    text = main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--prompt_data", str(path),
-                                                  "--output_dir", str(tmp_path / "out")], re.escape(message))
+    text = main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--prompt_data",
+                                                  str(path), "--output_dir", str(tmp_path / "out")],
+                       re.escape(message))
     assert "--prompt_data" in text and "train.jsonl" in text
 
 
@@ -150,7 +158,8 @@ def test_unusable_rows_are_counted_and_the_first_named(tmp_path):
     said = []
     rows, skipped = load_prompt_rows(str(path), log=said.append)
     assert skipped == 2 and len(rows) == 2
-    assert said == [f"[data] {path}: skipped 2 rows whose 'prompt' is empty or malformed (first: row 1, int '5')"]
+    assert said == [f"[data] {path}: skipped 2 rows whose 'prompt' is empty or malformed "
+                    "(first: row 1, int '5')"]
 
 
 def test_bad_model_paths(tmp_path, monkeypatch):
@@ -284,8 +293,8 @@ def test_vl_image_rows(tmp_path, monkeypatch):
     assert "row 1, column 'images'" in said[0] and "gone.png" in said[0]
     with pytest.raises(UserError, match=r"row 1, column 'images'.*gone.png.*--strict_data"):
         load_image_rows(path, "prompt", "label", "images", "--prompt_data", strict=True)
-    main_raises(monkeypatch, "train_ppo_vl", ["--prompt_data", path, "--images_key", "imgs", "--mixed_mm_data",
-                                              "--output_dir", str(tmp_path / "out")],
+    main_raises(monkeypatch, "train_ppo_vl", ["--prompt_data", path, "--images_key", "imgs",
+                                              "--mixed_mm_data", "--output_dir", str(tmp_path / "out")],
                 re.escape("has no column 'imgs'") + ".*--images_key")
 
 
@@ -313,7 +322,8 @@ def test_reward_failures_are_printed_once_and_bounded(tmp_path):
     from rft_core.rewards import RewardScorer, load_reward_fn
 
     (tmp_path / "rw.py").write_text(REWARDS)
-    for name, why in [("raises", "RuntimeError('reward server down')"), ("wrong_length", "has 1 values for 1"),
+    for name, why in [("raises", "RuntimeError('reward server down')"),
+                      ("wrong_length", "has 1 values for 1"),
                       ("strings", "could not convert string to float"), ("nan", "non-finite"),
                       ("slow", "no result within --reward_timeout 0.2 s")]:
         said = []
@@ -337,7 +347,8 @@ def test_a_run_whose_rewards_all_fail_stops(tiny_model_dir, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "[reward] rule failed on a sample" in proc.stdout + proc.stderr
     assert "error: the rewards of 4 of 4 samples failed at step 1" in proc.stderr
-    run([*args, "--reward_failure_limit", "2", "--reward_fallback", "-1", "--output_dir", str(tmp_path / "b")])
+    run([*args, "--reward_failure_limit", "2", "--reward_fallback", "-1",
+         "--output_dir", str(tmp_path / "b")])
     rows, _ = read_metrics(str(tmp_path / "b"))
     assert all(r["rollout/reward_errors"] == 4 and r["rollout/reward_mean"] == -1.0 for r in rows)
 
@@ -369,8 +380,9 @@ def test_remote_reward_failures_name_url_and_status():
         for url, why in [(f"http://127.0.0.1:{server.server_port}/500", "HTTP 500"),
                          (f"http://127.0.0.1:{server.server_port}/json", "not a valid answer"),
                          (f"http://127.0.0.1:{free}/x", "unreachable")]:
-            with pytest.raises(ConnectionError, match=re.escape(f"--remote_rm_url {url}: no valid answer after "
-                                                                f"2 tries: {why}")):
+            with pytest.raises(ConnectionError,
+                               match=re.escape(f"--remote_rm_url {url}: no valid answer after "
+                                               f"2 tries: {why}")):
                 remote_reward_fn(url, timeout=2, retries=2, backoff=0.01)(["p"], ["c"], ["l"])
     finally:
         server.shutdown()
@@ -399,7 +411,8 @@ def test_a_failed_rerun_leaves_the_finished_run_alone(tiny_model_dir, tmp_path, 
     run(["--pretrain", tiny_model_dir, *TINY, "--output_dir", str(out)])
     before = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "config.json")}
     main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--prompt_data",
-                                           str(tmp_path / "typo.jsonl"), "--output_dir", str(out)], "typo.jsonl")
+                                           str(tmp_path / "typo.jsonl"), "--output_dir", str(out)],
+                "typo.jsonl")
     main_raises(monkeypatch, "train_ppo", ["--pretrain", str(tmp_path / "no_model"), *TINY, "--output_dir",
                                            str(out)], "no_model")
     assert {name: (out / name).read_bytes() for name in before} == before
@@ -419,11 +432,11 @@ def reward(p, completions, l, **kw):
 def test_non_finite_gradients_stop_before_the_update_and_name_the_intact_checkpoint(tiny_model_dir, tmp_path):
     (tmp_path / "rw.py").write_text(HUGE)
     proc = run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--advantage_estimator", "dr_grpo",
-                "--reward_fn", f"{tmp_path}/rw.py:reward", "--save_steps", "1", "--actor_learning_rate", "1e-3",
-                "--output_dir", str(tmp_path / "out")], check=False)
+                "--reward_fn", f"{tmp_path}/rw.py:reward", "--save_steps", "1",
+                "--actor_learning_rate", "1e-3", "--output_dir", str(tmp_path / "out")], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert re.search(r"error: non-finite loss or gradients \(grad_norm (inf|nan)\) at step 2, and nothing of it "
-                     r"was saved; checkpoint-1 is the newest intact checkpoint: rerun with a lower "
+    assert re.search(r"error: non-finite loss or gradients \(grad_norm (inf|nan)\) at step 2, and nothing of "
+                     r"it was saved; checkpoint-1 is the newest intact checkpoint: rerun with a lower "
                      r"--actor_learning_rate .* --no_resume", proc.stderr), proc.stderr[-2000:]
     assert (tmp_path / "out" / "latest").read_text() == "checkpoint-1"
 
@@ -440,7 +453,8 @@ def test_health_guard_catches_explosion_and_collapse(tmp_path):
         guard.grad_norm("grad_norm", 1e5, 3)
     guard.entropy(1.2, 1)
     guard.entropy(4.0, 2)  # higher, not uniform
-    with pytest.raises(UserError, match=r"the policy collapsed: entropy 6.90, at the uniform bound log\(V\) = 6.91"):
+    with pytest.raises(UserError,
+                       match=r"the policy collapsed: entropy 6.90, at the uniform bound log\(V\) = 6.91"):
         guard.entropy(6.9, 3)
     random_model = HealthGuard(str(tmp_path), vocab_size=1000)
     random_model.entropy(6.9, 1)
@@ -522,8 +536,9 @@ def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, s
     prints the stacks (where a stuck run waits)."""
     (tmp_path / "rw.py").write_text(SLOW)
     out = tmp_path / "out"
-    args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "20", "--reward_fn", f"{tmp_path}/rw.py:chars",
-            "--save_steps", "1" if sig == signal.SIGINT else "0", "--save_on_sigterm", "--output_dir", str(out)]
+    args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "20",
+            "--reward_fn", f"{tmp_path}/rw.py:chars", "--save_steps", "1" if sig == signal.SIGINT else "0",
+            "--save_on_sigterm", "--output_dir", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ppo.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -565,8 +580,9 @@ def test_a_deleted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
 
 
 def test_engine_groups_must_divide_the_processes():
-    """--engine_tp_size with vLLM or SGLang: groups of consecutive ranks share an engine, so it must divide the
-    processes; refused before anything starts (the transformers engine ignores it, with its own message)."""
+    """--engine_tp_size with vLLM or SGLang: groups of consecutive ranks share an engine, so it must divide
+    the processes; refused before anything starts (the transformers engine ignores it, with its own
+    message)."""
     import train_ppo
     from rft_core.cli import check_args
 
@@ -581,8 +597,8 @@ def test_engine_groups_must_divide_the_processes():
 def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_are_refused():
     """An accelerate config whose parallelism_config asks for tensor parallelism, or for context parallelism
     outside FSDP2, is refused in one line before anything loads. Sequence parallelism (Ulysses under
-    DeepSpeed) and context parallelism (FSDP2) pass, but not with the flags whose rows they cannot split, nor in
-    train_ppo_vl.py, nor with a process count the groups do not make up; data parallelism passes."""
+    DeepSpeed) and context parallelism (FSDP2) pass, but not with the flags whose rows they cannot split, nor
+    in train_ppo_vl.py, nor with a process count the groups do not make up; data parallelism passes."""
     import types
 
     import train_ppo
@@ -614,7 +630,8 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
                         ("pretrain_data", "x.jsonl"), ("reward_pretrain", "rm"),
                         ("advantage_estimator", "gae")):
         for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):
-            with pytest.raises(UserError, match=f"--{flag}.* with sequence parallelism .*: .*; drop one of them"):
+            with pytest.raises(UserError,
+                               match=f"--{flag}.* with sequence parallelism .*: .*; drop one of them"):
                 check_args(replace(args, **{flag: value}), 2, parallelism=config(**sizes), **kind)
     vl = train_ppo_vl.Args()
     vl.train_batch_size = vl.rollout_batch_size * vl.n_samples_per_prompt
@@ -666,7 +683,8 @@ def test_the_engine_memory_checks_name_the_fix(monkeypatch):
     assert str(error).startswith("vLLM needs 42.0 GiB to start (--engine_mem_util 0.3 of the GPU), but only "
                                  "34.0 of 140.0 GiB are free")
     assert "lower --engine_mem_util" in str(error) and "--lora_rank" in str(error)
-    assert "wake its weights and kv_cache, but" in str(V.wake_error("vLLM", 40 << 30, ["weights", "kv_cache"]))
+    assert ("wake its weights and kv_cache, but"
+            in str(V.wake_error("vLLM", 40 << 30, ["weights", "kv_cache"])))
 
 
 def test_lora_target_modules_that_match_nothing_are_one_line(tiny_model_dir):

@@ -1,4 +1,5 @@
-"""The vision-language pieces: the shapes task, the word tokenizer, the tiny Qwen2-VL, image-token accounting."""
+"""The vision-language pieces: the shapes task, the word tokenizer, the tiny Qwen2-VL, image-token
+accounting."""
 
 import importlib.util
 
@@ -7,8 +8,8 @@ import torch
 
 from rft_core.data import COLOURS, IMAGE_SIZE, NUMBERS, draw_shapes, shapes_task
 from rft_core.multimodal import VISION_TOKENS, vllm_prompt
-from rft_core.vision import (block_tokens, check_image_tokens, encode_vl_prompt, expand_image_tokens, load_vl_model,
-                             tiny_qwen2_vl, word_tokenizer)
+from rft_core.vision import (block_tokens, check_image_tokens, encode_vl_prompt, expand_image_tokens,
+                             load_vl_model, tiny_qwen2_vl, word_tokenizer)
 
 
 def quadrants_with(image, colour):
@@ -49,16 +50,20 @@ def test_image_token_accounting():
     images = [draw_shapes("red", 1, random.Random(0)), draw_shapes("blue", 2, random.Random(1), size=112)]
     pixels = processor(images=images, return_tensors="pt")
     assert pixels["image_grid_thw"].tolist() == [[1, 6, 6], [1, 8, 8]]
-    text = expand_image_tokens("<|vision_start|> <|image_pad|> <|vision_end|> and <|vision_start|> <|image_pad|> <|vision_end|>",
+    text = expand_image_tokens("<|vision_start|> <|image_pad|> <|vision_end|> and "
+                               "<|vision_start|> <|image_pad|> <|vision_end|>",
                                pixels["image_grid_thw"])
     ids = tok(text, add_special_tokens=False)["input_ids"]
     image_id = tok.convert_tokens_to_ids("<|image_pad|>")
     assert ids.count(image_id) == 9 + 16
     check_image_tokens(ids, pixels["image_grid_thw"], image_id)
     with pytest.raises(ValueError, match="sample 7: 24 image tokens in the prompt but its 2 image"):
-        check_image_tokens(ids[:ids.index(image_id)] + ids[ids.index(image_id) + 1:], pixels["image_grid_thw"], image_id, sample=7)
-    pad = "<|image_pad|>"  # back to back, as Qwen2VLProcessor writes them: no extra tokens for a BPE tokenizer
-    assert expand_image_tokens(f"<|vision_start|>{pad}<|vision_end|>hi", [[1, 4, 2]]) == f"<|vision_start|>{pad}{pad}<|vision_end|>hi"
+        check_image_tokens(ids[:ids.index(image_id)] + ids[ids.index(image_id) + 1:],
+                           pixels["image_grid_thw"], image_id, sample=7)
+    # back to back, as Qwen2VLProcessor writes them: no extra tokens for a BPE tokenizer
+    pad = "<|image_pad|>"
+    assert (expand_image_tokens(f"<|vision_start|>{pad}<|vision_end|>hi", [[1, 4, 2]])
+            == f"<|vision_start|>{pad}{pad}<|vision_end|>hi")
     with pytest.raises(ValueError, match="1 image placeholders in the prompt but 2 images"):
         expand_image_tokens("<|image_pad|>", pixels["image_grid_thw"])
 
@@ -68,26 +73,33 @@ def test_tiny_qwen2_vl_sees_the_image():
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2)
+    tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2,
+                                                                max_pixels=IMAGE_SIZE**2)
     model = tiny_qwen2_vl(tok).eval()
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the shape ?"}]}],
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                 {"type": "text",
+                                                                  "text": "what colour is the shape ?"}]}],
                                    add_generation_prompt=True, tokenize=False)
     logits = []
     for colour in ("red", "blue"):
         pixels = processor(images=[draw_shapes(colour, 1, random.Random(0))], return_tensors="pt")
-        ids = torch.tensor([tok(expand_image_tokens(text, pixels["image_grid_thw"]), add_special_tokens=False)["input_ids"]])
+        ids = torch.tensor([tok(expand_image_tokens(text, pixels["image_grid_thw"]),
+                                add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
-                        image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).long())
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                        pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                        mm_token_type_ids=(ids == model.config.image_token_id).long())
         logits.append(out.logits[0, -1])
-    assert logits[0].shape == (len(tok),) and not torch.allclose(logits[0], logits[1])  # the answer depends on the pixels
+    # the answer depends on the pixels
+    assert logits[0].shape == (len(tok),) and not torch.allclose(logits[0], logits[1])
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
 def test_engine_and_trainer_logprobs_agree_with_images(arch):
     """The HF engine samples with images (rows of different lengths, left-padded, one text-only row); the
     trainer's logprobs of those samples, through Experience micro-batches, equal the engine's; and the VL
-    critic's values are batching-invariant, see the image, and are its backbone's hidden states under its head."""
+    critic's values are batching-invariant, see the image, and are its backbone's hidden states under its
+    head."""
     import random
     from dataclasses import replace
 
@@ -98,15 +110,18 @@ def test_engine_and_trainer_logprobs_agree_with_images(arch):
     from rft_core.models import response_values
     from rft_core.vision import VisionValueModel
 
-    tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2)
+    tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2,
+                                                                max_pixels=IMAGE_SIZE**2)
     model = tiny_qwen2_vl(tok, arch=arch)
     image_id = tok.convert_tokens_to_ids("<|image_pad|>")
     prompts, mm = [], []
-    for i, question in enumerate(["what colour is the shape ?", "how many shapes are there ?", "what is the colour ?"]):
+    for i, question in enumerate(["what colour is the shape ?", "how many shapes are there ?",
+                                  "what is the colour ?"]):
         content = [{"type": "text", "text": question}]
         if i < 2:
             content.insert(0, {"type": "image"})
-        text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                       tokenize=False)
         if i < 2:
             pixels = processor(images=[draw_shapes("green", i + 1, random.Random(i))], return_tensors="pt")
             text = expand_image_tokens(text, pixels["image_grid_thw"])
@@ -114,13 +129,19 @@ def test_engine_and_trainer_logprobs_agree_with_images(arch):
         else:
             mm.append(None)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    # a video row: 4 frames -> 2 temporal patches of 6 x 6 (synthetic pixels: the video processor needs torchvision)
+    # a video row: 4 frames -> 2 temporal patches of 6 x 6 (synthetic pixels: the video processor needs
+    # torchvision)
     video_id = tok.convert_tokens_to_ids("<|video_pad|>")
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what colour is the shape ?"}]}],
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                 {"type": "text",
+                                                                  "text": "what colour is the shape ?"}]}],
                                    add_generation_prompt=True, tokenize=False)
-    prompts.append(tok(expand_image_tokens(text, [[2, 6, 6]], image_token="<|video_pad|>"), add_special_tokens=False)["input_ids"])
-    mm.append({"pixel_values_videos": torch.randn(72, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0)),
-               "video_grid_thw": torch.tensor([[2, 6, 6]]), "image_token_id": image_id, "video_token_id": video_id})
+    prompts.append(tok(expand_image_tokens(text, [[2, 6, 6]], image_token="<|video_pad|>"),
+                       add_special_tokens=False)["input_ids"])
+    mm.append({"pixel_values_videos": torch.randn(72, 3 * 2 * 14 * 14,
+                                                  generator=torch.Generator().manual_seed(0)),
+               "video_grid_thw": torch.tensor([[2, 6, 6]]), "image_token_id": image_id,
+               "video_token_id": video_id})
     assert prompts[-1].count(video_id) == 18
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
     torch.manual_seed(0)
@@ -137,24 +158,27 @@ def test_engine_and_trainer_logprobs_agree_with_images(arch):
     assert not torch.allclose(batched_logprobs(model, video_row, micro_batch_size=1),
                               batched_logprobs(model, replace(video_row, mm=blank), micro_batch_size=1))
 
-    # the VL critic: zero at the start; then, with a random head, the same values however the rows are batched,
-    # and those of the policy's own backbone (its copy) under that head, with the images seen
+    # the VL critic: zero at the start; then, with a random head, the same values however the rows are
+    # batched, and those of the policy's own backbone (its copy) under that head, with the images seen
     critic = VisionValueModel(model)
     assert batched_values(critic, exp, micro_batch_size=3).abs().max() == 0
     torch.nn.init.normal_(critic.score.weight)
     values = [batched_values(critic, exp, micro_batch_size=mbs) for mbs in (1, 2, 3)]
     assert all(torch.allclose(v, values[0], atol=1e-4) for v in values[1:]) and values[0].abs().max() > 0
     row, r = exp.split(1)[0], exp.action_mask.shape[1]  # row 0 has an image
-    hidden = model.model(input_ids=row.input_ids, attention_mask=row.attention_mask, **row.mm_inputs()).last_hidden_state
+    hidden = model.model(input_ids=row.input_ids, attention_mask=row.attention_mask,
+                         **row.mm_inputs()).last_hidden_state
     want = critic.score(hidden)[0, -r - 1:-1, 0] * row.action_mask[0]
     assert torch.allclose(values[0][0, :r], want, atol=1e-4)
     with_image = response_values(critic, row.input_ids, row.attention_mask, r, mm_inputs=row.mm_inputs())
     blank = {**row.mm_inputs(), "pixel_values": torch.zeros_like(row.mm_inputs()["pixel_values"])}
-    assert not torch.allclose(with_image, response_values(critic, row.input_ids, row.attention_mask, r, mm_inputs=blank))
+    assert not torch.allclose(with_image, response_values(critic, row.input_ids, row.attention_mask, r,
+                                                          mm_inputs=blank))
 
 
 def test_vllm_prompt_collapses_each_image_to_one_placeholder():
-    """vLLM expands one placeholder per image itself: the request must carry exactly one per image, the rest kept."""
+    """vLLM expands one placeholder per image itself: the request must carry exactly one per image, the rest
+    kept."""
     import random
 
     _, tok, processor = load_vl_model(max_pixels=112**2)
@@ -162,17 +186,20 @@ def test_vllm_prompt_collapses_each_image_to_one_placeholder():
     image_id = tok.convert_tokens_to_ids("<|image_pad|>")
     ids, mm = encode_vl_prompt(tok, processor, "how many shapes are there ?", images, image_id)
     request = vllm_prompt(ids, mm)
-    assert request["multi_modal_data"] == {"image": images} and request["prompt_token_ids"].count(image_id) == 2
-    want = [t for i, t in enumerate(ids) if t != image_id or ids[i - 1] != image_id]  # runs of 9 and 16 -> 1 each
+    assert (request["multi_modal_data"] == {"image": images}
+            and request["prompt_token_ids"].count(image_id) == 2)
+    # runs of 9 and 16 -> 1 each
+    want = [t for i, t in enumerate(ids) if t != image_id or ids[i - 1] != image_id]
     assert request["prompt_token_ids"] == want and len(ids) - len(want) == 8 + 15
     assert vllm_prompt(ids[:5], None) == {"prompt_token_ids": ids[:5]}  # text only
     short = ids[:ids.index(image_id)] + ids[ids.index(image_id) + 1:]  # the first image one token short
     with pytest.raises(ValueError, match="sample 4: its image / video tokens do not match"):
         vllm_prompt(short, mm, sample=4)
-    # a video (2 temporal patches of 6 x 6: 18 tokens) after an image (9): each run collapsed, both kinds passed on
+    # a video (2 temporal patches of 6 x 6: 18 tokens) after an image (9): each run collapsed, both kinds
+    # passed on
     video_id, frames = tok.convert_tokens_to_ids("<|video_pad|>"), images[:1] * 4
-    mm = {"image_grid_thw": torch.tensor([[1, 6, 6]]), "video_grid_thw": torch.tensor([[2, 6, 6]]), "images": images[:1],
-          "videos": [frames], "image_token_id": image_id, "video_token_id": video_id}
+    mm = {"image_grid_thw": torch.tensor([[1, 6, 6]]), "video_grid_thw": torch.tensor([[2, 6, 6]]),
+          "images": images[:1], "videos": [frames], "image_token_id": image_id, "video_token_id": video_id}
     ids = [1, image_id] + [image_id] * 8 + [2, video_id] + [video_id] * 17 + [3]
     assert vllm_prompt(ids, mm) == {"prompt_token_ids": [1, image_id, 2, video_id, 3],
                                     "multi_modal_data": {"image": images[:1], "video": [frames]}}
@@ -183,15 +210,15 @@ def test_vllm_prompt_collapses_each_image_to_one_placeholder():
 
 
 def test_blocked_tokens_leave_a_normalised_distribution():
-    """block_tokens: the vision placeholders get logit -1e4 in every forward, so they are never sampled and the
-    remaining tokens' probabilities sum to 1, with the entropy finite; other logits are untouched."""
+    """block_tokens: the vision placeholders get logit -1e4 in every forward, so they are never sampled and
+    the remaining tokens' probabilities sum to 1, with the entropy finite; other logits are untouched."""
     from rft_core.logprobs import response_logprobs
 
     tok = word_tokenizer()
     plain = tiny_qwen2_vl(tok).eval()
     blocked, _, _ = load_vl_model()  # the same seed, blocked by the loader
-    ids = torch.tensor([tok("<|im_start|> user what colour is the shape ? <|im_end|> <|im_start|> assistant red",
-                            add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([tok("<|im_start|> user what colour is the shape ? <|im_end|> <|im_start|> "
+                            "assistant red", add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         a, b = plain(input_ids=ids).logits, blocked.eval()(input_ids=ids).logits  # (1, L, V)
     vision = tok.convert_tokens_to_ids(list(VISION_TOKENS))
@@ -223,16 +250,19 @@ def test_engine_processor_config_gives_the_trainers_grids(tmp_path):
                        processor(images=[image], return_tensors="pt")["image_grid_thw"])
 
 
-@pytest.mark.skipif(not importlib.util.find_spec("torchvision"), reason="transformers' Qwen2-VL video processor needs torchvision")
+@pytest.mark.skipif(not importlib.util.find_spec("torchvision"),
+                    reason="transformers' Qwen2-VL video processor needs torchvision")
 def test_encode_vl_prompt_with_an_image_and_a_video():
-    """A video (a list of frames) goes through the video processor with the image processor's limits: 4 frames of
-    84 x 84 -> 2 temporal patches of 6 x 6 -> 18 <|video_pad|> tokens, after the image's 9 <|image_pad|>."""
+    """A video (a list of frames) goes through the video processor with the image processor's limits: 4 frames
+    of 84 x 84 -> 2 temporal patches of 6 x 6 -> 18 <|video_pad|> tokens, after the image's 9
+    <|image_pad|>."""
     import random
 
     _, tok, processor = load_vl_model()
     image = draw_shapes("red", 1, random.Random(0))
     frames = [draw_shapes("blue", 2, random.Random(i)) for i in range(4)]
-    ids, mm = encode_vl_prompt(tok, processor, "what colour is the shape ?", [image, frames], tok.convert_tokens_to_ids("<|image_pad|>"))
+    ids, mm = encode_vl_prompt(tok, processor, "what colour is the shape ?", [image, frames],
+                               tok.convert_tokens_to_ids("<|image_pad|>"))
     assert mm["video_grid_thw"].tolist() == [[2, 6, 6]] and mm["image_grid_thw"].tolist() == [[1, 6, 6]]
     assert ids.count(mm["video_token_id"]) == 18 and ids.count(mm["image_token_id"]) == 9
     assert ids.index(mm["image_token_id"]) < ids.index(mm["video_token_id"])  # in the order given
@@ -240,7 +270,8 @@ def test_encode_vl_prompt_with_an_image_and_a_video():
 
 
 def test_load_image_rows_reads_videos_as_frame_lists(tmp_path):
-    """images_key entries: a path is an image, a list of paths a video (its frames, in order); none: text only."""
+    """images_key entries: a path is an image, a list of paths a video (its frames, in order); none: text
+    only."""
     import json
     import random
 
@@ -252,7 +283,8 @@ def test_load_image_rows_reads_videos_as_frame_lists(tmp_path):
             {"prompt": "b", "label": "y", "images": ["red.png", ["blue.png", "green.png", "blue.png"]]},
             {"prompt": "c", "label": "z"}]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    got = load_image_rows(str(tmp_path / "d.jsonl"), "prompt", "label", "images", "--prompt_data", log=lambda *a: None)
+    got = load_image_rows(str(tmp_path / "d.jsonl"), "prompt", "label", "images", "--prompt_data",
+                          log=lambda *a: None)
     assert [len(r["images"]) for r in got] == [1, 2, 0]
     video = got[1]["images"][1]
     assert isinstance(video, list) and len(video) == 3 and not isinstance(got[1]["images"][0], list)

@@ -56,10 +56,12 @@ def test_gather_generate_scatter_keeps_order():
 
 
 def test_vllm_param_name():
-    assert vllm_param_name("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert (vllm_param_name("model.layers.0.self_attn.q_proj.weight")
+            == "model.layers.0.self_attn.q_proj.weight")
     assert vllm_param_name("module.model.embed_tokens.weight") == "model.embed_tokens.weight"  # DDP
     assert vllm_param_name("_orig_mod.module.lm_head.weight") == "lm_head.weight"  # torch.compile + DDP
-    assert vllm_param_name("model._fsdp_wrapped_module.layers.1.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert (vllm_param_name("model._fsdp_wrapped_module.layers.1.mlp.up_proj.weight")
+            == "model.layers.1.mlp.up_proj.weight")
 
 
 def test_iter_weights_and_buckets(tiny_model_dir):
@@ -92,8 +94,8 @@ def engine_and_model():
     model, tokenizer = load_model_and_tokenizer()
     model = model.cuda()
 
-    engine = create_engine("vllm", model, tokenizer, bf16=True, micro_batch_size=32, mem_util=0.3, sleep="always",
-                           enforce_eager=True, max_model_len=512 + 64, requests=32)
+    engine = create_engine("vllm", model, tokenizer, bf16=True, micro_batch_size=32, mem_util=0.3,
+                           sleep="always", enforce_eager=True, max_model_len=512 + 64, requests=32)
     return engine, model, tokenizer
 
 
@@ -132,8 +134,8 @@ def test_greedy_equals_transformers_after_sync(engine_and_model):
             continue
         with torch.no_grad():
             logits = bf16(torch.tensor([p + b[:k]], device="cuda")).logits[0, -1].float()
-        # bf16 logits near 30 are 0.125 apart; other attention kernels (SGLang's FlashInfer) move them by a few
-        # steps: a gap of 0.5 was seen there (31.25 vs 30.75)
+        # bf16 logits near 30 are 0.125 apart; other attention kernels (SGLang's FlashInfer) move them by a
+        # few steps: a gap of 0.5 was seen there (31.25 vs 30.75)
         assert logits[b[k]] - logits[a[k]] <= 1.0, (k, a, b)
 
 
@@ -169,8 +171,8 @@ def test_sampling_logprobs_match_trainer(engine_and_model):
 
 
 def test_kv_cache_bytes():
-    """The KV cache is capped to what one generate call can use (twice over) only when that is small next to the
-    memory share: bf16 K and V of every layer, per token, for every request at full length."""
+    """The KV cache is capped to what one generate call can use (twice over) only when that is small next to
+    the memory share: bf16 K and V of every layer, per token, for every request at full length."""
     from transformers import LlamaConfig
 
     from rft_core.vllm_engine import kv_cache_bytes
@@ -178,17 +180,18 @@ def test_kv_cache_bytes():
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     per_token = 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x bf16 bytes
     assert kv_cache_bytes(config, 64, 1000, 80e9) == 2 * 64 * 1000 * per_token
-    assert kv_cache_bytes(config, 64, 1000, 4 * 2 * 64 * 1000 * per_token) is None  # not small: vLLM's default
+    # not small: vLLM's default
+    assert kv_cache_bytes(config, 64, 1000, 4 * 2 * 64 * 1000 * per_token) is None
     config.head_dim = 32  # an explicit head_dim wins over hidden / heads
     assert kv_cache_bytes(config, 1, 10, 80e9) == 2 * 10 * 2 * 2 * 2 * 32 * 2
 
 
 @gpu
 def test_update_at_0_4b_then_wake_does_not_crash(tmp_path):
-    """Issue 15's crash: a random Qwen2 of Qwen2.5-0.5B's shape (0.4B with SmolLM2's vocabulary), 32 x 8 samples
-    of 128 tokens, --micro_train_batch_size 128: the update's cached blocks used to keep vLLM from mapping its KV
-    cache back (`CUDA Error: out of memory` in wake_up at step 2). Now the cache is released and the wake checked:
-    three steps run, the engine asleep during each update."""
+    """Issue 15's crash: a random Qwen2 of Qwen2.5-0.5B's shape (0.4B with SmolLM2's vocabulary), 32 x 8
+    samples of 128 tokens, --micro_train_batch_size 128: the update's cached blocks used to keep vLLM from
+    mapping its KV cache back (`CUDA Error: out of memory` in wake_up at step 2). Now the cache is released
+    and the wake checked: three steps run, the engine asleep during each update."""
     import json
     import subprocess
     import sys
@@ -202,9 +205,10 @@ def test_update_at_0_4b_then_wake_does_not_crash(tmp_path):
            "--n_samples_per_prompt", "8", "--generate_max_len", "128", "--micro_train_batch_size", "128",
            "--max_steps", "3", "--engine_enforce_eager", "--output_dir", str(tmp_path / "run")]
     # a fresh process group: not the port of the engine another test of this process set up
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK",
-                                                             "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "perf/step_time_s" in line]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
+            if "perf/step_time_s" in line]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["perf/engine_slept"] == 1.0
