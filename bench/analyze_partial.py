@@ -61,8 +61,8 @@ def cost_model(runs, budget, skip):
         return budget * r["rollout/generation_rounds"]
 
     steady = {mode: [r for rows in group for r in rows[skip:]] for mode, group in runs.items()}
-    if not all(steady.values()):
-        empty = [mode for mode, rows in steady.items() if not rows]
+    empty = [mode for mode, rows in steady.items() if not rows]
+    if empty:
         raise SystemExit(f"no steps left after --skip {skip} in the {empty} runs")
     rest = {mode: statistics.median(r["perf/step_time_s"] - r["perf/generate_s"] for r in rows)
             for mode, rows in steady.items()}  # the step's other phases (update, sync, ...)
