@@ -35,11 +35,13 @@ buffer's oldest first, then fresh prompts, drawn until --inflight_ratio x k grou
 round generates a full batch (at most --max_num_gen_batches rounds; the last completes the oldest still
 needed, without a budget). --max_staleness K: a group whose first tokens are K versions old finishes
 without a budget, so no trained token is older than K (a finished group that waited past K is dropped and
-its prompt re-queued: counted). Off-policy correction as AReaL's decoupled PPO: the ratio is against the
-trainer's logprobs before the update (the proximal policy), and each token is weighted by
-pi_old / pi_behaviour, truncated at --tis_cap (2 by default here) or masked (--tis_mode mask). Unlike k1.5
-no sample is re-tokenized (its token ids continue); unlike AReaL rollout and training still alternate on the
-same GPUs, so staleness comes only from the buffer. rft_core/rollout.py.
+its prompt re-queued: counted). So groups train in the order they finish, a long one late; with
+--partial_order start a step trains the k groups drawn first, K steps after they started, whatever their
+length: a pure delay of K versions (the budget defaults to generate_max_len / (K + 1): one round a step).
+Off-policy correction as AReaL's decoupled PPO: the ratio is against the trainer's logprobs before the
+update (the proximal policy), and each token is weighted by pi_old / pi_behaviour, truncated at --tis_cap
+(2 by default here) or masked (--tis_mode mask). Unlike k1.5 no sample is re-tokenized (its token ids
+continue); unlike AReaL rollout and training alternate on the same GPUs. rft_core/rollout.py.
 """
 
 import math
@@ -200,6 +202,8 @@ class Args:
     inflight_ratio: float = 1.0
     """with --partial_rollout: groups in hand per round (generating or ready), in steps' worth of groups;
     fresh prompts fill it, so every round generates a full batch (1: draw only the groups still needed)"""
+    partial_order: str = "finish"
+    """with --partial_rollout: train groups as they finish (finish), or K steps after they started (start)"""
     ema_beta: Optional[float] = None
     """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
     pretrain_data: Optional[str] = None

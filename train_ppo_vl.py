@@ -188,6 +188,8 @@ class Args:
     inflight_ratio: float = 1.0
     """with --partial_rollout: groups in hand per round (generating or ready), in steps' worth of groups;
     fresh prompts fill it, so every round generates a full batch (1: draw only the groups still needed)"""
+    partial_order: str = "finish"
+    """with --partial_rollout: train groups as they finish (finish), or K steps after they started (start)"""
     ema_beta: Optional[float] = None
     """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
     pretrain_data: Optional[str] = None

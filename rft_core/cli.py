@@ -158,6 +158,8 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
     check(args.loss_agg_mode in LOSS_AGG_MODES,
           f"--loss_agg_mode {args.loss_agg_mode!r}: choose one of {LOSS_AGG_MODES}")
     check(args.tis_mode in ("truncate", "mask"), f"--tis_mode {args.tis_mode!r}: choose truncate or mask")
+    check(args.partial_order in ("finish", "start"),
+          f"--partial_order {args.partial_order!r}: choose finish or start")
     check(args.kl_estimator in KL_ESTIMATORS,
           f"--kl_estimator {args.kl_estimator!r}: choose one of {KL_ESTIMATORS}")
     estimator, n = args.advantage_estimator, args.n_samples_per_prompt
@@ -236,8 +238,10 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
         (args.use_kl_loss, ("kl_estimator",), "it is the KL loss's estimator, but --use_kl_loss is off"),
         (args.dynamic_sampling or args.partial_rollout, ("max_num_gen_batches",),
          "it bounds the rounds of --dynamic_sampling and --partial_rollout, which are off"),
-        (args.partial_rollout, ("max_token_budget", "max_staleness", "inflight_ratio"),
+        (args.partial_rollout, ("max_token_budget", "max_staleness", "inflight_ratio", "partial_order"),
          "--partial_rollout is off"),
+        (args.partial_order != "start", ("inflight_ratio",),
+         "--partial_order start holds --max_staleness + 1 steps' worth of groups"),
         (args.tis_cap is not None or args.partial_rollout, ("tis_mode",), "--tis_cap is off"),
         (args.overlong_buffer_len > 0, ("overlong_penalty_factor",), "it scales the overlong penalty, but "
          "--overlong_buffer_len is 0"),

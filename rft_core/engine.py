@@ -145,7 +145,8 @@ def engine_options(args, requests, sp_size=1):
     sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
     micro_batch_size = 1 if sp_size > 1 else args.micro_rollout_batch_size
     if args.partial_rollout:  # a generation round holds --inflight_ratio steps' worth of groups
-        requests = math.ceil(requests * args.inflight_ratio)
+        start = args.partial_order == "start"  # (start order: K + 1 in its first step)
+        requests = math.ceil(requests * (args.max_staleness + 1 if start else args.inflight_ratio))
     return dict(micro_batch_size=micro_batch_size, bf16=args.bf16, tp_size=args.engine_tp_size,
                 mem_util=args.engine_mem_util, sleep=sleep, sleep_level=args.engine_sleep_level,
                 enforce_eager=args.engine_enforce_eager, requests=requests, seed=args.seed,

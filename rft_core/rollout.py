@@ -15,6 +15,12 @@ short, at most `max_rounds`; in the last one the oldest groups still needed gene
 every step has its k groups. Staleness: a group whose first tokens are `max_staleness` versions old
 generates without a budget (it finishes now, so no trained token is older than that); a finished group that
 waited past the bound (more were ready than a step takes) is dropped and its prompt drawn again later.
+
+That is `order="finish"`: groups train as they finish, so a group's delay follows its outcome (those with a
+long answer train late). `order="start"` trains groups in the order they were drawn: each step draws k
+fresh groups, holds (K + 1) x k (K = max_staleness) and trains the k drawn first, K steps after they
+started, whatever their length: a pure delay of K versions. With a budget of at least max_new_tokens /
+(K + 1) (its default) every group has finished by then, so a step is one round and no call waits on a tail.
 """
 
 import math
@@ -47,18 +53,23 @@ class RolloutSettings:
     eos_token_id: Optional[int] = None  # a response that ends in it has finished
     inflight_ratio: float = 1.0  # groups in hand per round (generating or ready), in steps' worth of groups
     logprob_every: int = 1  # the engine's logprobs for every k-th sample (engine.generate's logprob_every)
+    order: str = "finish"  # which finished groups a step trains: "finish" or "start" (the docstring above)
 
     @classmethod
     def from_args(cls, args, eos_token_id):
         """The rollout flags of the training scripts."""
-        budget = args.max_token_budget or max(1, args.generate_max_len // 4)
+        order = args.partial_order
+        # start order: every group finishes within the K + 1 rounds before it trains
+        default = (math.ceil(args.generate_max_len / (args.max_staleness + 1)) if order == "start"
+                   else max(1, args.generate_max_len // 4))
+        budget = args.max_token_budget or default
         # TIS and partial rollout weight every token by its engine logprob; otherwise they feed only the
         # engine-vs-trainer metric, which one sample in 8 estimates for an eighth of their cost
         every = 1 if tis_cap_of(args) else 8
         return cls(args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p,
                    args.dynamic_sampling, args.max_num_gen_batches, args.overlong_buffer_len,
                    args.overlong_penalty_factor, args.strict_rewards, args.partial_rollout, budget,
-                   args.max_staleness, eos_token_id, args.inflight_ratio, every)
+                   args.max_staleness, eos_token_id, args.inflight_ratio, every, order)
 
 
 @dataclass(eq=False)  # a group is itself: membership tests compare identity, not samples (and their images)
@@ -68,6 +79,7 @@ class Group:
     version: int  # the policy version that sampled its first tokens
     done: list  # per sample: finished
     ready: bool = False  # finished and scored: it can be trained
+    drawn: int = 0  # its place in the order this rank drew groups (start order trains the first drawn)
 
 
 class Rollouts:
@@ -82,13 +94,14 @@ class Rollouts:
         self.rank, self.settings, self.device = rank, settings, device
         self.queue = []  # partial rollout: this rank's prompts drawn from the stream, not yet started
         self.buffer = []  # partial rollout: Groups unfinished, or finished and waiting
+        self.groups_drawn = 0  # partial rollout: Groups started on this rank (their order)
 
     def state_dict(self):
         return {"batches_drawn": self.drawn}
 
     def buffer_state(self):
         """The partial-rollout buffer and queue as plain containers (torch.load's weights_only takes them)."""
-        groups = [{"version": g.version, "done": g.done, "ready": g.ready,
+        groups = [{"version": g.version, "done": g.done, "ready": g.ready, "drawn": g.drawn,
                    "samples": [{**asdict(s), "generation": asdict(s.generation)} for s in g.samples]}
                   for g in self.buffer]
         return {"groups": groups, "queue": [asdict(s) for s in self.queue]}
@@ -100,8 +113,10 @@ class Rollouts:
         if buffer:
             self.queue = [Sample(**s) for s in buffer["queue"]]
             self.buffer = [Group([Sample(**{**s, "generation": Generation(**s["generation"])})
-                                  for s in g["samples"]], g["version"], g["done"], g["ready"])
+                                  for s in g["samples"]], g["version"], g["done"], g["ready"],
+                                 g.get("drawn", 0))  # (a checkpoint from before start order: finish order)
                            for g in buffer["groups"]]
+            self.groups_drawn = max((g.drawn + 1 for g in self.buffer), default=0)
 
     def draw(self):
         """This rank's next prompts, each repeated group_size times (a group stays on one rank)."""
@@ -186,15 +201,19 @@ class Rollouts:
         # groups to hold per round; where nothing is cut off (a budget of the whole length, or K = 0) only
         # what the step needs is drawn: the synchronous loop
         can_cut = cfg.token_budget < cfg.max_new_tokens and cfg.max_staleness > 0
-        in_hand = math.ceil(self.k * cfg.inflight_ratio) if can_cut else self.k
+        start = cfg.order == "start"  # train the k groups drawn first, once all have finished
+        in_hand = (self.k if not can_cut else self.k * (cfg.max_staleness + 1) if start
+                   else math.ceil(self.k * cfg.inflight_ratio))
         for rounds in range(1, cfg.max_rounds + 1):
             need = self.k - len(ready)
-            fresh = max(need, in_hand - len(ready) - len(pending))
+            fresh = max(0 if start else need, in_hand - len(ready) - len(pending))
             pending += [self._new_group(version) for _ in range(fresh)]
             # no budget for a group at the staleness bound, nor (last round) for the oldest ones still needed
             urgent = {g for g in pending if version - g.version >= cfg.max_staleness}
             if rounds == cfg.max_rounds:
-                urgent.update(sorted(pending, key=lambda g: g.version)[:max(0, need)])
+                oldest = (self._first_drawn(ready + pending) if start
+                          else sorted(pending, key=lambda g: g.version)[:max(0, need)])
+                urgent.update(g for g in oldest if not g.ready)
             requests = [(g, i) for g in pending for i in range(n) if not g.done[i]]
             limits = []
             for g, i in requests:
@@ -216,10 +235,16 @@ class Rollouts:
             for g in finished:
                 g.ready = id(g.samples) in kept_ids
             ready += [g for g in finished if g.ready]
-            if not reduce_sum(torch.tensor(float(len(ready) < self.k), device=self.device)):
+            head = self._first_drawn(ready + pending)
+            short = (len(head) < self.k or not all(g.ready for g in head)) if start else len(ready) < self.k
+            if not reduce_sum(torch.tensor(float(short), device=self.device)):
                 break  # every rank has its k groups
-        ready.sort(key=lambda g: g.version)  # oldest first (stable: in order of finishing otherwise)
-        trained, self.buffer = ready[:self.k], ready[self.k:] + pending
+        if start:
+            trained = [g for g in self._first_drawn(ready + pending) if g.ready]
+        else:
+            ready.sort(key=lambda g: g.version)  # oldest first (stable: in order of finishing otherwise)
+            trained = ready[:self.k]
+        self.buffer = [g for g in ready + pending if g not in trained]
         ages = [version - v for g in trained for s in g.samples for v in s.generation.versions]
         metrics = {"rollout/generation_rounds": rounds, "rollout/resumed": resumed,
                    "rollout/buffered": sum(not d for g in pending for d in g.done),
@@ -236,4 +261,9 @@ class Rollouts:
         prompt = self.queue.pop(0)
         n = self.settings.group_size
         samples = [replace(prompt, generation=Generation([], [], [])) for _ in range(n)]
-        return Group(samples, version, [False] * n)
+        self.groups_drawn += 1
+        return Group(samples, version, [False] * n, drawn=self.groups_drawn - 1)
+
+    def _first_drawn(self, groups):
+        """The k groups drawn first among `groups` (ready or generating): start order's next batch."""
+        return sorted(groups, key=lambda g: g.drawn)[:self.k]

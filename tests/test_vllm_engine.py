@@ -30,10 +30,12 @@ def test_cuda_graphs_cover_a_generate_call():
     args = SimpleNamespace(enable_engine_sleep=False, disable_engine_sleep=False, micro_rollout_batch_size=8,
                            bf16=True, engine_tp_size=1, engine_mem_util=0.3, engine_sleep_level=1,
                            engine_enforce_eager=False, seed=0, prompt_max_len=64, generate_max_len=64,
-                           partial_rollout=False, inflight_ratio=2.5)
+                           partial_rollout=False, inflight_ratio=2.5, partial_order="finish", max_staleness=2)
     assert engine_options(args, 256)["requests"] == 256
     args.partial_rollout = True
     assert engine_options(args, 256)["requests"] == 640
+    args.partial_order = "start"  # its first step draws K + 1 steps' worth
+    assert engine_options(args, 256)["requests"] == 768
 
 
 def test_tp_groups():
