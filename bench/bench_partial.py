@@ -141,7 +141,8 @@ def main():
              "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
                          "--max_staleness", str(args.staleness)],
              # start order: each group trains K steps after it started; budget generate_max_len / (K + 1)
-             "start": ["--partial_rollout", "--partial_order", "start", "--max_staleness", str(args.staleness)]}
+             "start": ["--partial_rollout", "--partial_order", "start",
+                       "--max_staleness", str(args.staleness)]}
     ratio = f"{args.inflight_ratio:g}" if args.inflight_ratio else None
     if ratio:
         modes["partial"] += ["--inflight_ratio", ratio]
