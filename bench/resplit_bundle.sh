@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Re-cut a ../shared/gpu/bundle.sh output into parts of SIZE (e.g. 55M) instead of its 48 MiB: a device call
-# carries at most 64 MiB with the working tree (about 7 MiB here), so bigger parts mean fewer calls (SGLang's
-# 1.1 GB: 20 parts instead of 23). install.sh and MANIFEST stay in part00; install.sh joins bundle.tar.* as
-# before.
+# Re-cut a ../shared/gpu/bundle.sh output into parts of SIZE (e.g. 48M) instead of its 48 MiB: a device call
+# carries at most 64 MiB with the working tree, so the parts can grow as far as the tree leaves room (SGLang's
+# 1.1 GB: 20 parts of 55M instead of 23 when the tree was 7 MiB). The tree is 15 MiB since session 17 (its
+# bench/results), so 55M parts are refused now; 48M fit. install.sh and MANIFEST stay in part00; install.sh
+# joins bundle.tar.* as before.
 # Usage: bash bench/resplit_bundle.sh DIR SIZE
 set -euo pipefail
 dir=${1:?usage: resplit_bundle.sh DIR SIZE}; size=${2:?usage: resplit_bundle.sh DIR SIZE}
