@@ -235,12 +235,15 @@ class Rollouts:
             for g in finished:
                 g.ready = id(g.samples) in kept_ids
             ready += [g for g in finished if g.ready]
-            head = self._first_drawn(ready + pending)
-            short = (len(head) < self.k or not all(g.ready for g in head)) if start else len(ready) < self.k
+            if start:
+                head = self._first_drawn(ready + pending)
+                short = len(head) < self.k or not all(g.ready for g in head)
+            else:
+                short = len(ready) < self.k
             if not reduce_sum(torch.tensor(float(short), device=self.device)):
                 break  # every rank has its k groups
         if start:
-            trained = [g for g in self._first_drawn(ready + pending) if g.ready]
+            trained = [g for g in head if g.ready]  # the last round's head
         else:
             ready.sort(key=lambda g: g.version)  # oldest first (stable: in order of finishing otherwise)
             trained = ready[:self.k]
