@@ -19,6 +19,13 @@ line per run: samples trained per second, tokens generated per second, the decod
         seq-mean-token-sum-norm"                                     # flags for the measured runs only
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \
         --rollout_batch_size 4 --n_samples_per_prompt 2                  # a CPU smoke run (2-3 minutes)
+    python bench/bench_partial.py --size 1.5b --max_len 2048 --budget 512 --staleness 7 --steps 15 \
+        --modes sync_tis partial              # the rollout at a real size: random weights, scripted lengths
+
+--size: a random-weight Qwen2 shape (bench_sizes.py's) or 135m (the embedded model), whose answers end where
+bench/scripted_lengths.py says (the counting task's length profile, the same in every arm), with
+bench_sizes.py's pseudo-random reward, no held-out set, and the weights frozen (--frozen): the two arms'
+speed at that size, nothing about learning (named SIZE-MODE-seedS).
 """
 
 import argparse
@@ -31,6 +38,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import bench_sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,6 +131,7 @@ def main():
                         help="the measured runs keep their starting weights (learning rate 1e-12, updates "
                              "of ~1e-12): both arms answer alike, so the rates compare the rollouts alone "
                              "(named frozen-MODE-seedS)")
+    parser.add_argument("--size", help="time the rollout at this size, answers of scripted lengths (above)")
     parser.add_argument("--arm_flags", default="",
                         help="train_ppo.py flags for the measured runs only, not the warm-up (e.g. "
                              "\"--loss_agg_mode seq-mean-token-sum-norm\"); with --tag")
@@ -152,14 +162,19 @@ def main():
     if args.warm_steps and not os.path.exists(warm):
         run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len)
     start_from = ["--pretrain", warm] if args.warm_steps else []
-    frozen = ["--actor_learning_rate", "1e-12"] if args.frozen else []  # (0 is refused)
+    if args.size and args.warm_steps:
+        raise SystemExit("--size runs start from random weights (or the embedded model): no --warm_steps")
+    if args.size and args.size != "135m":
+        start_from = ["--pretrain", bench_sizes.make_model(args.size, args.root)]
+    frozen = ["--actor_learning_rate", "1e-12"] if args.frozen or args.size else []  # (0 is refused)
     if args.arm_flags and not args.tag:
         raise SystemExit("--arm_flags needs a --tag, so its runs are not taken for the plain ones")
     for seed in args.seeds:
         for mode in args.modes:
             flags = modes[mode] + start_from + frozen + shlex.split(args.arm_flags)
             name = f"{mode}-r{ratio}-seed{seed}" if mode == "partial" and ratio else f"{mode}-seed{seed}"
-            name = "frozen-" + name if args.frozen else name
+            name = "frozen-" + name if args.frozen and not args.size else name
+            name = f"{args.size}-{name}" if args.size else name
             name = f"{args.tag}-{name}" if args.tag else name
             run(args, out, data, evals, name, seed, args.steps, flags, extra)
 
@@ -171,8 +186,13 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None):
     for path in (lengths, lengths + ".overshoot.jsonl"):
         if os.path.exists(path):
             os.remove(path)
-    cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data,
-           "--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward",
+    # --size: through the scripted lengths, the pseudo-random reward, no held-out set (a random model's
+    # greedy answers would run to the limit)
+    here = os.path.dirname(os.path.abspath(__file__))
+    launch = [os.path.join(here, "scripted_lengths.py")] if args.size else []
+    task = (["--reward_fn", f"{os.path.join(here, 'bench_sizes.py')}:reward"] if args.size
+            else ["--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward"])
+    cmd = [sys.executable, *launch, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data, *task,
            "--rollout_batch_size", "32",
            "--n_samples_per_prompt", "8", "--generate_max_len", str(max_len or args.max_len), "--max_steps",
            str(steps), "--eval_steps", "10", "--seed", str(seed), "--output_dir", run_dir,

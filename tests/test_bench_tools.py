@@ -128,3 +128,45 @@ def test_the_memory_plans_lines_on_a_simulated_gpu(tiny_model_dir, monkeypatch, 
     # 0.85 x 30 GiB less the tiny model's states and the fixed 88 MiB, at 1 MiB a token: 25600 tokens (in
     # steps of 1024) while the engine (0.3 x 80 = 24 GiB) sleeps, 1024 beside it (under 8192: it must sleep)
     assert not checkpointing and tokens == 25600 and "sized for the engine asleep" in said[1]
+
+
+def test_scripted_lengths_give_every_arm_the_same_answers():
+    """bench/scripted_lengths.py: an engine that never stops on its own (random tokens up to each limit), run
+    through the real Rollouts, synchronous and partial (budget 8 of 64): every trained group's answers have
+    the lengths the script gives its prompt, in either arm, and end with EOS where they end before the
+    limit."""
+    import random
+
+    sys.path.insert(0, ROOT)
+    from bench.replay_partial_schedule import Tok, score_all
+    from bench.scripted_lengths import Script, scripted_length
+    from rft_core.engine import Generation
+    from rft_core.experience import Sample
+    from rft_core.rollout import Rollouts, RolloutSettings
+
+    class Babbler:
+        def generate(self, prompts, limits, temperature=1.0, top_p=1.0, mm=None, logprob_every=1):
+            rng = random.Random(len(prompts))
+            return [Generation([rng.randrange(10, 1000) for _ in range(n)], [-1.0] * n) for n in limits]
+
+    max_len, group, k = 64, 4, 6
+    prompts = [Sample([i, 7, 99], str(i), f"p{i}") for i in range(400)]
+    lengths = {}
+    for partial in (False, True):
+        settings = RolloutSettings(group, max_len, max_rounds=3, partial=partial, token_budget=8,
+                                   max_staleness=7, eos_token_id=0)
+        rollouts = Rollouts(prompts, k * 1, 0, 0, 1, settings, "cpu")
+        script = Script(Rollouts._generate)
+        rollouts._generate = lambda engine, p, limits, mm: script(rollouts, engine, p, limits, mm)
+        for step in range(1, 7):
+            samples, _ = rollouts.collect(Babbler(), Tok(), score_all, lambda t: t, step)
+            for i in range(0, len(samples), group):
+                ids = samples[i].prompt_ids
+                got = sorted(len(s.generation.token_ids) for s in samples[i:i + group])
+                assert got == sorted(scripted_length(ids, j, max_len) for j in range(group))
+                ends = [s.generation.token_ids[-1] == 0 for s in samples[i:i + group]]
+                assert ends == [len(s.generation.token_ids) < max_len for s in samples[i:i + group]]
+                lengths.setdefault(tuple(ids), []).append(got)
+    assert any(g > 8 for got in lengths.values() for g in got[0])  # answers continued over rounds
+    assert any(64 in got[0] for got in lengths.values()) and any(min(got[0]) < 20 for got in lengths.values())
+    assert sum(len(v) == 2 for v in lengths.values()) >= k  # prompts trained in both arms
