@@ -14,11 +14,14 @@ work of every token; only when an answer ends is scripted. Both the synchronous 
 go through the same patch, so their answers are the same length for the same prompt and sample.
 """
 
+import os
 import random
 import runpy
 import sys
 
-from rft_core import rollout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rft_core import rollout  # noqa: E402
 
 LONG_SHARE, RAMBLE_LONG, RAMBLE_SHORT = 0.2, 0.12, 0.0075
 

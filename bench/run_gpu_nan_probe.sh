@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The non-finite gradient of session 18's 1.5B synchronous run (bench_partial.py --size 1.5b, seed 0, step 1):
+# rerun it as it was, then without torch.compile, then (if that also stops) under autograd's anomaly mode.
+# Needs the ../shared/gpu bundle installed in /tmp/site. Logs in $OUT.
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+python -c "import sys, json; sys.path.insert(0, 'bench'); import bench_partial as b
+open('/tmp/count.jsonl', 'w').writelines(json.dumps(r) + '\n' for r in b.task_rows(4000, 0))"
+MODEL=$(python -c "import sys; sys.path.insert(0, 'bench'); import bench_sizes; print(bench_sizes.make_model('1.5b', '/tmp/rp'))" 2>/dev/null | tail -1)
+RUN="bench/scripted_lengths.py train_ppo.py --prompt_data /tmp/count.jsonl --reward_fn bench/bench_sizes.py:reward
+  --rollout_batch_size 32 --n_samples_per_prompt 8 --generate_max_len 2048 --max_steps ${STEPS:-2} --eval_steps 10
+  --seed 0 --no_resume --tis_cap 2 --pretrain $MODEL --actor_learning_rate 1e-12"
+# shellcheck disable=SC2086
+for arm in ${ARMS:-asis nocompile}; do
+  case $arm in
+    asis) timeout 200 python $RUN --output_dir /tmp/rp/runs/asis > "$OUT/nan-asis.log" 2>&1;;
+    nocompile) timeout 200 python $RUN --output_dir /tmp/rp/runs/nocompile --torch_compile false \
+      > "$OUT/nan-nocompile.log" 2>&1;;
+    anomaly) timeout 250 python bench/nan_probe.py $RUN --output_dir /tmp/rp/runs/anomaly --torch_compile false \
+      > "$OUT/nan-anomaly.log" 2>&1;;
+  esac
+  echo "$arm rc=$?"; grep -h "error\|Error\|nan" "$OUT/nan-$arm.log" | grep -v "^INFO\|WARNING" | head -5
+done
