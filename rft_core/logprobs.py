@@ -5,8 +5,16 @@ backward."""
 from contextlib import contextmanager
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rft_core.losses import entropy_from_logits
+
+# The SDPA kernels a forward with gradients may use: any but cuDNN's. A left pad is a query row with nothing
+# to attend to, and cuDNN's backward turns such a row into NaN gradients for every weight below it (the
+# forward stays finite; torch picks cuDNN for some batch shapes only, so runs stopped at random). The
+# efficient and math kernels give such rows zero gradients (bench/nan_replay.py, on a 1.5B batch that
+# stopped a run).
+NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def positions(attention_mask):
@@ -50,15 +58,17 @@ def packed_logprobs(model, input_ids, position_ids, keep, temperature=1.0, with_
 def token_logprobs(model, inputs, targets, temperature=1.0, with_entropy=False, chunk_size=None):
     """The forward `model(**inputs, use_cache=False)`, whose logits_to_keep selects the positions predicting
     targets (b, t), and the logprobs of targets (and entropy) there, (b, t) each, by LinearLogprobs with
-    chunk_size, else from the model's logits."""
+    chunk_size, else from the model's logits. Attention runs on any SDPA kernel but cuDNN's (NOT_CUDNN)."""
     if chunk_size:
         # the head runs inside the model's forward (where DDP, ZeRO-3 and FSDP2 expect it, weights gathered)
         # and returns (b, t, 2): the logprob and entropy of each position's target
         head = unwrap(model).get_output_embeddings()
-        with _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy):
+        with _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy), sdpa_kernel(
+                NOT_CUDNN):
             out = model(**inputs, use_cache=False).logits
         return out[..., 0], out[..., 1] if with_entropy else None
-    logits = model(**inputs, use_cache=False).logits  # (b, t, V)
+    with sdpa_kernel(NOT_CUDNN):
+        logits = model(**inputs, use_cache=False).logits  # (b, t, V)
     targets = targets.unsqueeze(-1)  # (b, t, 1)
     if with_entropy != "grad" or not torch.is_grad_enabled():
         return TokenLogprobs.apply(logits, targets, temperature, bool(with_entropy))

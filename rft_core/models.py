@@ -5,9 +5,10 @@ import importlib.util
 import os
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from rft_core.errors import ConfigError, MissingPath
-from rft_core.logprobs import positions
+from rft_core.logprobs import NOT_CUDNN, positions
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -172,8 +173,9 @@ def load_value_model(path=None, actor=None, dtype=torch.float32, flag="--critic_
 def response_values(model, input_ids, attention_mask, num_actions, mm_inputs=None):
     """Critic values V(s_t) of the state before each response token: (B, T), like response_logprobs
     (mm_inputs: a vision-language critic's image inputs; it computes its own positions)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=None if mm_inputs else positions(attention_mask), **(mm_inputs or {}))
+    with sdpa_kernel(NOT_CUDNN):  # left pads: see NOT_CUDNN
+        out = model(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=None if mm_inputs else positions(attention_mask), **(mm_inputs or {}))
     return out.logits[:, -num_actions - 1:-1, 0].float()  # (B, T)
 
 
@@ -191,8 +193,9 @@ def lm_loss(model, input_ids, attention_mask):
     # real token is not predicted from a pad
     previous = torch.nn.functional.pad(attention_mask, (1, 0))[:, :-1]  # (B, L)
     labels = input_ids.masked_fill((attention_mask == 0) | (previous == 0), -100)  # (B, L)
-    return model(input_ids=input_ids, attention_mask=attention_mask,
-                 position_ids=positions(attention_mask), labels=labels, use_cache=False).loss
+    with sdpa_kernel(NOT_CUDNN):  # left pads: see NOT_CUDNN
+        return model(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=positions(attention_mask), labels=labels, use_cache=False).loss
 
 
 def text_lm_loss(model, tokenizer, texts, max_len):

@@ -268,3 +268,67 @@ def test_the_health_check_measures_the_update_on_rows_with_engine_logprobs(tiny_
     guard = HealthGuard(str(tmp_path), model.config.vocab_size, max_update_kl=1e-4)
     guard.before_checkpoint(model, exp, {"micro_batch_size": 2, "packed": False}, 1.0, None,
                             Accelerator(cpu=True), step=1)  # raises if the KL is not finite and small
+
+
+def test_forwards_with_gradients_never_run_cudnn_attention(tiny_model_dir):
+    """The trainer's forwards (logprobs plain and chunked, critic values, the ptx loss) run with cuDNN's SDPA
+    kernel off (rft_core.logprobs.NOT_CUDNN): its backward turns a left pad's empty attention row into NaN
+    gradients. A model wrapper records the flag at each forward; it is back on afterwards."""
+    from rft_core.logprobs import response_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    seen = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    ids = torch.randint(3, 100, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :2] = 0  # a left-padded row
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    response_logprobs(model, ids, mask, 3)
+    response_logprobs(model, ids, mask, 3, chunk_size=2)
+    lm_loss(model, ids, mask)
+    model.config.num_labels = 1
+    response_values(model, ids, mask, 3)
+    assert seen == [False] * 4 and before and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_left_padded_rows_give_finite_gradients_on_the_gpu():
+    """On a GPU, a bf16 Qwen2 of head size 128 over a left-padded batch of 25 x 64 (the shape that stopped
+    session 18's 1.5B run), with cuDNN's SDPA kernel enabled and first in priority around the call: a plain
+    forward then gives NaN gradients (the bug: skipped where this torch's cuDNN no longer has it, or has no
+    kernel for the shape), and response_logprobs, which turns cuDNN off inside, gives finite ones."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rft_core.logprobs import response_logprobs
+
+    config = Qwen2Config(vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).cuda()
+    ids = torch.randint(3, 1000, (25, 64), device="cuda")
+    mask = torch.ones(25, 64, dtype=torch.long, device="cuda")
+    mask[::2, 0] = 0  # left pads: a query row with nothing to attend to
+    mask[:, -3:] = 0  # right pads after the responses
+    cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+    def gradients_finite(plain):
+        model.zero_grad(set_to_none=True)
+        with sdpa_kernel(cudnn_first, set_priority=True), torch.autocast("cuda", dtype=torch.bfloat16):
+            if plain:
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                logprobs = logits[:, -13:-1].float().log_softmax(-1)[..., 0]
+            else:
+                logprobs, _ = response_logprobs(model, ids, mask, 12)
+        logprobs.float().sum().backward()
+        return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+
+    if gradients_finite(plain=True):
+        pytest.skip("cuDNN's kernel gives this batch finite gradients here (or was not picked)")
+    assert gradients_finite(plain=False)
