@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The non-finite gradient of session 18's 1.5B synchronous run (bench_partial.py --size 1.5b, seed 0, step 1):
-# rerun it as it was, then without torch.compile, then (if that also stops) under autograd's anomaly mode.
-# Needs the ../shared/gpu bundle installed in /tmp/site. Logs in $OUT.
+# The non-finite gradient of session 18's 1.5B synchronous run (bench_partial.py --size 1.5b, seed 0, step 1).
+# ARMS (default "asis nocompile"): asis, the run as it was; nocompile, without torch.compile; nocompile8k /
+# compile12k, each with the other's micro-batch size; shapes, bench/nan_probe.py's RFT_PROBE=shapes (the
+# micro-batch that first gives a non-finite gradient, saved and replayed by bench/nan_replay.py); anomaly,
+# autograd's anomaly mode. Needs the ../shared/gpu bundle installed in /tmp/site. Logs in $OUT.
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
