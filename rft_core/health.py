@@ -51,7 +51,13 @@ class HealthGuard:
         if not math.isfinite(norm):
             found = nonfinite_inputs(experience) if experience is not None else ""
             where = f"; not finite in the step's inputs: {found}" if found else ""
-            self.stop(f"non-finite loss or gradients ({key} {norm}{where})", step)
+            advice = None
+            if experience is not None and not found and not self.norms.get(key):
+                # the first update of this process: the weights are as loaded, so no learning rate made it
+                advice = ("the step's inputs are finite and no update has run yet, so the model's forward "
+                          "or backward gave it, not the learning rate: rerun with --torch_compile false "
+                          "(bench/nan_probe.py finds the micro-batch)")
+            self.stop(f"non-finite loss or gradients ({key} {norm}{where})", step, advice)
         earlier = [x for x in self.norms.setdefault(key, []) if x > 0]
         if len(earlier) >= 3 and norm > self.explode_factor * statistics.median(earlier):
             times = norm / statistics.median(earlier)
@@ -94,12 +100,15 @@ class HealthGuard:
             self.stop(f"the update moved the policy by {means[1]:.3g} nats per token (KL to the policy that "
                       f"sampled the step; a sane update: about 0.001)", step)
 
-    def stop(self, what, step):
+    def stop(self, what, step, advice=None):
+        """Raise TrainingDiverged: what, at which step, the newest intact checkpoint, and the fix (`advice`,
+        else a lower learning rate)."""
         ckpt = latest_checkpoint(self.output_dir)
         if ckpt:
-            where = (f"{os.path.basename(ckpt)} is the newest intact checkpoint: rerun with a lower "
-                     "--actor_learning_rate (or other flags) and it resumes from there, or add --no_resume "
-                     "to start afresh")
+            fix = advice or "rerun with a lower --actor_learning_rate (or other flags)"
+            where = (f"{os.path.basename(ckpt)} is the newest intact checkpoint: {fix} and it resumes from "
+                     "there, or add --no_resume to start afresh")
         else:
-            where = "no checkpoint was written before it: rerun with a lower --actor_learning_rate"
+            fix = advice or "rerun with a lower --actor_learning_rate"
+            where = f"no checkpoint was written before it: {fix}"
         raise TrainingDiverged(f"{what} at step {step}, and nothing of it was saved; {where}")

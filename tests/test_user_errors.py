@@ -486,6 +486,26 @@ def test_nonfinite_gradients_name_the_nonfinite_inputs(tmp_path):
         HealthGuard(str(tmp_path), vocab_size=1000).grad_norm("grad_norm", math.nan, 4, exp)
 
 
+
+def test_a_nan_gradient_before_any_update_is_not_blamed_on_the_learning_rate(tmp_path):
+    """A non-finite gradient with finite inputs at a process's first update (the weights as loaded) names the
+    forward or backward and --torch_compile false; after an update it points at the learning rate."""
+    from rft_core.experience import Experience
+    from rft_core.health import HealthGuard
+
+    exp = Experience(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), torch.ones(1, 2),
+                     torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.tensor([1.0]))
+    first = (r"\(grad_norm nan\) at step 1, and nothing of it was saved; no checkpoint was written before "
+             r"it: the step's inputs are finite and no update has run yet, .* not the learning rate: "
+             r"rerun with --torch_compile false")
+    with pytest.raises(UserError, match=first):
+        HealthGuard(str(tmp_path), vocab_size=1000).grad_norm("grad_norm", math.nan, 1, exp)
+    guard = HealthGuard(str(tmp_path), vocab_size=1000)
+    guard.grad_norm("grad_norm", 0.5, 1, exp)
+    with pytest.raises(UserError, match=r"at step 2, .* rerun with a lower --actor_learning_rate$"):
+        guard.grad_norm("grad_norm", math.nan, 2, exp)
+
+
 # ---- checkpoints ----
 
 def test_damaged_checkpoints_are_named_and_skipped(tiny_model_dir, tmp_path):
