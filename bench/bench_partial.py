@@ -159,11 +159,11 @@ def main():
     warm_len = args.warm_max_len or args.max_len
     warm_name = f"warm-{args.warm_steps}" + (f"-len{warm_len}" if warm_len != args.max_len else "")
     warm = os.path.join(args.root, "runs", warm_name, "model")
+    if args.size and args.warm_steps:
+        raise SystemExit("--size runs start from random weights (or the embedded model): no --warm_steps")
     if args.warm_steps and not os.path.exists(warm):
         run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len)
     start_from = ["--pretrain", warm] if args.warm_steps else []
-    if args.size and args.warm_steps:
-        raise SystemExit("--size runs start from random weights (or the embedded model): no --warm_steps")
     if args.size and args.size != "135m":
         start_from = ["--pretrain", bench_sizes.make_model(args.size, args.root)]
     frozen = ["--actor_learning_rate", "1e-12"] if args.frozen or args.size else []  # (0 is refused)

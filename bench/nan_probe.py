@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-seen, models = [], []
+seen, models, last = [], [], {}
 
 
 def probe_shapes():
@@ -31,10 +31,9 @@ def probe_shapes():
         mask = inputs.get("attention_mask")
         ids = inputs["input_ids"]
         pads = (mask == 0).long().cumprod(-1).sum(-1).tolist() if mask is not None else None
-        saved = {k: v.detach().cpu() for k, v in inputs.items() if torch.is_tensor(v)}
-        saved.update(targets=targets.detach().cpu(), logits_to_keep=inputs["logits_to_keep"])
-        seen.append({"shape": tuple(ids.shape), "left_pad": pads, "targets": tuple(targets.shape),
-                     "inputs": saved})
+        seen.append({"shape": tuple(ids.shape), "left_pad": pads, "targets": tuple(targets.shape)})
+        last.clear()  # only the newest micro-batch's inputs are kept (on the GPU, as the trainer has them)
+        last.update(inputs, targets=targets)
         return token_logprobs(model, inputs, targets, *args, **kwargs)
 
     def capture(model, *args, **kwargs):
@@ -51,7 +50,8 @@ def probe_shapes():
             for i, s in enumerate(seen):
                 print(f"[probe] micro-batch {i + 1}: input {s['shape']} targets {s['targets']} "
                       f"left pad {s['left_pad']}", flush=True)
-            torch.save(seen[-1]["inputs"], os.path.join(os.environ.get("OUT", "/tmp"), "nan_batch.pt"))
+            saved = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in last.items()}
+            torch.save(saved, os.path.join(os.environ.get("OUT", "/tmp"), "nan_batch.pt"))
             raise SystemExit(3)
 
     logprobs.token_logprobs, rft_models.compile_blocks, torch.Tensor.backward = record, capture, checked

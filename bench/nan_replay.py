@@ -14,19 +14,15 @@ from contextlib import nullcontext
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_sizes import SHAPES  # noqa: E402
+from bench.bench_sizes import shape_config  # noqa: E402
 from rft_core.logprobs import token_logprobs  # noqa: E402
 
 
 def make(size):
-    hidden, layers, heads, kv_heads, inter, tied = SHAPES[size]
-    config = Qwen2Config(vocab_size=49152, hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
-                         tie_word_embeddings=tied,
-                         max_position_embeddings=4096, eos_token_id=2, bos_token_id=1, torch_dtype="bfloat16")
+    config = shape_config(size, 49152, eos_token_id=2, bos_token_id=1)  # SmolLM2's vocabulary, EOS, BOS
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)

@@ -16,9 +16,9 @@ RUN="bench/scripted_lengths.py train_ppo.py --prompt_data /tmp/count.jsonl --rew
 # shellcheck disable=SC2086
 for arm in ${ARMS:-asis nocompile}; do
   case $arm in
-    asis) timeout 200 python $RUN --output_dir /tmp/rp/runs/asis > "$OUT/nan-asis.log" 2>&1;;
+    asis) timeout 200 python $RUN --output_dir /tmp/rp/runs/asis > "$OUT/nan-$arm.log" 2>&1;;
     nocompile) timeout 200 python $RUN --output_dir /tmp/rp/runs/nocompile --torch_compile false \
-      > "$OUT/nan-nocompile.log" 2>&1;;
+      > "$OUT/nan-$arm.log" 2>&1;;
     nocompile8k) timeout 200 python $RUN --output_dir /tmp/rp/runs/nc8 --torch_compile false \
       --max_tokens_per_micro_batch 8192 > "$OUT/nan-$arm.log" 2>&1;;
     compile12k) timeout 200 python $RUN --output_dir /tmp/rp/runs/c12 --max_tokens_per_micro_batch 12288 \
@@ -27,7 +27,7 @@ for arm in ${ARMS:-asis nocompile}; do
       > "$OUT/nan-$arm.log" 2>&1; grep -h "\[probe\]" "$OUT/nan-$arm.log" | cut -c1-400 | head -20
       [ -f "$OUT/nan_batch.pt" ] && timeout 250 python bench/nan_replay.py "$MODEL" "$OUT/nan_batch.pt";;
     anomaly) timeout 250 python bench/nan_probe.py $RUN --output_dir /tmp/rp/runs/anomaly --torch_compile false \
-      > "$OUT/nan-anomaly.log" 2>&1;;
+      > "$OUT/nan-$arm.log" 2>&1;;
   esac
   echo "$arm rc=$?"; grep -h "error\|Error\|nan" "$OUT/nan-$arm.log" | grep -v "^INFO\|WARNING" | head -5
 done

@@ -63,8 +63,8 @@ def token_logprobs(model, inputs, targets, temperature=1.0, with_entropy=False, 
         # the head runs inside the model's forward (where DDP, ZeRO-3 and FSDP2 expect it, weights gathered)
         # and returns (b, t, 2): the logprob and entropy of each position's target
         head = unwrap(model).get_output_embeddings()
-        with _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy), sdpa_kernel(
-                NOT_CUDNN):
+        logprob_head = _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy)
+        with logprob_head, sdpa_kernel(NOT_CUDNN):
             out = model(**inputs, use_cache=False).logits
         return out[..., 0], out[..., 1] if with_entropy else None
     with sdpa_kernel(NOT_CUDNN):
