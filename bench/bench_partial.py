@@ -127,6 +127,7 @@ def main():
     parser.add_argument("--warm_steps", type=int, default=0,
                         help="first train this many synchronous steps (seed 100); every run starts from them")
     parser.add_argument("--warm_max_len", type=int, help="the warm-up's --generate_max_len (else --max_len)")
+    parser.add_argument("--warm_only", action="store_true", help="train the warm-up model, print its path")
     parser.add_argument("--frozen", action="store_true",
                         help="the measured runs keep their starting weights (learning rate 1e-12, updates "
                              "of ~1e-12): both arms answer alike, so the rates compare the rollouts alone "
@@ -163,6 +164,9 @@ def main():
         raise SystemExit("--size runs start from random weights (or the embedded model): no --warm_steps")
     if args.warm_steps and not os.path.exists(warm):
         run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len)
+    if args.warm_only:
+        print(warm)
+        return
     start_from = ["--pretrain", warm] if args.warm_steps else []
     if args.size and args.size != "135m":
         start_from = ["--pretrain", bench_sizes.make_model(args.size, args.root)]
