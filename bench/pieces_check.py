@@ -1,7 +1,8 @@
 """Does an answer generated in pieces (partial rollout's continuation: prompt + tokens so far, under the same
 weights) come out as one uninterrupted generation does? One engine, fixed weights, the counting task's
-prompts (bench_partial.py); arms alternate: "whole" (one call to --max_len) and "pieces" (calls of at most
---budget tokens, continued until EOS or --max_len, with Rollouts' rule for when a sample has finished).
+prompts (bench_partial.py); arms alternate: "whole" (one call to --max_len), "pieces" (calls of at most
+--budget tokens, continued until EOS or --max_len, with Rollouts' rule for when a sample has finished) and
+"whole_list" (one call, the limit given per prompt as partial rollout's calls give it).
 
     python bench/pieces_check.py --engine_type vllm --prompts 512 --n 4 --reps 2 [--model DIR]
     python bench/pieces_check.py --engine_type hf --max_len 128 --budget 32 --prompts 32 --n 4   # CPU
@@ -28,8 +29,10 @@ from rft_core.engine import create_engine  # noqa: E402
 from rft_core.models import load_model_and_tokenizer  # noqa: E402
 
 
-def whole(engine, prompts, max_len):
-    return [g.token_ids for g in engine.generate(prompts, max_len)]
+def whole(engine, prompts, max_len, per_request=False):
+    """One call; per_request: the limit given per prompt (a list), the path partial rollout's calls take."""
+    limits = [max_len] * len(prompts) if per_request else max_len
+    return [g.token_ids for g in engine.generate(prompts, limits)]
 
 
 def pieces(engine, prompts, max_len, budget, eos):
@@ -57,9 +60,12 @@ def summary(answers, labels, texts, max_len, budget, eos):
             where = seam if near and t > 16 else rest
             where["reached"] += 1
             where["ends"] += ended and t == length
+    # up to the first seam both arms are one call on the same prompts: only what follows it may differ
+    alive = [ended for length, ended in zip(lengths, ends) if length > budget]
     rewards = reward(None, texts, labels)
     return {"answers": len(answers), "mean_len": statistics.mean(lengths),
             "eos_share": statistics.mean(ends), "cut_share": statistics.mean(n >= max_len for n in lengths),
+            "past_budget": len(alive) / len(answers), "eos_share_past_budget": statistics.mean(alive or [0]),
             "reward": statistics.mean(c + p for c, p in zip(rewards["correct"], rewards["partial"])),
             "correct": statistics.mean(rewards["correct"]),
             "eos_hazard_at_seams": seam["ends"] / max(1, seam["reached"]), "seam_positions": seam["reached"],
@@ -76,6 +82,8 @@ def main():
     parser.add_argument("--n", type=int, default=4, help="answers per prompt")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each arm, alternating")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arms", nargs="+", default=["whole", "pieces"],
+                        choices=["whole", "pieces", "whole_list"])
     parser.add_argument("--enforce_eager", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -93,10 +101,10 @@ def main():
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
     for rep in range(args.reps):
-        for arm in ("whole", "pieces"):
+        for arm in args.arms:
             start = time.time()
-            answers = (whole(engine, prompts, args.max_len) if arm == "whole"
-                       else pieces(engine, prompts, args.max_len, args.budget, eos))
+            answers = (pieces(engine, prompts, args.max_len, args.budget, eos) if arm == "pieces"
+                       else whole(engine, prompts, args.max_len, per_request=arm == "whole_list"))
             texts = tokenizer.batch_decode(answers, skip_special_tokens=True)
             row = {"arm": arm, "rep": rep, "seconds": round(time.time() - start, 1),
                    **summary(answers, labels, texts, args.max_len, args.budget, eos)}
