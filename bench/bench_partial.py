@@ -39,7 +39,8 @@ import subprocess
 import sys
 import time
 
-import bench_sizes
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_ppo.py loads reward() by path
+import bench_sizes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -109,6 +109,9 @@ def main():
             row = {"arm": arm, "rep": rep, "seconds": round(time.time() - start, 1),
                    **summary(answers, labels, texts, args.max_len, args.budget, eos)}
             print(json.dumps(row), flush=True)
+            # per answer, in prompt order (answers of a prompt together): paired comparisons between arms
+            row["lengths"] = [len(a) for a in answers]
+            row["ended"] = [bool(a) and a[-1] == eos for a in answers]
             results.append(row)
             with open(os.path.join(out, "pieces.json"), "w") as f:  # each arm: a run cut off keeps them
                 json.dump({"args": vars(args), "results": results}, f, indent=1)

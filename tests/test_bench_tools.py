@@ -170,3 +170,17 @@ def test_scripted_lengths_give_every_arm_the_same_answers():
     assert any(g > 8 for got in lengths.values() for g in got[0])  # answers continued over rounds
     assert any(64 in got[0] for got in lengths.values()) and any(min(got[0]) < 20 for got in lengths.values())
     assert sum(len(v) == 2 for v in lengths.values()) >= k  # prompts trained in both arms
+
+
+def test_the_bench_rewards_load_as_the_trainer_loads_them(tmp_path):
+    """train_ppo.py loads --reward_fn by file path, in a process whose sys.path lacks bench/: each bench
+    reward must import what it needs itself (bench_partial.py's once failed on `import bench_sizes`)."""
+    code = ("import sys; from rft_core.rewards import load_reward_fn\n"
+            "for spec in sys.argv[1:]:\n"
+            "    fn = load_reward_fn(spec)\n"
+            "    print(fn(['p'], ['1 2 3'], ['3']))\n")
+    specs = [os.path.join(ROOT, "bench", f"{name}.py:reward") for name in ("bench_partial", "bench_sizes")]
+    out = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "'correct': [1.0]" in out.stdout.splitlines()[0]  # 1..3 exactly
