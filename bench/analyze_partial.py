@@ -18,9 +18,15 @@
    have the exact figure beside it. Also the correlation of the gradient norm with the trained responses'
    mean length (token-mean losses average over more tokens in a batch of longer answers).
 
+3. How a metric moves step by step (--trajectory, e.g. rollout/truncated): its mean over each arm's runs at
+   every step, and the lag, in steps, by which the synchronous arm's course best matches the partial arm's
+   (least mean square difference over the steps both cover; lags up to half the steps).
+
     python bench/analyze_partial.py bench/results/partial_h100/long2048 --budget 256
     python bench/analyze_partial.py RESULTS --budget 256 --tag frozen     # the runs named frozen-MODE-seedS
     python bench/analyze_partial.py RESULTS --budget 256 --sync sync_tis  # against sync_tis-seedS
+    python bench/analyze_partial.py session17/a session17/b --budget 512 --tag drgrpo --partial_tag \
+        drgrpo-b512 --sync sync_tis --trajectory rollout/truncated
 """
 
 import argparse
@@ -36,21 +42,23 @@ import numpy as np
 BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
 
 
-def read_runs(results, tag, sync="sync"):
-    """{mode: [[rows of a run], ...]} for the runs named [TAG-]SYNC-seedS / [TAG-]partial-seedS (SYNC: sync,
-    or sync_tis for the synchronous arm with partial rollout's importance weights), SYNC read as "sync"."""
-    prefix = re.escape(tag + "-") if tag else ""
+def read_runs(folders, tag, sync="sync", partial_tag=None):
+    """{mode: [[rows of a run], ...]} for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]partial-seedS in
+    the folders (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights;
+    PARTIAL_TAG: TAG unless given), SYNC read as "sync"."""
+    partial_tag = tag if partial_tag is None else partial_tag
+    names = {"sync": (re.escape(tag + "-") if tag else "") + sync,
+             "partial": (re.escape(partial_tag + "-") if partial_tag else "") + "partial"}
     runs = {}
-    for path in sorted(glob.glob(os.path.join(results, "*.metrics.jsonl"))):
-        name = re.fullmatch(prefix + rf"({sync}|partial)-seed\d+\.metrics\.jsonl", os.path.basename(path))
-        if name:  # (not partial-rR-seedS, nor a run kept under another name)
-            with open(path) as f:
-                rows = [json.loads(line) for line in f]
-            mode = "sync" if name.group(1) == sync else "partial"
-            runs.setdefault(mode, []).append([r for r in rows if "perf/generate_s" in r])
+    for path in sorted(p for folder in folders for p in glob.glob(os.path.join(folder, "*.metrics.jsonl"))):
+        for mode, name in names.items():  # (not partial-rR-seedS, nor a run kept under another name)
+            if re.fullmatch(name + r"-seed\d+\.metrics\.jsonl", os.path.basename(path)):
+                with open(path) as f:
+                    rows = [json.loads(line) for line in f]
+                runs.setdefault(mode, []).append([r for r in rows if "perf/generate_s" in r])
     if set(runs) != {"sync", "partial"}:
-        raise SystemExit(f"{results}: needs {tag + '-' if tag else ''}{sync}-seedS and partial-seedS metrics "
-                         f"files, found {sorted(runs)}")
+        raise SystemExit(f"{' '.join(folders)}: needs {names['sync']}-seedS and {names['partial']}-seedS "
+                         f"metrics files, found {sorted(runs)}")
     return runs
 
 
@@ -134,18 +142,39 @@ def step_sizes(runs, windows=((1, 5), (6, 10), (11, 20))):
     return out
 
 
+def trajectory(runs, metric):
+    """The metric's mean over each arm's runs at every step (runs that stopped early left out, counted), and
+    the synchronous arm's lag behind the partial one: the shift d minimising the mean of
+    (partial[t] - sync[t - d])^2."""
+    steps = max(len(rows) for arm in runs.values() for rows in arm)
+    whole = {mode: [rows for rows in arm if len(rows) == steps] for mode, arm in runs.items()}
+    mean = {mode: [statistics.mean(rows[t][metric] for rows in arm) for t in range(steps)]
+            for mode, arm in whole.items()}
+    msd = {d: statistics.mean((mean["partial"][t] - mean["sync"][t - d]) ** 2 for t in range(d, steps))
+           for d in range(steps // 2 + 1)}
+    return {"metric": metric, "runs": {mode: len(arm) for mode, arm in whole.items()},
+            "stopped_early": {mode: len(runs[mode]) - len(arm) for mode, arm in whole.items()},
+            "sync": [round(x, 4) for x in mean["sync"]], "partial": [round(x, 4) for x in mean["partial"]],
+            "best_lag": min(msd, key=msd.get), "msd_by_lag": {d: round(v, 6) for d, v in msd.items()}}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("results", help="a folder of [TAG-]sync-seedS / partial-seedS .metrics.jsonl files")
+    parser.add_argument("results", nargs="+",
+                        help="folders of [TAG-]sync-seedS / partial-seedS .metrics.jsonl files")
     parser.add_argument("--budget", type=int, required=True, help="the partial runs' --max_token_budget")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the cost model")
     parser.add_argument("--tag", default="", help="read the runs named TAG-MODE-seedS")
+    parser.add_argument("--partial_tag", help="the partial runs' tag, where it is not --tag's")
+    parser.add_argument("--trajectory", metavar="METRIC", help="a step metric's course in both arms")
     parser.add_argument("--sync", default="sync", choices=["sync", "sync_tis"],
                         help="the synchronous arm: sync-seedS, or sync_tis-seedS (with --tis_cap 2)")
     args = parser.parse_args()
-    runs = read_runs(args.results, args.tag, args.sync)
-    print(json.dumps({"cost": cost_model(runs, args.budget, args.skip), "optimizer": step_sizes(runs)},
-                     indent=1))
+    runs = read_runs(args.results, args.tag, args.sync, args.partial_tag)
+    out = {"cost": cost_model(runs, args.budget, args.skip), "optimizer": step_sizes(runs)}
+    if args.trajectory:
+        out["trajectory"] = trajectory(runs, args.trajectory)
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

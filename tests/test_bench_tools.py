@@ -22,9 +22,10 @@ def write_run(path, steps, norms=None):
                                 "train/adam_step_rms": 0.5}) + "\n")
 
 
-def analyze(folder, *flags):
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "analyze_partial.py"), str(folder), "--budget", "256",
-           "--skip", "0", *flags]
+def analyze(folder, *flags, more=()):
+    """analyze_partial.py's JSON on folder (and the folders in more)."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "analyze_partial.py"), str(folder), *map(str, more),
+           "--budget", "256", "--skip", "0", *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -47,6 +48,28 @@ def test_cost_model_recovers_the_cost_and_prices_equal_tokens(tmp_path):
     same = 0.03 * 42.5 + 2e-3 * 512 + 1.0
     assert abs(result["partial_at_sync_tokens"]["generate_s"] - same) < 0.006
     assert abs(result["partial_at_sync_tokens"]["step_speedup"] - (sync_fit + 0.5) / (same + 0.5)) < 0.006
+
+
+def test_trajectory_finds_the_lag_between_the_arms(tmp_path):
+    """Two partial runs in one folder and two synchronous ones in another, under different tags: the partial
+    arm's curve is the synchronous one three steps later; a partial run that stopped at step 2 is left out."""
+    course = [0.1, 0.1, 0.1, 0.3, 0.6, 0.9, 0.6, 0.3, 0.2, 0.1, 0.1, 0.1]
+    for folder, name, shift in (("a", "t-sync_tis", 0), ("b", "t-b512-partial", 3)):
+        os.makedirs(tmp_path / folder)
+        for seed, noise in enumerate((0.01, -0.01)):
+            write_run(tmp_path / folder / f"{name}-seed{seed}.metrics.jsonl", SYNC * 3)
+            rows = [json.loads(line) for line in open(tmp_path / folder / f"{name}-seed{seed}.metrics.jsonl")]
+            for t, row in enumerate(rows[1:]):  # (rows[0]: the eval line)
+                row["rollout/truncated"] = course[max(0, t - shift)] + noise
+            with open(tmp_path / folder / f"{name}-seed{seed}.metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_run(tmp_path / "b" / "t-b512-partial-seed2.metrics.jsonl", SYNC[:2])
+    result = analyze(tmp_path / "a", "--tag", "t", "--partial_tag", "t-b512", "--sync", "sync_tis",
+                     "--trajectory", "rollout/truncated", more=[tmp_path / "b"])["trajectory"]
+    assert result["best_lag"] == 3 and result["msd_by_lag"][str(3)] < 1e-12
+    assert result["runs"] == {"sync": 2, "partial": 2}
+    assert result["stopped_early"] == {"sync": 0, "partial": 1}
+    assert result["partial"][3:] == [round(x, 4) for x in course[:-3]]
 
 
 def test_relative_steps_follow_adams_running_mean_square(tmp_path):
