@@ -207,3 +207,21 @@ def test_the_bench_rewards_load_as_the_trainer_loads_them(tmp_path):
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'correct': [1.0]" in out.stdout.splitlines()[0]  # 1..3 exactly
+
+
+def test_toy_rambling_learns_through_the_real_scheduler():
+    """bench/toy_rambling.py: the toy policy learns (exact answers rise), partial rollout with a budget of the
+    whole length is the synchronous loop seed for seed, and a small budget continues answers over steps."""
+    import argparse
+
+    sys.path.insert(0, ROOT)
+    from bench import toy_rambling
+
+    args = argparse.Namespace(k=4, group=4, max_len=256, budget=256, staleness=3, start_staleness=2, lr=0.3,
+                              optimizer="adam", steps=6)
+    sync = toy_rambling.run("sync", 0, args)
+    assert sync[-1]["exact"] > sync[0]["exact"] + 0.05
+    assert toy_rambling.run("partial", 0, args) == sync
+    args.budget = 16
+    partial = toy_rambling.run("partial", 0, args)
+    assert partial != sync and max(step["rounds"] for step in partial) > 1
