@@ -20,7 +20,8 @@
 
 3. How a metric moves step by step (--trajectory, e.g. rollout/truncated): its mean over each arm's runs at
    every step, and the lag, in steps, by which the synchronous arm's course best matches the partial arm's
-   (least mean square difference over the steps both cover; lags up to half the steps).
+   (least mean square difference over the steps both cover; lags up to half the steps). An eval/ metric
+   (the held-out evaluations, every --eval_steps) is taken at each evaluation, its lag in evaluations.
 
     python bench/analyze_partial.py bench/results/partial_h100/long2048 --budget 256
     python bench/analyze_partial.py RESULTS --budget 256 --tag frozen     # the runs named frozen-MODE-seedS
@@ -42,10 +43,11 @@ import numpy as np
 BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
 
 
-def read_runs(folders, tag, sync="sync", partial_tag=None):
+def read_runs(folders, tag, sync="sync", partial_tag=None, evals=False):
     """{mode: [[rows of a run], ...]} for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]partial-seedS in
     the folders (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights;
-    PARTIAL_TAG: TAG unless given), SYNC read as "sync"."""
+    PARTIAL_TAG: TAG unless given), SYNC read as "sync". evals: the held-out evaluations' rows instead of the
+    steps'."""
     partial_tag = tag if partial_tag is None else partial_tag
     names = {"sync": (re.escape(tag + "-") if tag else "") + sync,
              "partial": (re.escape(partial_tag + "-") if partial_tag else "") + "partial"}
@@ -55,7 +57,8 @@ def read_runs(folders, tag, sync="sync", partial_tag=None):
             if re.fullmatch(name + r"-seed\d+\.metrics\.jsonl", os.path.basename(path)):
                 with open(path) as f:
                     rows = [json.loads(line) for line in f]
-                runs.setdefault(mode, []).append([r for r in rows if "perf/generate_s" in r])
+                key = "eval/accuracy" if evals else "perf/generate_s"
+                runs.setdefault(mode, []).append([r for r in rows if key in r])
     if set(runs) != {"sync", "partial"}:
         raise SystemExit(f"{' '.join(folders)}: needs {names['sync']}-seedS and {names['partial']}-seedS "
                          f"metrics files, found {sorted(runs)}")
@@ -173,7 +176,9 @@ def main():
     runs = read_runs(args.results, args.tag, args.sync, args.partial_tag)
     out = {"cost": cost_model(runs, args.budget, args.skip), "optimizer": step_sizes(runs)}
     if args.trajectory:
-        out["trajectory"] = trajectory(runs, args.trajectory)
+        evals = args.trajectory.startswith("eval/")
+        source = read_runs(args.results, args.tag, args.sync, args.partial_tag, evals) if evals else runs
+        out["trajectory"] = trajectory(source, args.trajectory)
     print(json.dumps(out, indent=1))
 
 

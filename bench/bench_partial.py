@@ -128,6 +128,8 @@ def main():
     parser.add_argument("--warm_steps", type=int, default=0,
                         help="first train this many synchronous steps (seed 100); every run starts from them")
     parser.add_argument("--warm_max_len", type=int, help="the warm-up's --generate_max_len (else --max_len)")
+    parser.add_argument("--eval_steps", type=int, default=10, help="held-out evaluation every N steps")
+    parser.add_argument("--eval_problems", type=int, default=64, help="held-out problems (greedy)")
     parser.add_argument("--warm_only", action="store_true", help="train the warm-up model, print its path")
     parser.add_argument("--frozen", action="store_true",
                         help="the measured runs keep their starting weights (learning rate 1e-12, updates "
@@ -144,7 +146,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     os.makedirs(args.root, exist_ok=True)
     data, evals = os.path.join(args.root, "count.jsonl"), os.path.join(args.root, "count_eval.jsonl")
-    for path, rows in ((data, task_rows(4000, 0)), (evals, task_rows(64, 1))):
+    for path, rows in ((data, task_rows(4000, 0)), (evals, task_rows(args.eval_problems, 1))):
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     # sync_tis: the synchronous loop with the importance weights partial rollout turns on (cap 2), which
@@ -200,7 +202,7 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None):
     cmd = [sys.executable, *launch, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data, *task,
            "--rollout_batch_size", "32",
            "--n_samples_per_prompt", "8", "--generate_max_len", str(max_len or args.max_len), "--max_steps",
-           str(steps), "--eval_steps", "10", "--seed", str(seed), "--output_dir", run_dir,
+           str(steps), "--eval_steps", str(args.eval_steps), "--seed", str(seed), "--output_dir", run_dir,
            "--no_resume", *flags, *extra]
     path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU's packages
     env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path}

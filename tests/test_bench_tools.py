@@ -61,6 +61,9 @@ def test_trajectory_finds_the_lag_between_the_arms(tmp_path):
             rows = [json.loads(line) for line in open(tmp_path / folder / f"{name}-seed{seed}.metrics.jsonl")]
             for t, row in enumerate(rows[1:]):  # (rows[0]: the eval line)
                 row["rollout/truncated"] = course[max(0, t - shift)] + noise
+            # a held-out evaluation every 3 steps, the partial arm's one evaluation late
+            rows[1:] = [r for t, row in enumerate(rows[1:]) for r in [row] + (
+                [{"step": t + 1, "eval/accuracy": course[t - 3 * (shift > 0)]}] if t % 3 == 2 else [])]
             with open(tmp_path / folder / f"{name}-seed{seed}.metrics.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
     write_run(tmp_path / "b" / "t-b512-partial-seed2.metrics.jsonl", SYNC[:2])
@@ -70,6 +73,9 @@ def test_trajectory_finds_the_lag_between_the_arms(tmp_path):
     assert result["runs"] == {"sync": 2, "partial": 2}
     assert result["stopped_early"] == {"sync": 0, "partial": 1}
     assert result["partial"][3:] == [round(x, 4) for x in course[:-3]]
+    evals = analyze(tmp_path / "a", "--tag", "t", "--partial_tag", "t-b512", "--sync", "sync_tis",
+                    "--trajectory", "eval/accuracy", more=[tmp_path / "b"])["trajectory"]
+    assert evals["sync"] == [0.5] + [course[t] for t in (2, 5, 8, 11)] and evals["best_lag"] == 1
 
 
 def test_relative_steps_follow_adams_running_mean_square(tmp_path):
