@@ -70,22 +70,22 @@ class Engine:
         last, fill = 0, 0  # the last number written, and its digit tokens still to come
         for t in tokens:
             last, fill = (t - NUM, len(str(t - NUM))) if t >= NUM else (last, fill - 1)
-        out, logprobs = [], []
-        while len(out) < limit:
+        steps = []  # (token, its logprob): 0 where nothing is decided (digits, the first number)
+        while len(steps) < limit:
             if fill:
-                out.append(FILL), logprobs.append(0.0)
+                steps.append((FILL, 0.0))
                 fill -= 1
                 continue
             lp = 0.0
             if last:  # a boundary: stop or go on
                 p = sigmoid(self.theta[decision(n, last)])
                 if self.rng.random() < p:
-                    out.append(EOS), logprobs.append(math.log(p))
+                    steps.append((EOS, math.log(p)))
                     break
                 lp = math.log(1 - p)
             last, fill = last + 1, len(str(last + 1))
-            out.append(NUM + last), logprobs.append(lp)
-        return Generation(out, logprobs)
+            steps.append((NUM + last, lp))
+        return Generation([t for t, _ in steps], [lp for _, lp in steps])
 
 
 class Tok:
