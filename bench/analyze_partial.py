@@ -145,6 +145,13 @@ def step_sizes(runs, windows=((1, 5), (6, 10), (11, 20))):
     return out
 
 
+def lag_fit(sync, other):
+    """{d: mean of (other[t] - sync[t - d])^2 over the steps both cover}, for lags d up to half the steps."""
+    steps = len(sync)
+    return {d: statistics.mean((other[t] - sync[t - d]) ** 2 for t in range(d, steps))
+            for d in range(steps // 2 + 1)}
+
+
 def trajectory(runs, metric):
     """The metric's mean over each arm's runs at every step (runs that stopped early left out, counted), and
     the synchronous arm's lag behind the partial one: the shift d minimising the mean of
@@ -153,8 +160,7 @@ def trajectory(runs, metric):
     whole = {mode: [rows for rows in arm if len(rows) == steps] for mode, arm in runs.items()}
     mean = {mode: [statistics.mean(rows[t][metric] for rows in arm) for t in range(steps)]
             for mode, arm in whole.items()}
-    msd = {d: statistics.mean((mean["partial"][t] - mean["sync"][t - d]) ** 2 for t in range(d, steps))
-           for d in range(steps // 2 + 1)}
+    msd = lag_fit(mean["sync"], mean["partial"])
     return {"metric": metric, "runs": {mode: len(arm) for mode, arm in whole.items()},
             "stopped_early": {mode: len(runs[mode]) - len(arm) for mode, arm in whole.items()},
             "sync": [round(x, 4) for x in mean["sync"]], "partial": [round(x, 4) for x in mean["partial"]],

@@ -27,6 +27,7 @@ from bench_partial import reward, task_rows  # noqa: E402
 from rft_core.data import encode_rows  # noqa: E402
 from rft_core.engine import create_engine  # noqa: E402
 from rft_core.models import load_model_and_tokenizer  # noqa: E402
+from rft_core.rollout import answer_finished  # noqa: E402
 
 
 def whole(engine, prompts, max_len, per_request=False):
@@ -36,7 +37,8 @@ def whole(engine, prompts, max_len, per_request=False):
 
 
 def pieces(engine, prompts, max_len, budget, eos):
-    """Continue each unfinished answer by at most `budget` tokens a call (rollout.py's done rule)."""
+    """Continue each unfinished answer by at most `budget` tokens a call, until the rollout's
+    answer_finished."""
     tokens, done = [[] for _ in prompts], [False] * len(prompts)
     while not all(done):
         idx = [i for i, d in enumerate(done) if not d]
@@ -44,14 +46,12 @@ def pieces(engine, prompts, max_len, budget, eos):
         outputs = engine.generate([prompts[i] + tokens[i] for i in idx], limits)
         for i, limit, new in zip(idx, limits, outputs):
             tokens[i] += new.token_ids
-            ended = bool(new.token_ids) and new.token_ids[-1] == eos
-            done[i] = ended or len(new.token_ids) < limit or len(tokens[i]) >= max_len
+            done[i] = answer_finished(new.token_ids, limit, len(tokens[i]), max_len, eos)
     return tokens
 
 
-def summary(answers, labels, texts, max_len, budget, eos):
-    lengths = [len(a) for a in answers]
-    ends = [bool(a) and a[-1] == eos for a in answers]
+def summary(lengths, ends, labels, texts, max_len, budget):
+    """The arm's figures from its answers' lengths, whether each ended in EOS, and their texts."""
     seam = {"ends": 0, "reached": 0}
     rest = {"ends": 0, "reached": 0}
     for length, ended in zip(lengths, ends):
@@ -63,9 +63,9 @@ def summary(answers, labels, texts, max_len, budget, eos):
     # up to the first seam both arms are one call on the same prompts: only what follows it may differ
     alive = [ended for length, ended in zip(lengths, ends) if length > budget]
     rewards = reward(None, texts, labels)
-    return {"answers": len(answers), "mean_len": statistics.mean(lengths),
+    return {"answers": len(lengths), "mean_len": statistics.mean(lengths),
             "eos_share": statistics.mean(ends), "cut_share": statistics.mean(n >= max_len for n in lengths),
-            "past_budget": len(alive) / len(answers), "eos_share_past_budget": statistics.mean(alive or [0]),
+            "past_budget": len(alive) / len(lengths), "eos_share_past_budget": statistics.mean(alive or [0]),
             "reward": statistics.mean(c + p for c, p in zip(rewards["correct"], rewards["partial"])),
             "correct": statistics.mean(rewards["correct"]),
             "eos_hazard_at_seams": seam["ends"] / max(1, seam["reached"]), "seam_positions": seam["reached"],
@@ -106,13 +106,12 @@ def main():
             answers = (pieces(engine, prompts, args.max_len, args.budget, eos) if arm == "pieces"
                        else whole(engine, prompts, args.max_len, per_request=arm == "whole_list"))
             texts = tokenizer.batch_decode(answers, skip_special_tokens=True)
+            lengths, ends = [len(a) for a in answers], [bool(a) and a[-1] == eos for a in answers]
             row = {"arm": arm, "rep": rep, "seconds": round(time.time() - start, 1),
-                   **summary(answers, labels, texts, args.max_len, args.budget, eos)}
+                   **summary(lengths, ends, labels, texts, args.max_len, args.budget)}
             print(json.dumps(row), flush=True)
             # per answer, in prompt order (answers of a prompt together): paired comparisons between arms
-            row["lengths"] = [len(a) for a in answers]
-            row["ended"] = [bool(a) and a[-1] == eos for a in answers]
-            results.append(row)
+            results.append({**row, "lengths": lengths, "ended": ends})
             with open(os.path.join(out, "pieces.json"), "w") as f:  # each arm: a run cut off keeps them
                 json.dump({"args": vars(args), "results": results}, f, indent=1)
 

@@ -31,8 +31,13 @@ import random
 import statistics
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.analyze_partial import lag_fit  # noqa: E402
+from bench.replay_partial_schedule import Tok  # noqa: E402
+from rft_core.advantages import outcome_scores  # noqa: E402
 from rft_core.engine import Generation  # noqa: E402
 from rft_core.experience import Sample  # noqa: E402
 from rft_core.rollout import Rollouts, RolloutSettings  # noqa: E402
@@ -88,11 +93,6 @@ class Engine:
         return Generation([t for t, _ in steps], [lp for _, lp in steps])
 
 
-class Tok:
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [""] * len(ids)
-
-
 def outcome(n, tokens):
     """(reward, the answer's decisions as (logit name, stopped, index of the token that says so))."""
     last, decisions = 0, []
@@ -142,17 +142,14 @@ def gradient(samples, theta, group, cap=2.0):
     """The policy-gradient step direction: group-normalised advantages, decisions weighted by
     min(pi / pi_behaviour, cap), summed over decisions, averaged over samples."""
     grad = dict.fromkeys(theta, 0.0)
-    for g in range(0, len(samples), group):
-        rewards = [s.reward for s in samples[g:g + group]]
-        mean, std = statistics.mean(rewards), statistics.stdev(rewards)
-        for s, r in zip(samples[g:g + group], rewards):
-            advantage = (r - mean) / (std + 1e-6)
-            _, decisions = outcome(s.prompt_ids[0] - 1000, s.generation.token_ids)
-            for name, stopped, j in decisions:
-                p = sigmoid(theta[name])
-                logp = math.log(p if stopped else 1 - p)
-                weight = min(math.exp(logp - s.generation.logprobs[j]), cap)
-                grad[name] += advantage * weight * ((1 - p) if stopped else -p) / len(samples)
+    advantages = outcome_scores(torch.tensor([s.reward for s in samples]), group).tolist()  # GRPO's
+    for s, advantage in zip(samples, advantages):
+        _, decisions = outcome(s.prompt_ids[0] - 1000, s.generation.token_ids)
+        for name, stopped, j in decisions:
+            p = sigmoid(theta[name])
+            logp = math.log(p if stopped else 1 - p)
+            weight = min(math.exp(logp - s.generation.logprobs[j]), cap)
+            grad[name] += advantage * weight * ((1 - p) if stopped else -p) / len(samples)
     return grad
 
 
@@ -168,10 +165,9 @@ def exactness(theta, ns):
 def run(arm, seed, args):
     rng = random.Random(seed)
     prompts = [Sample([1000 + draw_n(rng), i], "", "") for i in range(args.k * (args.steps + 40))]
-    budget = {"sync": args.max_len, "partial": args.budget, "start": None}[arm]
     staleness = args.start_staleness if arm == "start" else args.staleness
-    if arm == "start":
-        budget = math.ceil(args.max_len / (staleness + 1))
+    # start order's default budget (RolloutSettings.from_args); the synchronous arm has none
+    budget = math.ceil(args.max_len / (staleness + 1)) if arm == "start" else args.budget
     settings = RolloutSettings(args.group, args.max_len, max_rounds=3, partial=arm != "sync",
                                token_budget=budget, max_staleness=staleness, eos_token_id=EOS,
                                order="start" if arm == "start" else "finish")
@@ -198,10 +194,8 @@ def standard_error(values):
 
 
 def lag(sync, other):
-    steps = len(sync)
-    msd = {d: statistics.mean((other[t] - sync[t - d]) ** 2 for t in range(d, steps))
-           for d in range(steps // 2 + 1)}
-    return min(msd, key=msd.get)
+    fit = lag_fit(sync, other)
+    return min(fit, key=fit.get)
 
 
 def main():

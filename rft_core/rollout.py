@@ -72,6 +72,13 @@ class RolloutSettings:
                    args.max_staleness, eos_token_id, args.inflight_ratio, every, order)
 
 
+def answer_finished(new_ids, limit, length, max_new_tokens, eos_token_id):
+    """Whether an answer continued by new_ids (a call given at most `limit` tokens), now `length` tokens long,
+    has finished: it ended in EOS, the engine stopped short of the limit, or it reached max_new_tokens."""
+    ended = bool(new_ids) and new_ids[-1] == eos_token_id
+    return ended or len(new_ids) < limit or length >= max_new_tokens
+
+
 @dataclass(eq=False)  # a group is itself: membership tests compare identity, not samples (and their images)
 class Group:
     """A prompt's n samples in the partial-rollout buffer; each generation holds its tokens so far."""
@@ -225,8 +232,8 @@ class Rollouts:
                 gen = g.samples[i].generation
                 gen.token_ids, gen.logprobs = gen.token_ids + new.token_ids, gen.logprobs + new.logprobs
                 gen.versions = gen.versions + [version] * len(new.token_ids)
-                ended = bool(new.token_ids) and new.token_ids[-1] == cfg.eos_token_id
-                g.done[i] = ended or len(new.token_ids) < limit or len(gen.token_ids) >= cfg.max_new_tokens
+                g.done[i] = answer_finished(new.token_ids, limit, len(gen.token_ids), cfg.max_new_tokens,
+                                            cfg.eos_token_id)
             finished = [g for g in pending if all(g.done)]
             pending = [g for g in pending if not all(g.done)]
             kept = []
