@@ -147,8 +147,10 @@ def main():
     os.makedirs(args.root, exist_ok=True)
     data, evals = os.path.join(args.root, "count.jsonl"), os.path.join(args.root, "count_eval.jsonl")
     for path, rows in ((data, task_rows(4000, 0)), (evals, task_rows(args.eval_problems, 1))):
-        with open(path, "w") as f:
+        # written whole, then renamed: runs started at once (partial_pairs.py) read these as others write
+        with open(f"{path}.{os.getpid()}", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(f"{path}.{os.getpid()}", path)
     # sync_tis: the synchronous loop with the importance weights partial rollout turns on (cap 2), which
     # the plain synchronous arm runs without
     modes = {"sync": [], "sync_tis": ["--tis_cap", "2"],
@@ -166,7 +168,9 @@ def main():
     if args.size and args.warm_steps:
         raise SystemExit("--size runs start from random weights (or the embedded model): no --warm_steps")
     if args.warm_steps and not os.path.exists(warm):
-        run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len)
+        # (held-out eval every 10 steps whatever --eval_steps says, as the warm-ups of sessions 13-19)
+        run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len,
+            eval_steps=10)
     if args.warm_only:
         print(warm)
         return
@@ -186,7 +190,7 @@ def main():
             run(args, out, data, evals, name, seed, args.steps, flags, extra)
 
 
-def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None):
+def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, eval_steps=None):
     """One training run; prints and appends its JSON line to $OUT/partial.jsonl."""
     run_dir = os.path.join(args.root, "runs", name)
     lengths = os.path.join(args.root, f"{name}.lengths")
@@ -200,9 +204,9 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None):
     task = (["--reward_fn", f"{os.path.join(here, 'bench_sizes.py')}:reward"] if args.size
             else ["--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward"])
     cmd = [sys.executable, *launch, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data, *task,
-           "--rollout_batch_size", "32",
-           "--n_samples_per_prompt", "8", "--generate_max_len", str(max_len or args.max_len), "--max_steps",
-           str(steps), "--eval_steps", str(args.eval_steps), "--seed", str(seed), "--output_dir", run_dir,
+           "--rollout_batch_size", "32", "--n_samples_per_prompt", "8",
+           "--generate_max_len", str(max_len or args.max_len), "--max_steps", str(steps),
+           "--eval_steps", str(eval_steps or args.eval_steps), "--seed", str(seed), "--output_dir", run_dir,
            "--no_resume", *flags, *extra]
     path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU's packages
     env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path}

@@ -231,3 +231,20 @@ def test_toy_rambling_learns_through_the_real_scheduler():
     args.budget = 16
     partial = toy_rambling.run("partial", 0, args)
     assert partial != sync and max(step["rounds"] for step in partial) > 1
+
+
+def test_seed_pairs_run_together_one_run_per_gpu():
+    """bench/partial_pairs.py: a round holds whole seeds (every arm, on distinct GPUs), never a seed's arms
+    apart; more arms than GPUs spread one seed over rounds; a GPU's run sees that GPU and caches of its own."""
+    sys.path.insert(0, ROOT)
+    from bench import partial_pairs
+
+    assert partial_pairs.rounds([0, 1, 2], ["s", "p"], 4) == [
+        [(0, 0, "s"), (1, 0, "p"), (2, 1, "s"), (3, 1, "p")], [(0, 2, "s"), (1, 2, "p")]]
+    assert partial_pairs.rounds([0, 1], ["s", "p"], 3) == [
+        [(0, 0, "s"), (1, 0, "p")], [(0, 1, "s"), (1, 1, "p")]]
+    assert partial_pairs.rounds([5], ["a", "b", "c"], 2) == [[(0, 5, "a"), (1, 5, "b")], [(0, 5, "c")]]
+    envs = [partial_pairs.gpu_env(gpu, "/c") for gpu in (0, 1)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1"]
+    for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "MASTER_PORT"):
+        assert envs[0][key] != envs[1][key]

@@ -1,0 +1,91 @@
+"""bench_partial.py's seed pairs at the same time, one run per GPU (issue 16's learning comparison).
+
+Every (seed, arm) is one bench_partial.py run; on a machine of G GPUs they go in rounds of whole seeds, so
+the arms of one seed start together on neighbouring GPUs and see the same machine at the same time. A round
+waits for its slowest run before the next starts. The warm-up model (--warm_steps) is trained once
+first, on GPU 0. Each GPU has its own vLLM / inductor / triton caches: compiles running at once into one
+cache are not safe; a GPU's later runs reuse its cache. Results as bench_partial.py writes them: one JSON line
+per run in $OUT/partial.jsonl, a log and the step metrics per run.
+
+    python bench/partial_pairs.py --seeds 0 1 --arm "--tag drgrpo --modes sync_tis" \
+        --arm "--tag drgrpo-b512 --budget 512 --modes partial" -- --steps 20 --warm_steps 12 \
+        --warm_max_len 512 --max_len 2048 --staleness 7 --eval_steps 2 --eval_problems 256 \
+        --arm_flags "--loss_agg_mode seq-mean-token-sum-norm"
+    python bench/partial_pairs.py --gpus 2 --dry_run ...      # print the rounds, run nothing
+
+Flags after -- go to every run (and the warm-up); each --arm's go to that arm's runs only.
+"""
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def rounds(seeds, arms, gpus):
+    """[[(gpu, seed, arm flags), ...], ...]: as many whole seeds (every arm) as the G GPUs hold to a round,
+    so no seed's arms run apart; with more arms than GPUs, one seed's runs over several rounds."""
+    per_round = max(1, gpus // len(arms))
+    out = []
+    for i in range(0, len(seeds), per_round):
+        runs = [(seed, arm) for seed in seeds[i:i + per_round] for arm in arms]
+        out += [[(gpu, *run) for gpu, run in enumerate(runs[j:j + gpus])] for j in range(0, len(runs), gpus)]
+    return out
+
+
+def gpu_env(gpu, cache_root):
+    """The environment of a run on one GPU: that GPU alone, caches of its own, and its own port for the
+    engine's one-process rendezvous (rft_core.vllm_engine otherwise asks the OS for a free one)."""
+    cache = os.path.join(cache_root, f"gpu{gpu}")
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "MASTER_PORT": str(29610 + gpu),
+            "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+            "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+
+
+def bench(flags, gpu, cache_root, dry_run):
+    cmd = [sys.executable, os.path.join(HERE, "bench_partial.py"), *flags]
+    print(f"[gpu {gpu}] {shlex.join(cmd[1:])}", flush=True)
+    if dry_run:
+        return
+    start = time.time()
+    done = subprocess.run(cmd, env=gpu_env(gpu, cache_root), capture_output=True, text=True)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    print(f"[gpu {gpu}] rc {done.returncode} after {time.time() - start:.0f} s: {lines[-1] if lines else ''}",
+          flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--arm", action="append", required=True,
+                        help="bench_partial.py flags of one arm, quoted (e.g. \"--tag t --modes sync_tis\")")
+    parser.add_argument("--gpus", type=int, help="default: the machine's (nvidia-smi -L)")
+    parser.add_argument("--cache_root", default="/tmp/rft_pair_cache")
+    parser.add_argument("--dry_run", action="store_true")
+    args, common = parser.parse_known_args()
+    common = [x for x in common if x != "--"]
+    gpus = args.gpus or len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+                            .stdout.splitlines())
+    if gpus < 1:
+        raise SystemExit("no GPU found (nvidia-smi -L): pass --gpus N")
+    if "--warm_steps" in common:
+        bench(["--warm_only", *common], 0, args.cache_root, args.dry_run)
+    for i, batch in enumerate(rounds(args.seeds, args.arm, gpus)):
+        print(f"round {i}: {len(batch)} runs", flush=True)
+        threads = [threading.Thread(target=bench, args=(["--seeds", str(seed), *shlex.split(arm), *common],
+                                                        gpu, args.cache_root, args.dry_run))
+                   for gpu, seed, arm in batch]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+if __name__ == "__main__":
+    main()

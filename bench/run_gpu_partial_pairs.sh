@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# bench/partial_pairs.py on a machine of several GPUs (vLLM): seed pairs of partial rollout against the
+# synchronous loop at once, one run per GPU. Needs the ../shared/gpu bundle in /tmp/gpu. The runs' folders
+# (and the warm-up model) stay in /tmp/rft_partial for the next call on the same machine.
+# Results: $OUT/partial.jsonl, $OUT/partial_pairs.log and $OUT/pairs.tgz (every run's log and step metrics).
+# Usage: [LIMIT=seconds] bash bench/run_gpu_partial_pairs.sh [partial_pairs.py flags]
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+[ -d /tmp/site/vllm ] || bash /tmp/gpu/install.sh /tmp/gpu /tmp/site 2>&1 | tail -1
+RES=/tmp/rft_pairs_out; rm -rf "$RES"; mkdir -p "$RES"; touch "$RES/.start"
+# stopped before the device call's own limit, so what ran comes back
+OUT=$RES timeout "${LIMIT:-540}" python bench/partial_pairs.py "$@" 2>&1 | tee "$OUT/partial_pairs.log"
+cp "$RES/partial.jsonl" "$OUT/" 2>/dev/null
+# the step metrics of this call's runs that the limit stopped (no summary line)
+for f in $(find /tmp/rft_partial/runs -name metrics.jsonl -newer "$RES/.start" 2>/dev/null); do
+  n=$(basename "$(dirname "$f")"); [ -e "$RES/$n.metrics.jsonl" ] || cp "$f" "$RES/$n.cut.metrics.jsonl"
+done
+tar -C "$RES" -czf "$OUT/pairs.tgz" .
