@@ -235,7 +235,7 @@ def test_toy_rambling_learns_through_the_real_scheduler():
 
 def test_seed_pairs_run_together_one_run_per_gpu():
     """bench/partial_pairs.py: a round holds whole seeds (every arm, on distinct GPUs), never a seed's arms
-    apart; more arms than GPUs spread one seed over rounds; a GPU's run sees that GPU and caches of its own."""
+    apart; more arms than GPUs spread one seed over rounds; a GPU's run sees that GPU, its own caches."""
     sys.path.insert(0, ROOT)
     from bench import partial_pairs
 
