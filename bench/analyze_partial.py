@@ -23,11 +23,17 @@
    (least mean square difference over the steps both cover; lags up to half the steps). An eval/ metric
    (the held-out evaluations, every --eval_steps) is taken at each evaluation, its lag in evaluations.
 
+4. Seed for seed (--pairs): each partial run against the synchronous run of its seed: speed-up, trained
+   reward over steps 11-20, held-out accuracy at each evaluation and at the same training time; the
+   differences' mean, standard error and t over the seeds (pairs()).
+
     python bench/analyze_partial.py bench/results/partial_h100/long2048 --budget 256
     python bench/analyze_partial.py RESULTS --budget 256 --tag frozen     # the runs named frozen-MODE-seedS
     python bench/analyze_partial.py RESULTS --budget 256 --sync sync_tis  # against sync_tis-seedS
     python bench/analyze_partial.py session17/a session17/b --budget 512 --tag drgrpo --partial_tag \
         drgrpo-b512 --sync sync_tis --trajectory rollout/truncated
+    python bench/analyze_partial.py bench/results/partial_h100x4/session20/{a,b,c,d} --budget 512 --tag \
+        drgrpo --partial_tag drgrpo-b512 --sync sync_tis --pairs
 """
 
 import argparse
@@ -43,25 +49,37 @@ import numpy as np
 BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
 
 
-def read_runs(folders, tag, sync="sync", partial_tag=None, evals=False):
-    """{mode: [[rows of a run], ...]} for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]partial-seedS in
-    the folders (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights;
-    PARTIAL_TAG: TAG unless given), SYNC read as "sync". evals: the held-out evaluations' rows instead of the
-    steps'."""
+def run_files(folders, tag, sync="sync", partial_tag=None):
+    """[(mode, seed, path)] for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]partial-seedS in the folders
+    (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights; PARTIAL_TAG:
+    TAG unless given), SYNC read as "sync"."""
     partial_tag = tag if partial_tag is None else partial_tag
     names = {"sync": (re.escape(tag + "-") if tag else "") + sync,
              "partial": (re.escape(partial_tag + "-") if partial_tag else "") + "partial"}
-    runs = {}
+    found = []
     for path in sorted(p for folder in folders for p in glob.glob(os.path.join(folder, "*.metrics.jsonl"))):
         for mode, name in names.items():  # (not partial-rR-seedS, nor a run kept under another name)
-            if re.fullmatch(name + r"-seed\d+\.metrics\.jsonl", os.path.basename(path)):
-                with open(path) as f:
-                    rows = [json.loads(line) for line in f]
-                key = "eval/accuracy" if evals else "perf/generate_s"
-                runs.setdefault(mode, []).append([r for r in rows if key in r])
-    if set(runs) != {"sync", "partial"}:
+            match = re.fullmatch(name + r"-seed(\d+)\.metrics\.jsonl", os.path.basename(path))
+            if match:
+                found.append((mode, int(match.group(1)), path))
+    if {mode for mode, _, _ in found} != {"sync", "partial"}:
         raise SystemExit(f"{' '.join(folders)}: needs {names['sync']}-seedS and {names['partial']}-seedS "
-                         f"metrics files, found {sorted(runs)}")
+                         f"metrics files, found {sorted({mode for mode, _, _ in found})}")
+    return found
+
+
+def read_rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_runs(folders, tag, sync="sync", partial_tag=None, evals=False):
+    """{mode: [[rows of a run], ...]} for run_files' runs. evals: the held-out evaluations' rows instead of
+    the steps'."""
+    key = "eval/accuracy" if evals else "perf/generate_s"
+    runs = {}
+    for mode, _, path in run_files(folders, tag, sync, partial_tag):
+        runs.setdefault(mode, []).append([r for r in read_rows(path) if key in r])
     return runs
 
 
@@ -167,6 +185,76 @@ def trajectory(runs, metric):
             "best_lag": min(msd, key=msd.get), "msd_by_lag": {d: round(v, 6) for d, v in msd.items()}}
 
 
+def spread(diffs):
+    """mean, sample sd, standard error and t of paired differences."""
+    mean = statistics.mean(diffs)
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
+    se = sd / math.sqrt(len(diffs))
+    return {"mean": round(mean, 4), "sd": round(sd, 4), "se": round(se, 4),
+            "t": round(mean / se, 2) if se > 0 else None}
+
+
+def pairs(files, skip, window=(11, 20)):
+    """Seed for seed, each partial run against the synchronous run of its seed (runs of one seed ran on the
+    same machine, at the same time where bench/partial_pairs.py ran them): the speed-up in samples per second
+    over the steps after `skip` (sums of step times, and the median step's), the trained reward's difference
+    over the steps in `window`, and the held-out accuracy's difference at each evaluation and averaged over
+    the evaluations after step 0, also against the synchronous run's at the same training time (seconds of
+    steps, evaluations not counted; linear between its evaluations). Seeds without both arms, or whose arms
+    ran different numbers of steps, are listed and left out."""
+    by_seed = {}
+    for mode, seed, path in files:
+        by_seed.setdefault(seed, {})[mode] = read_rows(path)
+    rows, left_out = [], {}
+    for seed, arms in sorted(by_seed.items()):
+        if set(arms) != {"sync", "partial"}:
+            left_out[seed] = "one arm only"
+            continue
+        steps = {mode: [r for r in arm if "perf/step_time_s" in r] for mode, arm in arms.items()}
+        if len(steps["sync"]) != len(steps["partial"]):
+            left_out[seed] = f"steps {len(steps['sync'])} sync, {len(steps['partial'])} partial"
+            continue
+        times = {mode: [r["perf/step_time_s"] for r in arm[skip:]] for mode, arm in steps.items()}
+        reward = {mode: statistics.mean(r["rollout/reward_mean"] for r in arm[window[0] - 1:window[1]])
+                  for mode, arm in steps.items()}
+        evals = {mode: {r["step"]: r["eval/accuracy"] for r in arm if "eval/accuracy" in r}
+                 for mode, arm in arms.items()}
+        at = sorted(set(evals["sync"]) & set(evals["partial"]))
+        # wall-clock: the seconds of training steps (generation included, evaluations not) up to each eval
+        clock = {mode: dict(zip(range(len(arm) + 1), np.cumsum([0.0] + [r["perf/step_time_s"] for r in arm])))
+                 for mode, arm in steps.items()}
+        sync_t = [clock["sync"][t] for t in sorted(evals["sync"])]
+        sync_acc = [evals["sync"][t] for t in sorted(evals["sync"])]
+        same_time = [evals["partial"][t] - float(np.interp(clock["partial"][t], sync_t, sync_acc))
+                     for t in sorted(evals["partial"]) if t > 0]
+        rows.append({"seed": seed,
+                     "speedup_sum": round(sum(times["sync"]) / sum(times["partial"]), 3),
+                     "speedup_median_step": round(statistics.median(times["sync"])
+                                                  / statistics.median(times["partial"]), 3),
+                     "reward_sync": round(reward["sync"], 4), "reward_diff": round(reward["partial"]
+                                                                                   - reward["sync"], 4),
+                     "eval_diff": {t: round(evals["partial"][t] - evals["sync"][t], 4) for t in at},
+                     "eval_mean_diff": round(statistics.mean(evals["partial"][t] - evals["sync"][t]
+                                                             for t in at if t > 0), 4),
+                     # the partial run's accuracy against the synchronous run's at the same training time
+                     "eval_same_time_diff": round(statistics.mean(same_time), 4),
+                     "time_ratio": round(clock["sync"][len(steps["sync"])]
+                                         / clock["partial"][len(steps["partial"])], 3)})
+    if not rows:
+        raise SystemExit(f"no seed has both arms over the same steps: {left_out}")
+    common = sorted(set.intersection(*(set(r["eval_diff"]) for r in rows)))
+    speedups = [r["speedup_sum"] for r in rows]
+    return {"seeds": rows, "left_out": left_out, "summary": {
+        "pairs": len(rows), "window": list(window),
+        "speedup_sum": {"median": round(statistics.median(speedups), 3), "min": min(speedups),
+                        "max": max(speedups)},
+        "speedup_median_step": round(statistics.median(r["speedup_median_step"] for r in rows), 3),
+        "reward_diff": spread([r["reward_diff"] for r in rows]),
+        "eval_mean_diff": spread([r["eval_mean_diff"] for r in rows]),
+        "eval_same_time_diff": spread([r["eval_same_time_diff"] for r in rows]),
+        "eval_diff_by_step": {t: spread([r["eval_diff"][t] for r in rows]) for t in common}}}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("results", nargs="+",
@@ -178,9 +266,13 @@ def main():
     parser.add_argument("--trajectory", metavar="METRIC", help="a step metric's course in both arms")
     parser.add_argument("--sync", default="sync", choices=["sync", "sync_tis"],
                         help="the synchronous arm: sync-seedS, or sync_tis-seedS (with --tis_cap 2)")
+    parser.add_argument("--pairs", action="store_true",
+                        help="seed for seed: speed-up, trained reward and held-out accuracy (pairs())")
     args = parser.parse_args()
     runs = read_runs(args.results, args.tag, args.sync, args.partial_tag)
     out = {"cost": cost_model(runs, args.budget, args.skip), "optimizer": step_sizes(runs)}
+    if args.pairs:
+        out["pairs"] = pairs(run_files(args.results, args.tag, args.sync, args.partial_tag), args.skip)
     if args.trajectory:
         evals = args.trajectory.startswith("eval/")
         source = read_runs(args.results, args.tag, args.sync, args.partial_tag, evals) if evals else runs

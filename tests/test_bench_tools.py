@@ -248,3 +248,37 @@ def test_seed_pairs_run_together_one_run_per_gpu():
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1"]
     for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "MASTER_PORT"):
         assert envs[0][key] != envs[1][key]
+
+
+def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
+    """analyze_partial.pairs on hand-made runs: the speed-up, reward and held-out differences seed for seed,
+    the accuracy at the same training time (linear between the synchronous run's evaluations), and a seed
+    with one arm left out."""
+    sys.path.insert(0, ROOT)
+    from bench import analyze_partial
+
+    def run(path, step_s, reward, accuracy):  # four steps; evaluations at steps 0, 2, 4
+        with open(path, "w") as f:
+            for t in range(5):
+                if t:
+                    f.write(json.dumps({"step": t, "perf/step_time_s": step_s, "rollout/reward_mean": reward})
+                            + "\n")
+                if t % 2 == 0:
+                    f.write(json.dumps({"step": t, "eval/accuracy": accuracy[t // 2]}) + "\n")
+
+    for seed, (reward, accuracy) in enumerate([(0.4, [0.5, 0.55, 0.65]), (0.6, [0.5, 0.65, 0.75])]):
+        run(tmp_path / f"t-sync_tis-seed{seed}.metrics.jsonl", 2.0, 0.5, [0.5, 0.6, 0.7])
+        run(tmp_path / f"t-partial-seed{seed}.metrics.jsonl", 1.0, reward, accuracy)
+    run(tmp_path / "t-partial-seed2.metrics.jsonl", 1.0, 0.5, [0.5, 0.5, 0.5])
+    files = analyze_partial.run_files([str(tmp_path)], "t", "sync_tis")
+    out = analyze_partial.pairs(files, skip=0, window=(1, 4))
+    assert out["left_out"] == {2: "one arm only"}
+    s0, s1 = out["seeds"]
+    assert s0["speedup_sum"] == s0["speedup_median_step"] == s0["time_ratio"] == 2.0
+    assert (s0["reward_diff"], s1["reward_diff"]) == (-0.1, 0.1)
+    assert s0["eval_diff"] == {0: 0.0, 2: -0.05, 4: -0.05} and s1["eval_mean_diff"] == 0.05
+    # partial at 2 s / 4 s against the synchronous run's 0.55 / 0.6 there (its evals at 0, 4, 8 s)
+    assert (s0["eval_same_time_diff"], s1["eval_same_time_diff"]) == (0.025, 0.125)
+    summary = out["summary"]
+    assert summary["reward_diff"]["mean"] == 0.0 and math.isclose(summary["reward_diff"]["sd"], 0.1414)
+    assert summary["eval_same_time_diff"]["mean"] == 0.075 and summary["eval_same_time_diff"]["se"] == 0.05
