@@ -10,6 +10,7 @@ per step (means over the steps after --skip).
 
     python bench/replay_partial_schedule.py --max_len 2048 --budget 256 --staleness 7 --ratio 1 2
     python bench/replay_partial_schedule.py --max_len 2048 --budget 2048 --staleness 0      # synchronous
+    python bench/replay_partial_schedule.py --order start --staleness 1 --budget 2047  # a pure one-step delay
 """
 
 import argparse
@@ -76,14 +77,14 @@ def score_all(samples, strict=False):
 score_all.check = lambda failed, total, step: None
 
 
-def replay(max_len, budget, staleness, ratio, ramble, steps, skip, k=32, max_rounds=3):
+def replay(max_len, budget, staleness, ratio, ramble, steps, skip, k=32, max_rounds=3, order="finish"):
     prompts = 200 * k
     settings = RolloutSettings(GROUP, max_len, max_rounds=max_rounds, partial=True, token_budget=budget,
-                               max_staleness=staleness, eos_token_id=EOS, inflight_ratio=ratio)
+                               max_staleness=staleness, eos_token_id=EOS, inflight_ratio=ratio, order=order)
     rollouts = Rollouts([Sample([i, 0, 99], str(i), f"p{i}") for i in range(prompts)], k, 0, 0, 1, settings,
                         "cpu")
     engine = Engine(max_len, ramble, prompts)
-    ages, token_ages, late, rounds, seconds = [], [], [], [], []
+    ages, token_ages, late, rounds, seconds, mixed = [], [], [], [], [], []
     for step in range(1, steps + 1):
         first = len(engine.calls)
         samples, _ = rollouts.collect(engine, Tok(), score_all, lambda t: t, step)
@@ -96,11 +97,13 @@ def replay(max_len, budget, staleness, ratio, ramble, steps, skip, k=32, max_rou
             versions = s.generation.versions
             ages.append(step - 1 - min(versions))
             token_ages += [step - 1 - v for v in versions]
+            mixed.append(len(set(versions)) > 1)
             if len(versions) <= budget:
                 late.append(ages[-1] > 0)
     mean = statistics.mean
-    return {"budget": budget, "staleness": staleness, "ratio": ratio, "ramble": ramble,
+    return {"order": order, "budget": budget, "staleness": staleness, "ratio": ratio, "ramble": ramble,
             "start_age": round(mean(ages), 2), "token_age": round(mean(token_ages), 2),
+            "mixed_versions": round(mean(mixed), 3),
             "one_budget_trained_late": round(mean(late), 2) if late else None,
             "rounds_per_step": round(mean(rounds), 2), "generate_s_per_step": round(mean(seconds), 2)}
 
@@ -114,10 +117,11 @@ def main():
     parser.add_argument("--ramble", type=float, default=0.03, help="share of answers that run to --max_len")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=10)
+    parser.add_argument("--order", default="finish", choices=["finish", "start"], help="--partial_order")
     args = parser.parse_args()
     for ratio in args.ratio:
         print(json.dumps(replay(args.max_len, args.budget, args.staleness, ratio, args.ramble, args.steps,
-                                args.skip)), flush=True)
+                                args.skip, order=args.order)), flush=True)
 
 
 if __name__ == "__main__":
