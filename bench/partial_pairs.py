@@ -48,16 +48,20 @@ def gpu_env(gpu, cache_root):
             "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
 
 
+def say(line):
+    sys.stdout.write(line + "\n")  # one write: the rounds' threads print at once
+    sys.stdout.flush()
+
+
 def bench(flags, gpu, cache_root, dry_run):
     cmd = [sys.executable, os.path.join(HERE, "bench_partial.py"), *flags]
-    print(f"[gpu {gpu}] {shlex.join(cmd[1:])}", flush=True)
+    say(f"[gpu {gpu}] {shlex.join(cmd[1:])}")
     if dry_run:
         return
     start = time.time()
     done = subprocess.run(cmd, env=gpu_env(gpu, cache_root), capture_output=True, text=True)
     lines = (done.stdout + done.stderr).strip().splitlines()
-    print(f"[gpu {gpu}] rc {done.returncode} after {time.time() - start:.0f} s: {lines[-1] if lines else ''}",
-          flush=True)
+    say(f"[gpu {gpu}] rc {done.returncode} after {time.time() - start:.0f} s: {lines[-1] if lines else ''}")
 
 
 def main():
@@ -77,7 +81,7 @@ def main():
     if "--warm_steps" in common:
         bench(["--warm_only", *common], 0, args.cache_root, args.dry_run)
     for i, batch in enumerate(rounds(args.seeds, args.arm, gpus)):
-        print(f"round {i}: {len(batch)} runs", flush=True)
+        say(f"round {i}: {len(batch)} runs")
         threads = [threading.Thread(target=bench, args=(["--seeds", str(seed), *shlex.split(arm), *common],
                                                         gpu, args.cache_root, args.dry_run))
                    for gpu, seed, arm in batch]
