@@ -49,10 +49,10 @@ import numpy as np
 BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
 
 
-def run_files(folders, tag, sync="sync", partial_tag=None):
-    """[(mode, seed, path)] for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]partial-seedS in the folders
+def read_runs(folders, tag, sync="sync", partial_tag=None):
+    """[(mode, seed, rows)] for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]partial-seedS in the folders
     (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights; PARTIAL_TAG:
-    TAG unless given), SYNC read as "sync"."""
+    TAG unless given), SYNC read as "sync"; rows: every line of the run's metrics.jsonl."""
     partial_tag = tag if partial_tag is None else partial_tag
     names = {"sync": (re.escape(tag + "-") if tag else "") + sync,
              "partial": (re.escape(partial_tag + "-") if partial_tag else "") + "partial"}
@@ -61,26 +61,21 @@ def run_files(folders, tag, sync="sync", partial_tag=None):
         for mode, name in names.items():  # (not partial-rR-seedS, nor a run kept under another name)
             match = re.fullmatch(name + r"-seed(\d+)\.metrics\.jsonl", os.path.basename(path))
             if match:
-                found.append((mode, int(match.group(1)), path))
+                with open(path) as f:
+                    found.append((mode, int(match.group(1)), [json.loads(line) for line in f]))
     if {mode for mode, _, _ in found} != {"sync", "partial"}:
         raise SystemExit(f"{' '.join(folders)}: needs {names['sync']}-seedS and {names['partial']}-seedS "
                          f"metrics files, found {sorted({mode for mode, _, _ in found})}")
     return found
 
 
-def read_rows(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def read_runs(folders, tag, sync="sync", partial_tag=None, evals=False):
-    """{mode: [[rows of a run], ...]} for run_files' runs. evals: the held-out evaluations' rows instead of
-    the steps'."""
-    key = "eval/accuracy" if evals else "perf/generate_s"
-    runs = {}
-    for mode, _, path in run_files(folders, tag, sync, partial_tag):
-        runs.setdefault(mode, []).append([r for r in read_rows(path) if key in r])
-    return runs
+def by_arm(runs, key="perf/generate_s"):
+    """{mode: [[rows of a run that hold key], ...]}: the steps' rows, or (key eval/accuracy) the held-out
+    evaluations'."""
+    arms = {}
+    for mode, _, rows in runs:
+        arms.setdefault(mode, []).append([r for r in rows if key in r])
+    return arms
 
 
 def cost_model(runs, budget, skip):
@@ -194,7 +189,7 @@ def spread(diffs):
             "t": round(mean / se, 2) if se > 0 else None}
 
 
-def pairs(files, skip, window=(11, 20)):
+def pairs(runs, skip, window=(11, 20)):
     """Seed for seed, each partial run against the synchronous run of its seed (runs of one seed ran on the
     same machine, at the same time where bench/partial_pairs.py ran them): the speed-up in samples per second
     over the steps after `skip` (sums of step times, and the median step's), the trained reward's difference
@@ -203,8 +198,8 @@ def pairs(files, skip, window=(11, 20)):
     steps, evaluations not counted; linear between its evaluations). Seeds without both arms, or whose arms
     ran different numbers of steps, are listed and left out."""
     by_seed = {}
-    for mode, seed, path in files:
-        by_seed.setdefault(seed, {})[mode] = read_rows(path)
+    for mode, seed, rows in runs:
+        by_seed.setdefault(seed, {})[mode] = rows
     rows, left_out = [], {}
     for seed, arms in sorted(by_seed.items()):
         if set(arms) != {"sync", "partial"}:
@@ -220,12 +215,11 @@ def pairs(files, skip, window=(11, 20)):
         evals = {mode: {r["step"]: r["eval/accuracy"] for r in arm if "eval/accuracy" in r}
                  for mode, arm in arms.items()}
         at = sorted(set(evals["sync"]) & set(evals["partial"]))
-        # wall-clock: the seconds of training steps (generation included, evaluations not) up to each eval
-        clock = {mode: dict(zip(range(len(arm) + 1), np.cumsum([0.0] + [r["perf/step_time_s"] for r in arm])))
-                 for mode, arm in steps.items()}
-        sync_t = [clock["sync"][t] for t in sorted(evals["sync"])]
-        sync_acc = [evals["sync"][t] for t in sorted(evals["sync"])]
-        same_time = [evals["partial"][t] - float(np.interp(clock["partial"][t], sync_t, sync_acc))
+        # wall-clock: the seconds of training steps (generation included, evaluations not) up to each step
+        clock = {mode: np.cumsum([0.0] + [r["perf/step_time_s"] for r in arm]) for mode, arm in steps.items()}
+        sync_at = sorted(evals["sync"])
+        same_time = [evals["partial"][t] - np.interp(clock["partial"][t], clock["sync"][sync_at],
+                                                     [evals["sync"][u] for u in sync_at])
                      for t in sorted(evals["partial"]) if t > 0]
         rows.append({"seed": seed,
                      "speedup_sum": round(sum(times["sync"]) / sum(times["partial"]), 3),
@@ -237,9 +231,8 @@ def pairs(files, skip, window=(11, 20)):
                      "eval_mean_diff": round(statistics.mean(evals["partial"][t] - evals["sync"][t]
                                                              for t in at if t > 0), 4),
                      # the partial run's accuracy against the synchronous run's at the same training time
-                     "eval_same_time_diff": round(statistics.mean(same_time), 4),
-                     "time_ratio": round(clock["sync"][len(steps["sync"])]
-                                         / clock["partial"][len(steps["partial"])], 3)})
+                     "eval_same_time_diff": round(float(statistics.mean(same_time)), 4),
+                     "time_ratio": round(float(clock["sync"][-1] / clock["partial"][-1]), 3)})
     if not rows:
         raise SystemExit(f"no seed has both arms over the same steps: {left_out}")
     common = sorted(set.intersection(*(set(r["eval_diff"]) for r in rows)))
@@ -270,13 +263,13 @@ def main():
                         help="seed for seed: speed-up, trained reward and held-out accuracy (pairs())")
     args = parser.parse_args()
     runs = read_runs(args.results, args.tag, args.sync, args.partial_tag)
-    out = {"cost": cost_model(runs, args.budget, args.skip), "optimizer": step_sizes(runs)}
+    steps = by_arm(runs)
+    out = {"cost": cost_model(steps, args.budget, args.skip), "optimizer": step_sizes(steps)}
     if args.pairs:
-        out["pairs"] = pairs(run_files(args.results, args.tag, args.sync, args.partial_tag), args.skip)
+        out["pairs"] = pairs(runs, args.skip)
     if args.trajectory:
         evals = args.trajectory.startswith("eval/")
-        source = read_runs(args.results, args.tag, args.sync, args.partial_tag, evals) if evals else runs
-        out["trajectory"] = trajectory(source, args.trajectory)
+        out["trajectory"] = trajectory(by_arm(runs, "eval/accuracy") if evals else steps, args.trajectory)
     print(json.dumps(out, indent=1))
 
 

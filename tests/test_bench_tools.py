@@ -270,8 +270,8 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
         run(tmp_path / f"t-sync_tis-seed{seed}.metrics.jsonl", 2.0, 0.5, [0.5, 0.6, 0.7])
         run(tmp_path / f"t-partial-seed{seed}.metrics.jsonl", 1.0, reward, accuracy)
     run(tmp_path / "t-partial-seed2.metrics.jsonl", 1.0, 0.5, [0.5, 0.5, 0.5])
-    files = analyze_partial.run_files([str(tmp_path)], "t", "sync_tis")
-    out = analyze_partial.pairs(files, skip=0, window=(1, 4))
+    runs = analyze_partial.read_runs([str(tmp_path)], "t", "sync_tis")
+    out = analyze_partial.pairs(runs, skip=0, window=(1, 4))
     assert out["left_out"] == {2: "one arm only"}
     s0, s1 = out["seeds"]
     assert s0["speedup_sum"] == s0["speedup_median_step"] == s0["time_ratio"] == 2.0
