@@ -19,6 +19,7 @@ Flags after -- go to every run (and the warm-up); each --arm's go to that arm's 
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -74,8 +75,9 @@ def main():
     parser.add_argument("--dry_run", action="store_true")
     args, common = parser.parse_known_args()
     common = [x for x in common if x != "--"]
-    gpus = args.gpus or len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-                            .stdout.splitlines())
+    listed = (subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+              if not args.gpus and shutil.which("nvidia-smi") else "")
+    gpus = args.gpus or len(listed.splitlines())
     if gpus < 1:
         raise SystemExit("no GPU found (nvidia-smi -L): pass --gpus N")
     if "--warm_steps" in common:
