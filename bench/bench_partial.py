@@ -169,8 +169,10 @@ def main():
         raise SystemExit("--size runs start from random weights (or the embedded model): no --warm_steps")
     if args.warm_steps and not os.path.exists(warm):
         # (held-out eval every 10 steps whatever --eval_steps says, as the warm-ups of sessions 13-19)
-        run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len,
-            eval_steps=10)
+        rc = run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len,
+                 eval_steps=10)
+        if rc != 0 or not os.path.exists(warm):
+            raise SystemExit(f"the warm-up failed (rc {rc}): see {os.path.join(out, warm_name + '.log')}")
     if args.warm_only:
         print(warm)
         return
@@ -180,6 +182,7 @@ def main():
     frozen = ["--actor_learning_rate", "1e-12"] if args.frozen or args.size else []  # (0 is refused)
     if args.arm_flags and not args.tag:
         raise SystemExit("--arm_flags needs a --tag, so its runs are not taken for the plain ones")
+    failed = []
     for seed in args.seeds:
         for mode in args.modes:
             flags = modes[mode] + start_from + frozen + shlex.split(args.arm_flags)
@@ -187,11 +190,16 @@ def main():
             name = "frozen-" + name if args.frozen and not args.size else name
             name = f"{args.size}-{name}" if args.size else name
             name = f"{args.tag}-{name}" if args.tag else name
-            run(args, out, data, evals, name, seed, args.steps, flags, extra)
+            if run(args, out, data, evals, name, seed, args.steps, flags, extra) != 0:
+                failed.append(name)
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(args.seeds) * len(args.modes)} runs failed "
+                         f"({', '.join(failed)}): see their logs in {out}")
 
 
 def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, eval_steps=None):
-    """One training run; prints and appends its JSON line to $OUT/partial.jsonl."""
+    """One training run; prints and appends its JSON line to $OUT/partial.jsonl. Returns its exit code
+    (or "timeout")."""
     run_dir = os.path.join(args.root, "runs", name)
     lengths = os.path.join(args.root, f"{name}.lengths")
     for path in (lengths, lengths + ".overshoot.jsonl"):
@@ -230,6 +238,7 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, e
     print(line, flush=True)
     with open(os.path.join(out, "partial.jsonl"), "a") as f:
         f.write(line + "\n")
+    return rc
 
 
 if __name__ == "__main__":

@@ -55,14 +55,16 @@ def say(line):
 
 
 def bench(flags, gpu, cache_root, dry_run):
+    """One bench_partial.py run on one GPU; returns its exit code (0 for a dry run)."""
     cmd = [sys.executable, os.path.join(HERE, "bench_partial.py"), *flags]
     say(f"[gpu {gpu}] {shlex.join(cmd[1:])}")
     if dry_run:
-        return
+        return 0
     start = time.time()
     done = subprocess.run(cmd, env=gpu_env(gpu, cache_root), capture_output=True, text=True)
     lines = (done.stdout + done.stderr).strip().splitlines()
     say(f"[gpu {gpu}] rc {done.returncode} after {time.time() - start:.0f} s: {lines[-1] if lines else ''}")
+    return done.returncode
 
 
 def main():
@@ -80,17 +82,23 @@ def main():
     gpus = args.gpus or len(listed.splitlines())
     if gpus < 1:
         raise SystemExit("no GPU found (nvidia-smi -L): pass --gpus N")
-    if "--warm_steps" in common:
-        bench(["--warm_only", *common], 0, args.cache_root, args.dry_run)
+    if "--warm_steps" in common and bench(["--warm_only", *common], 0, args.cache_root, args.dry_run):
+        raise SystemExit("the warm-up failed (its line above): no runs started")
+    failed = []
     for i, batch in enumerate(rounds(args.seeds, args.arm, gpus)):
         say(f"round {i}: {len(batch)} runs")
-        threads = [threading.Thread(target=bench, args=(["--seeds", str(seed), *shlex.split(arm), *common],
-                                                        gpu, args.cache_root, args.dry_run))
-                   for gpu, seed, arm in batch]
+
+        def one(gpu, seed, arm):
+            if bench(["--seeds", str(seed), *shlex.split(arm), *common], gpu, args.cache_root, args.dry_run):
+                failed.append(f"seed {seed} [{arm}]")
+
+        threads = [threading.Thread(target=one, args=run) for run in batch]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+    if failed:
+        raise SystemExit(f"{len(failed)} runs failed (their lines above): {'; '.join(failed)}")
 
 
 if __name__ == "__main__":

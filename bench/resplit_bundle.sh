@@ -2,8 +2,9 @@
 # Re-cut a ../shared/gpu/bundle.sh output into parts of SIZE (e.g. 48M) instead of its 48 MiB: a device call
 # carries at most 64 MiB with the working tree, so the parts can grow as far as the tree leaves room (SGLang's
 # 1.1 GB: 20 parts of 55M instead of 23 when the tree was 7 MiB). The tree is 15 MiB since session 17 (its
-# bench/results), so 55M parts are refused now; 48M fit. install.sh and MANIFEST stay in part00; install.sh
-# joins bundle.tar.* as before.
+# bench/results), so 55M parts are refused now; 48M fit. At 22 MB (session 21) 48M parts were refused and 36M
+# went; the overshoot files in bench/results are gzipped since (the tree back to ~16 MB). install.sh and
+# MANIFEST stay in part00; install.sh joins bundle.tar.* as before.
 # Usage: bash bench/resplit_bundle.sh DIR SIZE
 set -euo pipefail
 dir=${1:?usage: resplit_bundle.sh DIR SIZE}; size=${2:?usage: resplit_bundle.sh DIR SIZE}

@@ -250,6 +250,24 @@ def test_seed_pairs_run_together_one_run_per_gpu():
         assert envs[0][key] != envs[1][key]
 
 
+def test_pairs_stop_on_a_failed_warm_up_and_count_failed_runs(tmp_path):
+    """bench/partial_pairs.py on a machine without vLLM once printed the warm-up's model path with rc 0 and
+    started every run from a model that was never written; now a failed warm-up starts nothing, and failed
+    runs make both it and bench_partial.py exit 1 with one line naming them."""
+    def pairs(*flags):
+        env = {**os.environ, "OUT": str(tmp_path)}
+        return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "partial_pairs.py"), *flags, "--",
+                               "--root", str(tmp_path / "root"), "--no_such_flag"],
+                              capture_output=True, text=True, env=env)
+
+    warm = pairs("--gpus", "1", "--arm", "--tag t --modes sync", "--warm_steps", "1")
+    assert warm.returncode == 1 and "round 0" not in warm.stdout
+    assert "the warm-up failed (rc 2)" in warm.stdout and "no runs started" in warm.stderr
+    runs = pairs("--gpus", "2", "--arm", "--tag t --modes sync", "--arm", "--tag u --modes sync")
+    assert runs.returncode == 1 and runs.stdout.count("1 of 1 runs failed") == 2
+    assert "2 runs failed" in runs.stderr
+
+
 def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     """analyze_partial.pairs on hand-made runs: the speed-up, reward and held-out differences seed for seed,
     the accuracy at the same training time (linear between the synchronous run's evaluations), and a seed
