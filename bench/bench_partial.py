@@ -140,6 +140,9 @@ def main():
                         help="train_ppo.py flags for the measured runs only, not the warm-up (e.g. "
                              "\"--loss_agg_mode seq-mean-token-sum-norm\"); with --tag")
     parser.add_argument("--tag", help="a prefix for the measured runs' names (TAG-MODE-seedS)")
+    parser.add_argument("--engine_lag", type=int, default=0,
+                        help="the measured runs' engine samples with the weights of this many versions "
+                             "earlier (bench/lagged_engine.py: a pure delay through the synchronous loop)")
     args, extra = parser.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = os.environ.get("OUT", args.root)
@@ -165,6 +168,8 @@ def main():
     warm_len = args.warm_max_len or args.max_len
     warm_name = f"warm-{args.warm_steps}" + (f"-len{warm_len}" if warm_len != args.max_len else "")
     warm = os.path.join(args.root, "runs", warm_name, "model")
+    if args.engine_lag and (args.size or not args.tag):
+        raise SystemExit("--engine_lag needs a --tag (its runs are not the plain ones), and no --size")
     if args.size and args.warm_steps:
         raise SystemExit("--size runs start from random weights (or the embedded model): no --warm_steps")
     if args.warm_steps and not os.path.exists(warm):
@@ -190,14 +195,14 @@ def main():
             name = "frozen-" + name if args.frozen and not args.size else name
             name = f"{args.size}-{name}" if args.size else name
             name = f"{args.tag}-{name}" if args.tag else name
-            if run(args, out, data, evals, name, seed, args.steps, flags, extra) != 0:
+            if run(args, out, data, evals, name, seed, args.steps, flags, extra, lag=args.engine_lag) != 0:
                 failed.append(name)
     if failed:
         raise SystemExit(f"{len(failed)} of {len(args.seeds) * len(args.modes)} runs failed "
                          f"({', '.join(failed)}): see their logs in {out}")
 
 
-def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, eval_steps=None):
+def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, eval_steps=None, lag=0):
     """One training run; prints and appends its JSON line to $OUT/partial.jsonl. Returns its exit code
     (or "timeout")."""
     run_dir = os.path.join(args.root, "runs", name)
@@ -209,6 +214,7 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, e
     # greedy answers would run to the limit)
     here = os.path.dirname(os.path.abspath(__file__))
     launch = [os.path.join(here, "scripted_lengths.py")] if args.size else []
+    launch = [os.path.join(here, "lagged_engine.py")] if lag else launch
     task = (["--reward_fn", f"{os.path.join(here, 'bench_sizes.py')}:reward"] if args.size
             else ["--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward"])
     cmd = [sys.executable, *launch, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data, *task,
@@ -217,7 +223,7 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, e
            "--eval_steps", str(eval_steps or args.eval_steps), "--seed", str(seed), "--output_dir", run_dir,
            "--no_resume", *flags, *extra]
     path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU's packages
-    env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path}
+    env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path, "RFT_LAG": str(lag)}
     start = time.time()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         try:
@@ -225,7 +231,8 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, e
                                 timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    result = {"run": name, "rc": rc, "wall_s": round(time.time() - start, 1), "flags": flags + extra}
+    result = {"run": name, "rc": rc, "wall_s": round(time.time() - start, 1), "flags": flags + extra,
+              **({"engine_lag": lag} if lag else {})}
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         config = json.load(open(os.path.join(run_dir, "config.json")))
         per_step = config["rollout_batch_size"] * config["n_samples_per_prompt"]

@@ -300,3 +300,54 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     summary = out["summary"]
     assert summary["reward_diff"]["mean"] == 0.0 and math.isclose(summary["reward_diff"]["sd"], 0.1414)
     assert summary["eval_same_time_diff"]["mean"] == 0.075 and summary["eval_same_time_diff"]["se"] == 0.05
+
+
+def test_the_lagged_engine_samples_old_weights_and_evaluates_the_live_ones(tiny_model_dir, monkeypatch,
+                                                                           tmp_path, chars_reward):
+    """bench/lagged_engine.py, issue 16's pure-delay control through the synchronous loop: the transformers
+    engine samples with the weights of one sync earlier and evaluates (greedy) with the live ones. Through
+    train_ppo.py the first step is the plain run's, and later steps train on samples whose engine logprobs
+    differ from the trainer's (0 in the plain run, where the engine is the trainer's model, but rounding)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, ROOT)
+    from bench import lagged_engine
+    from rft_core.engine import HFEngine
+
+    for name in ("update_weights", "generate"):
+        monkeypatch.setattr(HFEngine, name, getattr(HFEngine, name))  # the class back as it was, after
+    monkeypatch.setattr(lagged_engine, "LAG", 1)
+    lagged_engine.install()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir))
+    engine.generate([[1, 2, 3]], 2)
+    versions = [{k: v.clone() for k, v in model.state_dict().items()}]
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1)
+        versions.append({k: v.clone() for k, v in model.state_dict().items()})
+        engine.update_weights(model)
+        engine.generate([[1, 2, 3]], 2)
+        old = engine.model.state_dict()
+        assert engine.model is not model and all(torch.equal(old[k], versions[-2][k]) for k in old)
+        engine.generate([[1, 2, 3]], 2, temperature=0)
+        assert engine.model is model
+
+    flags = ["--pretrain", tiny_model_dir, "--max_steps", "3", "--rollout_batch_size", "2",
+             "--n_samples_per_prompt", "2", "--generate_max_len", "8", "--reward_fn", chars_reward,
+             "--actor_learning_rate", "1e-3", "--tis_cap", "2", "--no_resume"]
+    rows = {}
+    for lag in (0, 1):
+        launch = [os.path.join(ROOT, "bench", "lagged_engine.py")] if lag else []
+        out = tmp_path / f"lag{lag}"
+        done = subprocess.run([sys.executable, *launch, os.path.join(ROOT, "train_ppo.py"), *flags,
+                               "--output_dir", str(out)], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "RFT_LAG": str(lag), "OMP_NUM_THREADS": "2"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows[lag] = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "rollout/reward_mean" in r]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3]
+    assert rows[1][0] == {**rows[0][0], **{k: v for k, v in rows[1][0].items() if k.startswith("perf/")}}
+    assert all(r["rollout/logprob_diff_mean"] < 1e-5 for r in rows[0])  # (1e-7: padding's rounding)
+    assert all(r["rollout/logprob_diff_mean"] > 1e-3 for r in rows[1][1:])
