@@ -17,6 +17,8 @@ line per run: samples trained per second, tokens generated per second, the decod
     python bench/bench_partial.py --warm_steps 12 --staleness 2 --modes sync_tis start   # start order, K = 2
     python bench/bench_partial.py --warm_steps 12 --tag drgrpo --arm_flags "--loss_agg_mode \
         seq-mean-token-sum-norm"                                     # flags for the measured runs only
+    python bench/bench_partial.py --warm_steps 12 --tag lag1 --engine_lag 1 --modes sync_tis   # the
+        # synchronous loop sampling with the weights of one version earlier (bench/lagged_engine.py)
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \
         --rollout_batch_size 4 --n_samples_per_prompt 2                  # a CPU smoke run (2-3 minutes)
     python bench/bench_partial.py --size 1.5b --max_len 2048 --budget 512 --staleness 7 --steps 15 \
