@@ -15,6 +15,7 @@ decisions, and one Adam step on the four logits; then the engine takes the new l
 
     python bench/toy_rambling.py --seeds 20 --arms sync partial start
     python bench/toy_rambling.py --seeds 40 --optimizer sgd --lr 2    # steps that follow the gradient
+    python bench/toy_rambling.py --seeds 40 --arms sync partial delay  # delay: one version, every group whole
 
 Prints, per arm, the mean over seeds of each step's share of trained answers cut at --max_len and of the
 current policy's expected share of exact answers (over 2,000 held-out N), the trained answers' reward over
@@ -165,12 +166,14 @@ def exactness(theta, ns):
 def run(arm, seed, args):
     rng = random.Random(seed)
     prompts = [Sample([1000 + draw_n(rng), i], "", "") for i in range(args.k * (args.steps + 40))]
-    staleness = args.start_staleness if arm == "start" else args.staleness
-    # start order's default budget (RolloutSettings.from_args); the synchronous arm has none
-    budget = math.ceil(args.max_len / (staleness + 1)) if arm == "start" else args.budget
+    staleness = {"start": args.start_staleness, "delay": 1}.get(arm, args.staleness)
+    # start order's default budget (RolloutSettings.from_args); the synchronous arm has none. delay: start
+    # order at K = 1 with a budget of the length - 1, every group whole and trained a step later (session 21)
+    budgets = {"start": math.ceil(args.max_len / (staleness + 1)), "delay": args.max_len - 1}
+    budget = budgets.get(arm, args.budget)
     settings = RolloutSettings(args.group, args.max_len, max_rounds=3, partial=arm != "sync",
                                token_budget=budget, max_staleness=staleness, eos_token_id=EOS,
-                               order="start" if arm == "start" else "finish")
+                               order="start" if arm in ("start", "delay") else "finish")
     rollouts = Rollouts(prompts, args.k, seed, 0, 1, settings, "cpu")
     theta = dict(START)
     optimizer = Adam(args.lr) if args.optimizer == "adam" else SGD(args.lr)
@@ -201,7 +204,7 @@ def lag(sync, other):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", nargs="+", default=["sync", "partial", "start"],
-                        choices=["sync", "partial", "start"])
+                        choices=["sync", "partial", "start", "delay"])
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--k", type=int, default=32, help="groups a step")

@@ -217,7 +217,8 @@ def test_the_bench_rewards_load_as_the_trainer_loads_them(tmp_path):
 
 def test_toy_rambling_learns_through_the_real_scheduler():
     """bench/toy_rambling.py: the toy policy learns (exact answers rise), partial rollout with a budget of the
-    whole length is the synchronous loop seed for seed, and a small budget continues answers over steps."""
+    whole length is the synchronous loop seed for seed, a small budget continues answers over steps, and the
+    pure delay generates in one round a step."""
     import argparse
 
     sys.path.insert(0, ROOT)
@@ -231,6 +232,8 @@ def test_toy_rambling_learns_through_the_real_scheduler():
     args.budget = 16
     partial = toy_rambling.run("partial", 0, args)
     assert partial != sync and max(step["rounds"] for step in partial) > 1
+    delay = toy_rambling.run("delay", 0, args)  # every group whole, in one round, trained a step later
+    assert delay != sync and all(step["rounds"] == 1 for step in delay)
 
 
 def test_seed_pairs_run_together_one_run_per_gpu():
