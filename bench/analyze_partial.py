@@ -34,6 +34,8 @@
         drgrpo-b512 --sync sync_tis --trajectory rollout/truncated
     python bench/analyze_partial.py bench/results/partial_h100x4/session20/{a,b,c,d} --budget 512 --tag \
         drgrpo --partial_tag drgrpo-b512 --sync sync_tis --pairs
+    python bench/analyze_partial.py DIRS --budget 2047 --tag drgrpo --sync sync_tis --partial_tag lag1 \
+        --partial_mode sync_tis --pairs           # the engine-lag arm (lag1-sync_tis-seedS) as "partial"
 """
 
 import argparse
@@ -49,13 +51,17 @@ import numpy as np
 BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
 
 
-def read_runs(folders, tag, sync="sync", partial_tag=None):
-    """[(mode, seed, rows)] for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]partial-seedS in the folders
-    (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights; PARTIAL_TAG:
-    TAG unless given), SYNC read as "sync"; rows: every line of the run's metrics.jsonl."""
+def read_runs(folders, tag, sync="sync", partial_tag=None, partial_mode="partial"):
+    """[(mode, seed, rows)] for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]PARTIAL_MODE-seedS in the
+    folders (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights;
+    PARTIAL_TAG: TAG unless given; PARTIAL_MODE: partial, or another arm compared with the synchronous one,
+    e.g. sync_tis under bench_partial.py --engine_lag), read as "sync" and "partial"; rows: every line of the
+    run's metrics.jsonl."""
     partial_tag = tag if partial_tag is None else partial_tag
     names = {"sync": (re.escape(tag + "-") if tag else "") + sync,
-             "partial": (re.escape(partial_tag + "-") if partial_tag else "") + "partial"}
+             "partial": (re.escape(partial_tag + "-") if partial_tag else "") + partial_mode}
+    if names["sync"] == names["partial"]:
+        raise SystemExit(f"both arms would be {names['sync']}-seedS: give the other one its --partial_tag")
     found = []
     for path in sorted(p for folder in folders for p in glob.glob(os.path.join(folder, "*.metrics.jsonl"))):
         for mode, name in names.items():  # (not partial-rR-seedS, nor a run kept under another name)
@@ -256,13 +262,15 @@ def main():
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the cost model")
     parser.add_argument("--tag", default="", help="read the runs named TAG-MODE-seedS")
     parser.add_argument("--partial_tag", help="the partial runs' tag, where it is not --tag's")
+    parser.add_argument("--partial_mode", default="partial",
+                        help="the compared arm's mode in its runs' names (sync_tis for an --engine_lag arm)")
     parser.add_argument("--trajectory", metavar="METRIC", help="a step metric's course in both arms")
     parser.add_argument("--sync", default="sync", choices=["sync", "sync_tis"],
                         help="the synchronous arm: sync-seedS, or sync_tis-seedS (with --tis_cap 2)")
     parser.add_argument("--pairs", action="store_true",
                         help="seed for seed: speed-up, trained reward and held-out accuracy (pairs())")
     args = parser.parse_args()
-    runs = read_runs(args.results, args.tag, args.sync, args.partial_tag)
+    runs = read_runs(args.results, args.tag, args.sync, args.partial_tag, args.partial_mode)
     steps = by_arm(runs)
     out = {"cost": cost_model(steps, args.budget, args.skip), "optimizer": step_sizes(steps)}
     if args.pairs:

@@ -292,6 +292,9 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
         run(tmp_path / f"t-partial-seed{seed}.metrics.jsonl", 1.0, reward, accuracy)
     run(tmp_path / "t-partial-seed2.metrics.jsonl", 1.0, 0.5, [0.5, 0.5, 0.5])
     runs = analyze_partial.read_runs([str(tmp_path)], "t", "sync_tis")
+    run(tmp_path / "lag-sync_tis-seed0.metrics.jsonl", 1.0, 0.4, [0.5, 0.55, 0.65])  # another arm's mode
+    lagged = analyze_partial.read_runs([str(tmp_path)], "t", "sync_tis", "lag", "sync_tis")
+    assert sorted((mode, seed) for mode, seed, _ in lagged) == [("partial", 0), ("sync", 0), ("sync", 1)]
     out = analyze_partial.pairs(runs, skip=0, window=(1, 4))
     assert out["left_out"] == {2: "one arm only"}
     s0, s1 = out["seeds"]
