@@ -3,8 +3,9 @@
 # carries at most 64 MiB with the working tree, so the parts can grow as far as the tree leaves room (SGLang's
 # 1.1 GB: 20 parts of 55M instead of 23 when the tree was 7 MiB). The tree is 15 MiB since session 17 (its
 # bench/results), so 55M parts are refused now; 48M fit. At 22 MB (session 21) 48M parts were refused and 36M
-# went; the overshoot files in bench/results are gzipped since (the tree back to ~16 MB). install.sh and
-# MANIFEST stay in part00; install.sh joins bundle.tar.* as before.
+# went; the overshoot files in bench/results are gzipped since, and the tree is 17 MB at the end of session
+# 21: 44M parts fit beside it (48M do not). install.sh and MANIFEST stay in part00; install.sh joins
+# bundle.tar.* as before.
 # Usage: bash bench/resplit_bundle.sh DIR SIZE
 set -euo pipefail
 dir=${1:?usage: resplit_bundle.sh DIR SIZE}; size=${2:?usage: resplit_bundle.sh DIR SIZE}
