@@ -31,9 +31,9 @@ LAG = int(os.environ.get("RFT_LAG", "1"))
 def vllm_update_weights(self, model):
     """Keep this version; load the one LAG syncs older (the first sync, at start, is version 0)."""
     self.wake_up(["weights"])
-    self.versions = (getattr(self, "versions", []) + [list(vllm_engine.iter_weights(model, self.dtype))])
+    self.versions = getattr(self, "versions", []) + [list(vllm_engine.iter_weights(model, self.dtype))]
     self.versions = self.versions[-(LAG + 1):]
-    self.loaded = None  # the engine now holds none of them whole
+    self.loaded = None  # the list moved on: the index of what the engine holds no longer says which
     self.load_version(0)
 
 

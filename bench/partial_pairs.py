@@ -85,13 +85,13 @@ def main():
     if "--warm_steps" in common and bench(["--warm_only", *common], 0, args.cache_root, args.dry_run):
         raise SystemExit("the warm-up failed (its line above): no runs started")
     failed = []
+
+    def one(gpu, seed, arm):
+        if bench(["--seeds", str(seed), *shlex.split(arm), *common], gpu, args.cache_root, args.dry_run):
+            failed.append(f"seed {seed} [{arm}]")
+
     for i, batch in enumerate(rounds(args.seeds, args.arm, gpus)):
         say(f"round {i}: {len(batch)} runs")
-
-        def one(gpu, seed, arm):
-            if bench(["--seeds", str(seed), *shlex.split(arm), *common], gpu, args.cache_root, args.dry_run):
-                failed.append(f"seed {seed} [{arm}]")
-
         threads = [threading.Thread(target=one, args=run) for run in batch]
         for t in threads:
             t.start()

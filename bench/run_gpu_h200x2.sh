@@ -11,9 +11,7 @@
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
-[ -d /tmp/site/vllm ] || bash /tmp/gpu/install.sh /tmp/gpu /tmp/site 2>&1 | tail -1
-[ -d /tmp/site/vllm ] || { echo "no vllm in /tmp/site: copy the bundle's parts to /tmp/gpu first" \
-  "(../shared/gpu/README.md)"; exit 1; }
+. bench/need_vllm.sh
 [ -d /tmp/site/deepspeed ] || bash /tmp/ds/install.sh /tmp/ds /tmp/site 2>&1 | tail -1
 case "$1" in
   zero3) config=accelerate_configs/deepspeed_zero3.yaml;;

@@ -8,8 +8,6 @@
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
-[ -d /tmp/site/vllm ] || bash /tmp/gpu/install.sh /tmp/gpu /tmp/site 2>&1 | tail -1
-[ -d /tmp/site/vllm ] || { echo "no vllm in /tmp/site: copy the bundle's parts to /tmp/gpu first" \
-  "(../shared/gpu/README.md)"; exit 1; }
+. bench/need_vllm.sh
 # shellcheck disable=SC2086  # SEEDS: one or several, "0 1 2"
 OUT=$OUT python bench/bench_partial.py --seeds ${1:-0} --steps "${2:-20}" --timeout "${TIMEOUT:-285}" "${@:3}"

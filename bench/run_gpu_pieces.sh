@@ -6,9 +6,7 @@
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
-[ -d /tmp/site/vllm ] || bash /tmp/gpu/install.sh /tmp/gpu /tmp/site 2>&1 | tail -1
-[ -d /tmp/site/vllm ] || { echo "no vllm in /tmp/site: copy the bundle's parts to /tmp/gpu first" \
-  "(../shared/gpu/README.md)"; exit 1; }
+. bench/need_vllm.sh
 FLAGS=()
 if [ "${MODEL:-base}" = warm ]; then
   WARM=$(python bench/bench_partial.py --root /tmp/rp --warm_steps 12 --warm_max_len 512 --max_len 2048 \

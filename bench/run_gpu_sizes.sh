@@ -6,9 +6,7 @@
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
-[ -d /tmp/site/vllm ] || bash /tmp/gpu/install.sh /tmp/gpu /tmp/site 2>&1 | tail -1
-[ -d /tmp/site/vllm ] || { echo "no vllm in /tmp/site: copy the bundle's parts to /tmp/gpu first" \
-  "(../shared/gpu/README.md)"; exit 1; }
+. bench/need_vllm.sh
 B="python bench/bench_sizes.py"
 case "$1" in
   tests)  # the vLLM engine's GPU tests, the 0.4B wake crash among them

@@ -6,9 +6,7 @@ OUT=${OUT:-/tmp/rft_out}; mkdir -p $OUT
 
 # ---- session 4, call F: install, VL vLLM tests, VL sync breakdown with the capped KV cache, the default VL run with vLLM
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
-[ -d /tmp/site/vllm ] || bash /tmp/gpu/install.sh /tmp/gpu /tmp/site 2>&1 | tail -1
-[ -d /tmp/site/vllm ] || { echo "no vllm in /tmp/site: copy the bundle's parts to /tmp/gpu first" \
-  "(../shared/gpu/README.md)"; exit 1; }
+. bench/need_vllm.sh
 timeout 150 python -m pytest -q -x -s tests/test_engine_vl.py -p no:cacheprovider > $OUT/vl_tests.log 2>&1; echo "vl tests rc=$?"; grep -E "logprob diff|passed|failed|Error" $OUT/vl_tests.log | tail -5
 timeout 100 python bench/vl_sync_breakdown.py 2>&1 | grep -E "^iter|Error" | tail -3
 timeout 250 python train_ppo_vl.py --engine_type vllm --output_dir /tmp/vl_vllm > $OUT/vl_vllm.log 2>&1; echo "vl vllm rc=$?"
