@@ -144,6 +144,8 @@ class Args:
     with --partial_rollout: 2, AReaL's decoupled objective against the policy that sampled each token)"""
     tis_mode: str = "truncate"
     """truncate (min(w, cap)) | mask (a token whose weight exceeds the cap gets none)"""
+    tis_level: str = "token"
+    """token | sequence (each token gets its sample's product of ratios) | geometric (their geometric mean)"""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     use_kl_loss: bool = False

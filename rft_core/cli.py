@@ -17,7 +17,7 @@ from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
 from rft_core.checkpoint import latest_checkpoint
 from rft_core.distributed import zero_offloads_optimizer
 from rft_core.errors import ConfigError, Stopped, UserError
-from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES
+from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES, TIS_LEVELS
 
 
 def _field_docs(cls):
@@ -132,6 +132,7 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
         for flag, on, why in (
                 ("packing_samples", args.packing_samples, "sdpa would attend across the packed samples"),
                 ("use_gspo", args.use_gspo, "its sequence ratio needs every slice of a sequence"),
+                ("tis_level", args.tis_level != "token", "a sample's weight needs every slice of it"),
                 ("high_entropy_token_ratio", args.high_entropy_token_ratio, "its top tokens span the slices"),
                 ("pretrain_data", args.pretrain_data, "its padded text rows would lose their attention mask"),
                 ("reward_pretrain", args.reward_pretrain, "reward models would lose their attention mask"),
@@ -158,6 +159,7 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
     check(args.loss_agg_mode in LOSS_AGG_MODES,
           f"--loss_agg_mode {args.loss_agg_mode!r}: choose one of {LOSS_AGG_MODES}")
     check(args.tis_mode in ("truncate", "mask"), f"--tis_mode {args.tis_mode!r}: choose truncate or mask")
+    check(args.tis_level in TIS_LEVELS, f"--tis_level {args.tis_level!r}: choose one of {TIS_LEVELS}")
     check(args.partial_order in ("finish", "start"),
           f"--partial_order {args.partial_order!r}: choose finish or start")
     check(args.kl_estimator in KL_ESTIMATORS,
@@ -242,7 +244,7 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
          "--partial_rollout is off"),
         (args.partial_order != "start", ("inflight_ratio",),
          "--partial_order start holds --max_staleness + 1 steps' worth of groups"),
-        (args.tis_cap is not None or args.partial_rollout, ("tis_mode",), "--tis_cap is off"),
+        (args.tis_cap is not None or args.partial_rollout, ("tis_mode", "tis_level"), "--tis_cap is off"),
         (args.overlong_buffer_len > 0, ("overlong_penalty_factor",), "it scales the overlong penalty, but "
          "--overlong_buffer_len is 0"),
         (args.pretrain_data is not None, ("ptx_coef", "pretrain_key"),

@@ -20,6 +20,9 @@ from typing import Optional
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# the importance weight pi_old / pi_rollout: per token; per sample, the product of its tokens' ratios
+# (sequence) or their geometric mean (geometric)
+TIS_LEVELS = ("token", "sequence", "geometric")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -171,6 +174,7 @@ class LossSettings:
     use_cpg_loss: bool = False
     tis_cap: Optional[float] = None  # truncated importance sampling against the rollout engine's logprobs
     tis_mode: str = "truncate"  # or "mask": tokens whose weight exceeds the cap get none
+    tis_level: str = "token"  # or "sequence" / "geometric": one weight per sample (TIS_LEVELS)
     high_entropy_token_ratio: float = 0.0  # train the policy on this fraction of tokens (0: all)
     entropy_coef: float = 0.0
     policy_drift_coef: float = 0.0  # CPGD's KL(pi_old || pi) weight
@@ -190,9 +194,25 @@ class LossSettings:
         drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
         eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
         return cls(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
-                   args.use_cpg_loss or cpgd, tis_cap_of(args), args.tis_mode, args.high_entropy_token_ratio,
-                   args.entropy_coef, drift, args.use_kl_loss, kl_estimator=args.kl_estimator,
-                   max_len=args.generate_max_len, num_seqs=args.train_batch_size)
+                   args.use_cpg_loss or cpgd, tis_cap_of(args), args.tis_mode, args.tis_level,
+                   args.high_entropy_token_ratio, args.entropy_coef, drift, args.use_kl_loss,
+                   kl_estimator=args.kl_estimator, max_len=args.generate_max_len,
+                   num_seqs=args.train_batch_size)
+
+
+def tis_weights(old_logprobs, rollout_logprobs, mask, level="token"):
+    """The uncapped importance weights pi_old / pi_rollout (B, T). token: each token's own ratio. sequence:
+    every token of a sample gets the product of its tokens' ratios, the weight of the whole response, which
+    also corrects for the prefixes an older policy chose (token weights correct each token given its prefix
+    only). geometric: their geometric mean, exp of the mean log ratio (a per-token scale; verl's "geometric").
+    The log weight is clamped at 20."""
+    log_ratio = torch.where(mask.bool(), old_logprobs - rollout_logprobs, 0.0)  # (B, T)
+    if level != "token":
+        per_sample = log_ratio.sum(-1, keepdim=True)  # (B, 1)
+        if level == "geometric":
+            per_sample = per_sample / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = per_sample.expand_as(log_ratio)
+    return log_ratio.clamp(max=20.0).exp()
 
 
 def policy_token_counts(action_masks, ratio=0.0):
@@ -224,7 +244,7 @@ def actor_loss(logprobs, entropy, mb, s):
     # truncated at the cap, or masked above it
     is_weights = None
     if s.tis_cap:
-        raw = (old - mb.rollout_logprobs).clamp(max=20.0).exp()  # (B, T)
+        raw = tis_weights(old, mb.rollout_logprobs, mask, s.tis_level)  # (B, T)
         over = raw > s.tis_cap
         is_weights = raw.clamp(max=s.tis_cap) if s.tis_mode == "truncate" else raw * ~over
     ratio = s.high_entropy_token_ratio

@@ -1,5 +1,6 @@
 """Losses and KL estimators against naive loop-by-loop references on hand-sized tensors."""
 
+import dataclasses
 import math
 
 import pytest
@@ -376,6 +377,52 @@ def test_behaviour_weights_truncated_or_masked(mode):
     assert metrics["is_weight_max"].item() == pytest.approx(raw[mask].max().item(), rel=1e-6)
     assert metrics["is_capped_frac"].item() == pytest.approx((raw[mask] > 2.0).float().mean().item())
     assert 0 < metrics["is_capped_frac"].item() < 1
+
+
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_sample_level_behaviour_weights(level, mode):
+    """--tis_level sequence / geometric: every token of a sample gets one weight, the product of its response
+    tokens' ratios pi_old / pi_behaviour (or their geometric mean), padding left out; truncated or masked at
+    the cap as a whole; checked against a loop over samples and tokens."""
+    mb = _micro_batch(7)
+    shift = 1.2 * torch.rand(6, 5, generator=torch.Generator().manual_seed(8)) - 0.6  # log ratios
+    # padding holds a wild value that must not enter any weight
+    mb.rollout_logprobs = torch.where(mb.action_mask.bool(), mb.old_logprobs - shift, 5.0)
+    logprobs = mb.old_logprobs.clone().requires_grad_()
+    n = float(mb.action_mask.sum())
+    s = LossSettings(tis_cap=2.0, tis_mode=mode, tis_level=level, num_tokens=torch.tensor(n),
+                     num_pg_tokens=torch.tensor(n), num_seqs=6)
+    loss, metrics = actor_loss(logprobs, torch.zeros(6, 5), mb, s)
+    raw = torch.ones(6, 5)
+    for i in range(6):
+        logs = [float(mb.old_logprobs[i, t] - mb.rollout_logprobs[i, t])
+                for t in range(5) if mb.action_mask[i, t]]
+        raw[i] = math.exp(sum(logs) if level == "sequence" else sum(logs) / len(logs))
+    weights = raw.clamp(max=2.0) if mode == "truncate" else raw * (raw <= 2.0)
+    want, _ = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.action_mask, 0.2, "token-mean", n,
+                          is_weights=weights)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    mask = mb.action_mask.bool()
+    assert metrics["is_weight_max"].item() == pytest.approx(raw[mask].max().item(), rel=1e-5)
+    assert metrics["is_capped_frac"].item() == pytest.approx((raw[mask] > 2.0).float().mean().item())
+    if level == "sequence":  # samples of up to 5 tokens shifted by up to 0.6 each: some over the cap
+        assert 0 < metrics["is_capped_frac"].item() < 1
+    # the per-token weights differ from every one of these
+    token = dataclasses.replace(s, tis_level="token")
+    token_loss = actor_loss(logprobs, torch.zeros(6, 5), mb, token)[0]
+    assert token_loss.item() != pytest.approx(loss.item(), rel=1e-3)
+
+
+def test_both_scripts_pass_the_tis_flags_to_the_loss():
+    import train_ppo
+    import train_ppo_vl
+
+    for module in (train_ppo, train_ppo_vl):
+        args = module.Args(tis_cap=3.0, tis_mode="mask", tis_level="sequence")
+        args.train_batch_size = 8
+        s = LossSettings.from_args(args)
+        assert (s.tis_cap, s.tis_mode, s.tis_level) == (3.0, "mask", "sequence")
 
 
 def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logprobs():

@@ -74,6 +74,8 @@ def main_raises(monkeypatch, script, args, match):
      "--inflight_ratio 2.0: --partial_order start holds --max_staleness + 1 steps' worth of groups"),
     (["--tis_mode", "mask"], "--tis_mode mask: --tis_cap is off"),
     (["--tis_cap", "2", "--tis_mode", "clip"], "--tis_mode 'clip': choose truncate or mask"),
+    (["--tis_level", "sequence"], "--tis_level sequence: --tis_cap is off"),
+    (["--tis_cap", "2", "--tis_level", "seq"], "--tis_level 'seq': choose one of ('token', 'sequence', "),
     (["--eps_clip", "0.3", "--eps_clip_low_high", "0.2", "0.28"],
      "--eps_clip 0.3: --eps_clip_low_high replaces"),
     (["--dual_clip", "0.5"], "--dual_clip 0.5: must be > 1"),
@@ -651,6 +653,7 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
     check_args(args, 2, parallelism=config(dp_shard_size=2))
     check_args(args, 2, parallelism=None)
     for flag, value in (("packing_samples", True), ("use_gspo", True), ("high_entropy_token_ratio", 0.2),
+                        ("tis_level", "sequence"),
                         ("pretrain_data", "x.jsonl"), ("reward_pretrain", "rm"),
                         ("advantage_estimator", "gae")):
         for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):
