@@ -279,4 +279,10 @@ def actor_loss(logprobs, entropy, mb, s):
     has = known.any().float()
     metrics["logprob_diff_mean"] = (diff.sum(), known.sum())
     metrics["logprob_diff_max"] = (diff.max() * has, has)
+    # over whole responses, |log pi_rollout(y) - log pi_old(y)|: the log of a sample's weight (--tis_level
+    # sequence); not under sequence parallelism, whose rows hold slices
+    if mb.response_lens is None:
+        rows = known.any(-1)  # (B,): the engine returns a row's logprobs whole or not at all
+        gap = torch.where(known, mb.rollout_logprobs - old, 0.0).sum(-1).abs()  # (B,)
+        metrics["logprob_diff_seq_mean"] = ((gap * rows).sum(), rows.sum())
     return loss, metrics

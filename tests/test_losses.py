@@ -427,7 +427,8 @@ def test_both_scripts_pass_the_tis_flags_to_the_loss():
 
 def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logprobs():
     """Rows whose engine logprobs were not asked for (NaN) leave the logprob_diff metrics, the loss finite;
-    over micro-batches the mean is weighted by their known tokens; a micro-batch with none adds nothing."""
+    over micro-batches the mean is weighted by their known tokens (the per-sample gap's by their samples); a
+    micro-batch with none adds nothing."""
     from rft_core.metrics import Means
 
     mbs = [_micro_batch(seed) for seed in (3, 4, 5)]
@@ -435,7 +436,7 @@ def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logpro
     mbs[1].rollout_logprobs[:] = math.nan  # a micro-batch without any
     n = sum(float(mb.action_mask.sum()) for mb in mbs)
     s = LossSettings(num_tokens=torch.tensor(n), num_pg_tokens=torch.tensor(n), num_seqs=18)
-    stats, gaps, maxima = Means(), [], []
+    stats, gaps, maxima, sample_gaps = Means(), [], [], []
     for mb in mbs:
         logprobs = mb.old_logprobs.clone().requires_grad_()
         loss, m = actor_loss(logprobs, torch.zeros_like(logprobs), mb, s)
@@ -444,9 +445,14 @@ def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logpro
         known = mb.action_mask.bool() & ~mb.rollout_logprobs.isnan()
         gaps += (mb.rollout_logprobs - mb.old_logprobs).abs()[known].tolist()
         maxima += [max((mb.rollout_logprobs - mb.old_logprobs).abs()[known].tolist())] if known.any() else []
+        for i in range(len(mb)):  # a sample's gap: the sum over its tokens, then its size
+            if known[i].any():
+                sample_gaps.append(abs(sum((mb.rollout_logprobs[i] - mb.old_logprobs[i])[known[i]].tolist())))
     result = stats.result()
     assert result["logprob_diff_mean"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
     assert result["logprob_diff_max"] == pytest.approx(sum(maxima) / len(maxima), rel=1e-5)
+    assert len(sample_gaps) == 10  # 18 rows, 6 + 2 without engine logprobs
+    assert result["logprob_diff_seq_mean"] == pytest.approx(sum(sample_gaps) / len(sample_gaps), rel=1e-5)
     stats = Means()
     stats.add(actor_loss(mbs[1].old_logprobs.clone(), torch.zeros(6, 5), mbs[1], s)[1])
     assert "logprob_diff_mean" not in stats.result() and "policy_loss" in stats.result()
