@@ -51,12 +51,13 @@ import numpy as np
 BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
 
 
-def read_runs(folders, tag, sync="sync", partial_tag=None, partial_mode="partial"):
+def read_runs(folders, tag, sync="sync", partial_tag=None, partial_mode="partial", cut=False):
     """[(mode, seed, rows)] for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]PARTIAL_MODE-seedS in the
     folders (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights;
     PARTIAL_TAG: TAG unless given; PARTIAL_MODE: partial, or another arm compared with the synchronous one,
     e.g. sync_tis under bench_partial.py --engine_lag), read as "sync" and "partial"; rows: every line of the
-    run's metrics.jsonl."""
+    run's metrics.jsonl. cut: instead, the runs a device call's limit stopped (NAME-seedS.cut.metrics.jsonl,
+    the step metrics run_gpu_partial_pairs.sh keeps), for pairs()'s every-pair differences only."""
     partial_tag = tag if partial_tag is None else partial_tag
     names = {"sync": (re.escape(tag + "-") if tag else "") + sync,
              "partial": (re.escape(partial_tag + "-") if partial_tag else "") + partial_mode}
@@ -65,11 +66,12 @@ def read_runs(folders, tag, sync="sync", partial_tag=None, partial_mode="partial
     found = []
     for path in sorted(p for folder in folders for p in glob.glob(os.path.join(folder, "*.metrics.jsonl"))):
         for mode, name in names.items():  # (not partial-rR-seedS, nor a run kept under another name)
-            match = re.fullmatch(name + r"-seed(\d+)\.metrics\.jsonl", os.path.basename(path))
+            suffix = r"\.cut" if cut else ""
+            match = re.fullmatch(name + r"-seed(\d+)" + suffix + r"\.metrics\.jsonl", os.path.basename(path))
             if match:
                 with open(path) as f:
                     found.append((mode, int(match.group(1)), [json.loads(line) for line in f]))
-    if {mode for mode, _, _ in found} != {"sync", "partial"}:
+    if not cut and {mode for mode, _, _ in found} != {"sync", "partial"}:
         raise SystemExit(f"{' '.join(folders)}: needs {names['sync']}-seedS and {names['partial']}-seedS "
                          f"metrics files, found {sorted({mode for mode, _, _ in found})}")
     return found
@@ -195,17 +197,26 @@ def spread(diffs):
             "t": round(mean / se, 2) if se > 0 else None}
 
 
-def pairs(runs, skip, window=(11, 20)):
+def pairs(runs, skip, window=(11, 20), cut_runs=()):
     """Seed for seed, each partial run against the synchronous run of its seed (runs of one seed ran on the
     same machine, at the same time where bench/partial_pairs.py ran them): the speed-up in samples per second
     over the steps after `skip` (sums of step times, and the median step's), the trained reward's difference
     over the steps in `window`, and the held-out accuracy's difference at each evaluation and averaged over
     the evaluations after step 0, also against the synchronous run's at the same training time (seconds of
     steps, evaluations not counted; linear between its evaluations). Seeds without both arms, or whose arms
-    ran different numbers of steps, are listed and left out."""
-    by_seed = {}
+    ran different numbers of steps, are listed and left out; also the held-out accuracy's difference at each
+    evaluation over every seed whose two runs reached it, cut_runs (read_runs(cut=True)) included."""
+    by_seed, with_cut = {}, {}
     for mode, seed, rows in runs:
         by_seed.setdefault(seed, {})[mode] = rows
+    for mode, seed, rows in [*runs, *cut_runs]:
+        with_cut.setdefault(seed, {})[mode] = rows
+    reached = {}  # evaluation step: [partial - sync, one per seed whose two runs reached it]
+    for arms in (arms for arms in with_cut.values() if set(arms) == {"sync", "partial"}):
+        evals = {mode: {r["step"]: r["eval/accuracy"] for r in arm if "eval/accuracy" in r}
+                 for mode, arm in arms.items()}
+        for t in sorted(set(evals["sync"]) & set(evals["partial"])):
+            reached.setdefault(t, []).append(evals["partial"][t] - evals["sync"][t])
     rows, left_out = [], {}
     for seed, arms in sorted(by_seed.items()):
         if set(arms) != {"sync", "partial"}:
@@ -251,7 +262,9 @@ def pairs(runs, skip, window=(11, 20)):
         "reward_diff": spread([r["reward_diff"] for r in rows]),
         "eval_mean_diff": spread([r["eval_mean_diff"] for r in rows]),
         "eval_same_time_diff": spread([r["eval_same_time_diff"] for r in rows]),
-        "eval_diff_by_step": {t: spread([r["eval_diff"][t] for r in rows]) for t in common}}}
+        "eval_diff_by_step": {t: spread([r["eval_diff"][t] for r in rows]) for t in common},
+        "eval_diff_by_step_every_pair": {t: {"pairs": len(d), **spread(d)} for t, d in sorted(reached.items())
+                                         if t > 0}}}
 
 
 def main():
@@ -265,6 +278,9 @@ def main():
     parser.add_argument("--partial_mode", default="partial",
                         help="the compared arm's mode in its runs' names (sync_tis for an --engine_lag arm)")
     parser.add_argument("--trajectory", metavar="METRIC", help="a step metric's course in both arms")
+    parser.add_argument("--with_cut", action="store_true",
+                        help="--pairs: also NAME-seedS.cut.metrics.jsonl (runs a limit stopped), in "
+                             "eval_diff_by_step_every_pair only")
     parser.add_argument("--sync", default="sync", choices=["sync", "sync_tis"],
                         help="the synchronous arm: sync-seedS, or sync_tis-seedS (with --tis_cap 2)")
     parser.add_argument("--pairs", action="store_true",
@@ -274,7 +290,9 @@ def main():
     steps = by_arm(runs)
     out = {"cost": cost_model(steps, args.budget, args.skip), "optimizer": step_sizes(steps)}
     if args.pairs:
-        out["pairs"] = pairs(runs, args.skip)
+        cut = read_runs(args.results, args.tag, args.sync, args.partial_tag, args.partial_mode, cut=True) \
+            if args.with_cut else ()
+        out["pairs"] = pairs(runs, args.skip, cut_runs=cut)
     if args.trajectory:
         evals = args.trajectory.startswith("eval/")
         out["trajectory"] = trajectory(by_arm(runs, "eval/accuracy") if evals else steps, args.trajectory)

@@ -273,8 +273,8 @@ def test_pairs_stop_on_a_failed_warm_up_and_count_failed_runs(tmp_path):
 
 def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     """analyze_partial.pairs on hand-made runs: the speed-up, reward and held-out differences seed for seed,
-    the accuracy at the same training time (linear between the synchronous run's evaluations), and a seed
-    with one arm left out."""
+    the accuracy at the same training time (linear between the synchronous run's evaluations), a seed with
+    one arm left out, and a run a limit stopped counted only where it reached an evaluation."""
     sys.path.insert(0, ROOT)
     from bench import analyze_partial
 
@@ -306,6 +306,20 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     summary = out["summary"]
     assert summary["reward_diff"]["mean"] == 0.0 and math.isclose(summary["reward_diff"]["sd"], 0.1414)
     assert summary["eval_same_time_diff"]["mean"] == 0.075 and summary["eval_same_time_diff"]["se"] == 0.05
+    # seed 2's synchronous run stopped by a device call's limit after step 2: it enters the differences at the
+    # evaluations both runs reached, and nothing else
+    run(tmp_path / "t-sync_tis-seed2.cut.metrics.jsonl", 2.0, 0.5, [0.5, 0.6, 0.7])
+    with open(tmp_path / "t-sync_tis-seed2.cut.metrics.jsonl") as f:
+        kept = [line for line in f if json.loads(line)["step"] <= 2]
+    (tmp_path / "t-sync_tis-seed2.cut.metrics.jsonl").write_text("".join(kept))
+    cut = analyze_partial.read_runs([str(tmp_path)], "t", "sync_tis", cut=True)
+    assert [(mode, seed) for mode, seed, _ in cut] == [("sync", 2)]
+    assert analyze_partial.read_runs([str(tmp_path)], "t", "sync_tis") == runs
+    with_cut = analyze_partial.pairs(runs, skip=0, window=(1, 4), cut_runs=cut)
+    every = with_cut["summary"].pop("eval_diff_by_step_every_pair")
+    assert {t: (e["pairs"], e["mean"]) for t, e in every.items()} == {2: (3, -0.0333), 4: (2, 0.0)}
+    out["summary"].pop("eval_diff_by_step_every_pair")
+    assert with_cut == out
 
 
 def test_the_lagged_engine_samples_old_weights_and_evaluates_the_live_ones(tiny_model_dir, monkeypatch,
