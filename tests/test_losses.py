@@ -354,39 +354,17 @@ def test_policy_token_counts():
     assert policy_token_counts(masks, 0.2) == (8.0, 2.0)  # round(0.8) = 1 and round(0.8) = 1
 
 
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
-def test_behaviour_weights_truncated_or_masked(mode):
+def test_behaviour_weights_truncated_or_masked(level, mode):
     """Off-policy tokens (partial rollout: sampled by older weights) are weighted by pi_old / pi_behaviour:
-    truncated at the cap, or masked above it; the weights' mean, max and capped fraction are logged."""
-    mb = _micro_batch(0)
-    # weights e^-1.5..e^1.5
-    mb.rollout_logprobs = mb.old_logprobs - torch.linspace(-1.5, 1.5, 30).reshape(6, 5)
-    logprobs = mb.old_logprobs.clone().requires_grad_()
-    entropy = torch.zeros(6, 5)
-    n = float(mb.action_mask.sum())
-    s = LossSettings(tis_cap=2.0, tis_mode=mode, num_tokens=torch.tensor(n), num_pg_tokens=torch.tensor(n),
-                     num_seqs=6)
-    loss, metrics = actor_loss(logprobs, entropy, mb, s)
-    raw = (mb.old_logprobs - mb.rollout_logprobs).exp()
-    weights = raw.clamp(max=2.0) if mode == "truncate" else raw * (raw <= 2.0)
-    want, _ = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.action_mask, 0.2, "token-mean", n,
-                          is_weights=weights)
-    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
-    mask = mb.action_mask.bool()
-    assert metrics["is_weight_mean"].item() == pytest.approx(raw[mask].mean().item(), rel=1e-6)
-    assert metrics["is_weight_max"].item() == pytest.approx(raw[mask].max().item(), rel=1e-6)
-    assert metrics["is_capped_frac"].item() == pytest.approx((raw[mask] > 2.0).float().mean().item())
-    assert 0 < metrics["is_capped_frac"].item() < 1
-
-
-@pytest.mark.parametrize("level", ["sequence", "geometric"])
-@pytest.mark.parametrize("mode", ["truncate", "mask"])
-def test_sample_level_behaviour_weights(level, mode):
-    """--tis_level sequence / geometric: every token of a sample gets one weight, the product of its response
-    tokens' ratios pi_old / pi_behaviour (or their geometric mean), padding left out; truncated or masked at
-    the cap as a whole; checked against a loop over samples and tokens."""
+    truncated at the cap, or masked above it; the weights' mean, max and capped fraction are logged. Per token
+    (--tis_level token), or one weight for every token of a sample: the product of its response tokens'
+    ratios (sequence) or their geometric mean, padding left out; checked against a loop over the tokens."""
     mb = _micro_batch(7)
-    shift = 1.2 * torch.rand(6, 5, generator=torch.Generator().manual_seed(8)) - 0.6  # log ratios
+    # log ratios: a spread within each sample around its own level (some samples' geometric mean over the cap)
+    level_of = torch.tensor([[-0.5], [1.0], [0.0], [0.3], [1.2], [-1.0]])
+    shift = level_of + 3.0 * torch.rand(6, 5, generator=torch.Generator().manual_seed(8)) - 1.5
     # padding holds a wild value that must not enter any weight
     mb.rollout_logprobs = torch.where(mb.action_mask.bool(), mb.old_logprobs - shift, 5.0)
     logprobs = mb.old_logprobs.clone().requires_grad_()
@@ -396,22 +374,24 @@ def test_sample_level_behaviour_weights(level, mode):
     loss, metrics = actor_loss(logprobs, torch.zeros(6, 5), mb, s)
     raw = torch.ones(6, 5)
     for i in range(6):
-        logs = [float(mb.old_logprobs[i, t] - mb.rollout_logprobs[i, t])
-                for t in range(5) if mb.action_mask[i, t]]
-        raw[i] = math.exp(sum(logs) if level == "sequence" else sum(logs) / len(logs))
+        logs = [float(mb.old_logprobs[i, t] - mb.rollout_logprobs[i, t]) if mb.action_mask[i, t] else None
+                for t in range(5)]
+        kept = [x for x in logs if x is not None]
+        for t, x in enumerate(logs):
+            raw[i, t] = math.exp({"token": x if x is not None else 0.0, "sequence": sum(kept),
+                                  "geometric": sum(kept) / len(kept)}[level])
     weights = raw.clamp(max=2.0) if mode == "truncate" else raw * (raw <= 2.0)
     want, _ = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.action_mask, 0.2, "token-mean", n,
                           is_weights=weights)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     mask = mb.action_mask.bool()
+    assert metrics["is_weight_mean"].item() == pytest.approx(raw[mask].mean().item(), rel=1e-5)
     assert metrics["is_weight_max"].item() == pytest.approx(raw[mask].max().item(), rel=1e-5)
     assert metrics["is_capped_frac"].item() == pytest.approx((raw[mask] > 2.0).float().mean().item())
-    if level == "sequence":  # samples of up to 5 tokens shifted by up to 0.6 each: some over the cap
-        assert 0 < metrics["is_capped_frac"].item() < 1
-    # the per-token weights differ from every one of these
-    token = dataclasses.replace(s, tis_level="token")
-    token_loss = actor_loss(logprobs, torch.zeros(6, 5), mb, token)[0]
-    assert token_loss.item() != pytest.approx(loss.item(), rel=1e-3)
+    assert 0 < metrics["is_capped_frac"].item() < 1
+    if level != "token":  # not the per-token weights
+        token_loss = actor_loss(logprobs, torch.zeros(6, 5), mb, dataclasses.replace(s, tis_level="token"))[0]
+        assert token_loss.item() != pytest.approx(loss.item(), rel=1e-3)
 
 
 def test_both_scripts_pass_the_tis_flags_to_the_loss():
