@@ -13,6 +13,9 @@ per run in $OUT/partial.jsonl, a log and the step metrics per run.
         --arm_flags "--loss_agg_mode seq-mean-token-sum-norm"
     python bench/partial_pairs.py --gpus 2 --dry_run ...      # print the rounds, run nothing
 
+With --time_limit (the device call's limit, which run_gpu_partial_pairs.sh passes), a round that the
+longest round so far says would not finish in time is not started: its seeds are named at the end (exit 1).
+
 Flags after -- go to every run (and the warm-up); each --arm's go to that arm's runs only.
 """
 
@@ -75,6 +78,10 @@ def main():
     parser.add_argument("--gpus", type=int, help="default: the machine's (nvidia-smi -L)")
     parser.add_argument("--cache_root", default="/tmp/rft_pair_cache")
     parser.add_argument("--dry_run", action="store_true")
+    parser.add_argument("--time_limit", type=float,
+                        help="seconds this call may run (run_gpu_partial_pairs.sh passes its LIMIT): a round "
+                             "is not started when the longest one so far would not fit in what is left")
+    started = time.time()
     args, common = parser.parse_known_args()
     common = [x for x in common if x != "--"]
     listed = (subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
@@ -90,15 +97,27 @@ def main():
         if bench(["--seeds", str(seed), *shlex.split(arm), *common], gpu, args.cache_root, args.dry_run):
             failed.append(f"seed {seed} [{arm}]")
 
+    longest, skipped = 0.0, {}  # skipped: the seeds of the rounds not started, in order
     for i, batch in enumerate(rounds(args.seeds, args.arm, gpus)):
+        left = args.time_limit - (time.time() - started) if args.time_limit else float("inf")
+        if longest > left:  # the limit would stop it: the device time is kept, not spent on cut runs
+            skipped.update(dict.fromkeys(seed for _, seed, _ in batch))
+            continue
         say(f"round {i}: {len(batch)} runs")
+        round_start = time.time()
         threads = [threading.Thread(target=one, args=run) for run in batch]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    if failed:
-        raise SystemExit(f"{len(failed)} runs failed (their lines above): {'; '.join(failed)}")
+        longest = max(longest, time.time() - round_start)
+    problems = [f"{len(failed)} runs failed (their lines above): {'; '.join(failed)}"] if failed else []
+    if skipped:
+        seeds = " ".join(map(str, skipped))
+        problems.append(f"seeds {seeds} not started: a round took {longest:.1f} s, more than was left of "
+                        f"--time_limit {args.time_limit:g} s")
+    if problems:
+        raise SystemExit("; ".join(problems))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ OUT=${OUT:-/tmp/rft_out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 . bench/need_vllm.sh
 RES=/tmp/rft_pairs_out; rm -rf "$RES"; mkdir -p "$RES"; touch "$RES/.start"
-# stopped before the device call's own limit, so what ran comes back
-OUT=$RES timeout "${LIMIT:-540}" python bench/partial_pairs.py "$@" 2>&1 | tee "$OUT/partial_pairs.log"
+# stopped before the device call's own limit, so what ran comes back; rounds that would not fit are not started
+OUT=$RES timeout "${LIMIT:-540}" python bench/partial_pairs.py --time_limit "${LIMIT:-540}" "$@" 2>&1 \
+  | tee "$OUT/partial_pairs.log"
 cp "$RES/partial.jsonl" "$OUT/" 2>/dev/null
 # the step metrics of this call's runs that the limit stopped (no summary line)
 for f in $(find /tmp/rft_partial/runs -name metrics.jsonl -newer "$RES/.start" 2>/dev/null); do

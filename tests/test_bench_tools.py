@@ -6,6 +6,9 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -269,6 +272,34 @@ def test_pairs_stop_on_a_failed_warm_up_and_count_failed_runs(tmp_path):
     runs = pairs("--gpus", "2", "--arm", "--tag t --modes sync", "--arm", "--tag u --modes sync")
     assert runs.returncode == 1 and runs.stdout.count("1 of 1 runs failed") == 2
     assert "2 runs failed" in runs.stderr
+
+
+def test_pairs_start_no_round_the_time_limit_would_cut(monkeypatch, capsys):
+    """partial_pairs.py --time_limit: once a round has taken longer than the time left, no further round
+    starts (the device call's limit would stop its runs part way, spending the device time for nothing); the
+    seeds not started are named at the end, with exit 1."""
+    sys.path.insert(0, ROOT)
+    from bench import partial_pairs
+
+    started = []
+
+    def bench(flags, gpu, cache_root, dry_run):  # every run takes 0.5 s
+        started.append(int(flags[flags.index("--seeds") + 1]))
+        time.sleep(0.5)
+        return 0
+
+    monkeypatch.setattr(partial_pairs, "bench", bench)
+    monkeypatch.setattr(sys, "argv", ["partial_pairs.py", "--gpus", "2", "--seeds", "0", "1", "2", "3",
+                                      "--arm", "--tag a", "--arm", "--tag b", "--time_limit", "1.3"])
+    with pytest.raises(SystemExit, match=r"seeds 2 3 not started: a round took 0\.\d s, more than was left "
+                                         r"of --time_limit 1.3 s"):
+        partial_pairs.main()
+    assert started == [0, 0, 1, 1]  # rounds of one seed: at 0.5 s 0.8 s were left, at 1.0 s 0.3 s
+    assert "round 1: 2 runs" in capsys.readouterr().out
+    started.clear()
+    monkeypatch.setattr(sys, "argv", sys.argv[:-2])  # no limit: every round
+    partial_pairs.main()
+    assert started == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
