@@ -6,7 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+import types
 
 import pytest
 
@@ -281,17 +281,19 @@ def test_pairs_start_no_round_the_time_limit_would_cut(monkeypatch, capsys):
     sys.path.insert(0, ROOT)
     from bench import partial_pairs
 
-    started = []
+    started, clock = [], [100.0]
 
-    def bench(flags, gpu, cache_root, dry_run):  # every run takes 0.5 s
+    def bench(flags, gpu, cache_root, dry_run):  # every round takes 0.5 s of a fake clock
         started.append(int(flags[flags.index("--seeds") + 1]))
-        time.sleep(0.5)
+        if gpu == 0:
+            clock[0] += 0.5
         return 0
 
     monkeypatch.setattr(partial_pairs, "bench", bench)
+    monkeypatch.setattr(partial_pairs, "time", types.SimpleNamespace(time=lambda: clock[0]))
     monkeypatch.setattr(sys, "argv", ["partial_pairs.py", "--gpus", "2", "--seeds", "0", "1", "2", "3",
                                       "--arm", "--tag a", "--arm", "--tag b", "--time_limit", "1.3"])
-    with pytest.raises(SystemExit, match=r"seeds 2 3 not started: a round took 0\.\d s, more than was left "
+    with pytest.raises(SystemExit, match=r"seeds 2 3 not started: a round took 0\.5 s, more than was left "
                                          r"of --time_limit 1.3 s"):
         partial_pairs.main()
     assert started == [0, 0, 1, 1]  # rounds of one seed: at 0.5 s 0.8 s were left, at 1.0 s 0.3 s
