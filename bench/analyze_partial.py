@@ -209,12 +209,14 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
     by_seed, with_cut = {}, {}
     for mode, seed, rows in runs:
         by_seed.setdefault(seed, {})[mode] = rows
-    for mode, seed, rows in [*runs, *cut_runs]:
+    for mode, seed, rows in [*cut_runs, *runs]:  # a whole run over a cut one of its name
         with_cut.setdefault(seed, {})[mode] = rows
+    # seed: mode: {step: held-out accuracy}, for the seeds with both arms, cut or whole
+    evals_of = {seed: {mode: {r["step"]: r["eval/accuracy"] for r in arm if "eval/accuracy" in r}
+                       for mode, arm in arms.items()}
+                for seed, arms in with_cut.items() if set(arms) == {"sync", "partial"}}
     reached = {}  # evaluation step: [partial - sync, one per seed whose two runs reached it]
-    for arms in (arms for arms in with_cut.values() if set(arms) == {"sync", "partial"}):
-        evals = {mode: {r["step"]: r["eval/accuracy"] for r in arm if "eval/accuracy" in r}
-                 for mode, arm in arms.items()}
+    for evals in evals_of.values():
         for t in sorted(set(evals["sync"]) & set(evals["partial"])):
             reached.setdefault(t, []).append(evals["partial"][t] - evals["sync"][t])
     rows, left_out = [], {}
@@ -229,8 +231,7 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
         times = {mode: [r["perf/step_time_s"] for r in arm[skip:]] for mode, arm in steps.items()}
         reward = {mode: statistics.mean(r["rollout/reward_mean"] for r in arm[window[0] - 1:window[1]])
                   for mode, arm in steps.items()}
-        evals = {mode: {r["step"]: r["eval/accuracy"] for r in arm if "eval/accuracy" in r}
-                 for mode, arm in arms.items()}
+        evals = evals_of[seed]
         at = sorted(set(evals["sync"]) & set(evals["partial"]))
         # wall-clock: the seconds of training steps (generation included, evaluations not) up to each step
         clock = {mode: np.cumsum([0.0] + [r["perf/step_time_s"] for r in arm]) for mode, arm in steps.items()}

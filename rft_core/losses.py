@@ -275,7 +275,8 @@ def actor_loss(logprobs, entropy, mb, s):
     # engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
     # pairs, which Means weighs over the micro-batches (one may hold none)
     known = mb.rollout_known()  # (B, T)
-    diff = torch.where(known, (mb.rollout_logprobs - old).abs(), 0.0)  # (B, T)
+    gap = torch.where(known, mb.rollout_logprobs - old, 0.0)  # (B, T)
+    diff = gap.abs()  # (B, T)
     has = known.any().float()
     metrics["logprob_diff_mean"] = (diff.sum(), known.sum())
     metrics["logprob_diff_max"] = (diff.max() * has, has)
@@ -283,6 +284,5 @@ def actor_loss(logprobs, entropy, mb, s):
     # sequence); not under sequence parallelism, whose rows hold slices
     if mb.response_lens is None:
         rows = known.any(-1)  # (B,): the engine returns a row's logprobs whole or not at all
-        gap = torch.where(known, mb.rollout_logprobs - old, 0.0).sum(-1).abs()  # (B,)
-        metrics["logprob_diff_seq_mean"] = ((gap * rows).sum(), rows.sum())
+        metrics["logprob_diff_seq_mean"] = ((gap.sum(-1).abs() * rows).sum(), rows.sum())
     return loss, metrics
