@@ -404,3 +404,27 @@ def test_the_lagged_engine_samples_old_weights_and_evaluates_the_live_ones(tiny_
     assert rows[1][0] == {**rows[0][0], **{k: v for k, v in rows[1][0].items() if k.startswith("perf/")}}
     assert all(r["rollout/logprob_diff_mean"] < 1e-5 for r in rows[0])  # (1e-7: padding's rounding)
     assert all(r["rollout/logprob_diff_mean"] > 1e-3 for r in rows[1][1:])
+
+
+def test_a_detached_job_outlives_the_call_that_started_it(tmp_path):
+    """bench/detach.sh: the job runs in a copy of the tree with OUT set to its folder, goes on after the
+    starting shell has returned, and each `wait` stops at its limit or at the job's end and copies what the
+    job has written (its folder's files, a tar of each path named) to the call's $OUT."""
+    job, out = tmp_path / "job", tmp_path / "out"
+    out.mkdir()
+    detach = os.path.join(ROOT, "bench", "detach.sh")
+
+    def run(*args):
+        return subprocess.run(["bash", detach, *map(str, args)], capture_output=True, text=True,
+                              env={**os.environ, "OUT": str(out)}, timeout=60)
+
+    script = "test -f bench/detach.sh && mkdir part && touch part/a && sleep 4 && echo $PWD > $OUT/where"
+    started = run("start", job, "--", "bash", "-c", script)
+    assert started.returncode == 0, started.stdout + started.stderr
+    first = run("wait", job, 1, job / "repo" / "part")
+    assert "still running" in first.stdout and not (out / "where").exists()
+    last = run("wait", job, 30, job / "repo" / "part")
+    assert "ended" in last.stdout
+    assert (out / "where").read_text().strip() == str(job / "repo") and (out / "part.tgz").exists()
+    assert run("start", tmp_path / "other").returncode == 2  # no command: one line, nothing started
+    assert not (tmp_path / "other").exists()
