@@ -18,6 +18,11 @@ case $what in
   start)
     [ "${3:-}" = "--" ] && [ $# -ge 4 ] || { echo "detach.sh start DIR -- CMD: the command is missing"; exit 2; }
     shift 3
+    # DIR is emptied: only an absolute path that is new or an earlier job's (never the tree or a folder of it)
+    case $dir in /*) ;; *) echo "detach.sh start: DIR must be an absolute path, not '$dir'"; exit 2;; esac
+    if [ -e "$dir" ] && [ ! -f "$dir/job.pid" ]; then
+      echo "detach.sh start: $dir exists and is not an earlier job's folder (no job.pid): name a new one"; exit 2
+    fi
     rm -rf "$dir" && mkdir -p "$dir/repo" || exit 1
     tar --exclude=./.gpu --exclude='./.gpu-*' -cf - . | tar -C "$dir/repo" -xf - || exit 1
     (cd "$dir/repo" && OUT="$dir" exec setsid nohup "$@" > "$dir/job.log" 2>&1 < /dev/null) &

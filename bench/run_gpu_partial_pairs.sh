@@ -10,7 +10,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLL
 . bench/need_vllm.sh
 RES=/tmp/rft_pairs_out; rm -rf "$RES"; mkdir -p "$RES"; touch "$RES/.start"
 # stopped before the device call's own limit, so what ran comes back; rounds that would not fit are not started
-OUT=$RES timeout "${LIMIT:-540}" python bench/partial_pairs.py --time_limit "${LIMIT:-540}" "$@" 2>&1 \
+LIMIT=${LIMIT:-540}
+OUT=$RES timeout "$LIMIT" python bench/partial_pairs.py --time_limit "$LIMIT" "$@" 2>&1 \
   | tee "$OUT/partial_pairs.log"
 cp "$RES/partial.jsonl" "$OUT/" 2>/dev/null
 # the step metrics of this call's runs that the limit stopped (no summary line)

@@ -428,3 +428,6 @@ def test_a_detached_job_outlives_the_call_that_started_it(tmp_path):
     assert (out / "where").read_text().strip() == str(job / "repo") and (out / "part.tgz").exists()
     assert run("start", tmp_path / "other").returncode == 2  # no command: one line, nothing started
     assert not (tmp_path / "other").exists()
+    (tmp_path / "mine").mkdir()  # a folder no job made is not emptied, nor a relative path used
+    assert run("start", tmp_path / "mine", "--", "true").returncode == 2 and (tmp_path / "mine").exists()
+    assert run("start", "job", "--", "true").returncode == 2
