@@ -39,9 +39,9 @@ its prompt re-queued: counted). So groups train in the order they finish, a long
 --partial_order start a step trains the k groups drawn first, K steps after they started, whatever their
 length: a pure delay of K versions (the budget defaults to generate_max_len / (K + 1): one round a step).
 Off-policy correction as AReaL's decoupled PPO: the ratio is against the trainer's logprobs before the
-update (the proximal policy), and each token is weighted by pi_old / pi_behaviour, truncated at --tis_cap
-(2 by default here) or masked (--tis_mode mask). Unlike k1.5 no sample is re-tokenized (its token ids
-continue); unlike AReaL rollout and training alternate on the same GPUs. rft_core/rollout.py.
+update (the proximal policy), and tokens are weighted by pi_old / pi_behaviour, here by default their whole
+sample's (--tis_level sequence), truncated at --tis_cap (2) or masked (--tis_mode mask). Unlike k1.5 no
+sample is re-tokenized; unlike AReaL rollout and training alternate on the same GPUs. rft_core/rollout.py.
 """
 
 import math
@@ -158,8 +158,9 @@ class Args:
     with --partial_rollout: 2, AReaL's decoupled objective against the policy that sampled each token)"""
     tis_mode: str = "truncate"
     """truncate (min(w, cap)) | mask (a token whose weight exceeds the cap gets none)"""
-    tis_level: str = "token"
-    """token | sequence (each token gets its sample's product of ratios) | geometric (their geometric mean)"""
+    tis_level: Optional[str] = None
+    """token | sequence (each token gets its sample's product of ratios) | geometric (their geometric mean)
+    (default: sequence with --partial_rollout, measured best there; else token)"""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     use_kl_loss: bool = False
@@ -383,7 +384,6 @@ def main():
     # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
     one_update = args.max_epochs == 1 and args.train_batch_size == samples_per_step
     reuse_old_logprobs = one_update and not kl_in_reward
-    loss_settings = LossSettings.from_args(args)
 
     configure_deepspeed(accelerator, rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
@@ -414,6 +414,7 @@ def main():
         return end_run(accelerator)
 
     sp = SequenceParallel.from_accelerator(accelerator, model)  # None without SP or CP
+    loss_settings = LossSettings.from_args(args, sample_sum=sp.sum if sp else None)
     # what one optimizer step updates, by the name its gradient norm is logged under
     actor_optim = adamw_with_warmup(model, args.actor_learning_rate, warmup)
     model, optimizer, scheduler = accelerator.prepare(model, *actor_optim)

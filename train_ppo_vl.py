@@ -144,8 +144,9 @@ class Args:
     with --partial_rollout: 2, AReaL's decoupled objective against the policy that sampled each token)"""
     tis_mode: str = "truncate"
     """truncate (min(w, cap)) | mask (a token whose weight exceeds the cap gets none)"""
-    tis_level: str = "token"
-    """token | sequence (each token gets its sample's product of ratios) | geometric (their geometric mean)"""
+    tis_level: Optional[str] = None
+    """token | sequence (each token gets its sample's product of ratios) | geometric (their geometric mean)
+    (default: sequence with --partial_rollout, measured best there; else token)"""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     use_kl_loss: bool = False
@@ -373,7 +374,6 @@ def main():
     # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
     one_update = args.max_epochs == 1 and args.train_batch_size == samples_per_step
     reuse_old_logprobs = one_update and not kl_in_reward
-    loss_settings = LossSettings.from_args(args)
 
     configure_deepspeed(accelerator, rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
@@ -404,6 +404,7 @@ def main():
         return end_run(accelerator)
 
     sp = SequenceParallel.from_accelerator(accelerator, model)  # None without SP or CP
+    loss_settings = LossSettings.from_args(args, sample_sum=sp.sum if sp else None)
     # what one optimizer step updates, by the name its gradient norm is logged under
     actor_optim = adamw_with_warmup(model, args.actor_learning_rate, warmup)
     model, optimizer, scheduler = accelerator.prepare(model, *actor_optim)

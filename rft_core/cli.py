@@ -132,7 +132,6 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
         for flag, on, why in (
                 ("packing_samples", args.packing_samples, "sdpa would attend across the packed samples"),
                 ("use_gspo", args.use_gspo, "its sequence ratio needs every slice of a sequence"),
-                ("tis_level", args.tis_level != "token", "a sample's weight needs every slice of it"),
                 ("high_entropy_token_ratio", args.high_entropy_token_ratio, "its top tokens span the slices"),
                 ("pretrain_data", args.pretrain_data, "its padded text rows would lose their attention mask"),
                 ("reward_pretrain", args.reward_pretrain, "reward models would lose their attention mask"),
@@ -159,7 +158,8 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
     check(args.loss_agg_mode in LOSS_AGG_MODES,
           f"--loss_agg_mode {args.loss_agg_mode!r}: choose one of {LOSS_AGG_MODES}")
     check(args.tis_mode in ("truncate", "mask"), f"--tis_mode {args.tis_mode!r}: choose truncate or mask")
-    check(args.tis_level in TIS_LEVELS, f"--tis_level {args.tis_level!r}: choose one of {TIS_LEVELS}")
+    check(args.tis_level in (None, *TIS_LEVELS),
+          f"--tis_level {args.tis_level!r}: choose one of {TIS_LEVELS}")
     check(args.partial_order in ("finish", "start"),
           f"--partial_order {args.partial_order!r}: choose finish or start")
     check(args.kl_estimator in KL_ESTIMATORS,

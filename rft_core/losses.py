@@ -15,7 +15,7 @@ totals over every micro-batch and data-parallel rank, so the per-micro-batch val
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,12 +32,25 @@ def tis_cap_of(args):
     return 2.0 if args.tis_cap is None and args.partial_rollout else args.tis_cap
 
 
+def tis_level_of(args):
+    """The TIS level the scripts' flags ask for: --tis_level, or by default "sequence" under partial
+    rollout (no late lag in six GPU seed pairs; per-token weights left one: README), else "token"."""
+    return args.tis_level or ("sequence" if args.partial_rollout else "token")
+
+
 def masked_mean(x, mask, dim=None):
     """Mean of x over positions where mask is 1 (all of them if dim is None)."""
     mask = mask.to(x.dtype)
     if dim is None:
         return (x * mask).sum() / mask.sum().clamp(min=1)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def token_mean(x, mask):
+    """A metric's (sum, count) over the tokens where mask is 1: Means weighs it by its tokens, so a
+    micro-batch (or, under sequence parallelism, a rank's slice) without tokens adds nothing, not a 0."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum(), mask.sum()
 
 
 def aggregate_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None, max_len=None,
@@ -127,8 +140,8 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.
     loss = aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len, seq_lens)
     with torch.no_grad():
         metrics = {
-            "clip_frac": masked_mean((surr2 < surr1).float(), action_mask),
-            "ppo_kl": masked_mean(-(logprobs - old_logprobs), action_mask),
+            "clip_frac": token_mean((surr2 < surr1).float(), action_mask),
+            "ppo_kl": token_mean(-(logprobs - old_logprobs), action_mask),
         }
     return loss, metrics
 
@@ -186,32 +199,39 @@ class LossSettings:
     num_tokens: Optional[torch.Tensor] = None  # response tokens in the optimizer step, over all ranks
     num_pg_tokens: Optional[torch.Tensor] = None  # those the policy loss keeps (high_entropy_token_ratio)
     micro_batches_per_step: int = 1  # over all ranks: the logged loss is this micro-batch's share times this
+    sample_sum: Optional[Callable] = None  # SP / CP: sums (B, k) per-row values over a row's slices
 
     @classmethod
-    def from_args(cls, args):
-        """The loss flags of the training scripts (train_batch_size already resolved); cpgd's defaults."""
+    def from_args(cls, args, sample_sum=None):
+        """The loss flags of the training scripts (train_batch_size already resolved); cpgd's defaults.
+        sample_sum: with sequence or context parallelism, SequenceParallel.sum (a sample's weight needs every
+        slice of it)."""
         cpgd = args.advantage_estimator == "cpgd"
         drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
         eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
         return cls(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
-                   args.use_cpg_loss or cpgd, tis_cap_of(args), args.tis_mode, args.tis_level,
+                   args.use_cpg_loss or cpgd, tis_cap_of(args), args.tis_mode, tis_level_of(args),
                    args.high_entropy_token_ratio, args.entropy_coef, drift, args.use_kl_loss,
                    kl_estimator=args.kl_estimator, max_len=args.generate_max_len,
-                   num_seqs=args.train_batch_size)
+                   num_seqs=args.train_batch_size, sample_sum=sample_sum)
 
 
-def tis_weights(old_logprobs, rollout_logprobs, mask, level="token"):
+def tis_weights(old_logprobs, rollout_logprobs, mask, level="token", sample_sum=None):
     """The uncapped importance weights pi_old / pi_rollout (B, T). token: each token's own ratio. sequence:
     every token of a sample gets the product of its tokens' ratios, the weight of the whole response, which
     also corrects for the prefixes an older policy chose (token weights correct each token given its prefix
     only). geometric: their geometric mean, exp of the mean log ratio (a per-token scale; verl's "geometric").
-    The log weight is clamped at 20."""
+    sample_sum: where each rank holds a slice of every row (sequence / context parallelism; mask its tokens),
+    sums (B, 2) over the slices. The log weight is clamped at 20."""
     log_ratio = torch.where(mask.bool(), old_logprobs - rollout_logprobs, 0.0)  # (B, T)
     if level != "token":
-        per_sample = log_ratio.sum(-1, keepdim=True)  # (B, 1)
+        per_sample = torch.stack([log_ratio.sum(-1), mask.sum(-1).to(log_ratio.dtype)], -1)  # (B, 2)
+        if sample_sum is not None:
+            per_sample = sample_sum(per_sample)  # the whole responses' sums and lengths
+        log_weight = per_sample[:, :1]  # (B, 1)
         if level == "geometric":
-            per_sample = per_sample / mask.sum(-1, keepdim=True).clamp(min=1)
-        log_ratio = per_sample.expand_as(log_ratio)
+            log_weight = log_weight / per_sample[:, 1:].clamp(min=1)
+        log_ratio = log_weight.expand_as(log_ratio)
     return log_ratio.clamp(max=20.0).exp()
 
 
@@ -244,7 +264,7 @@ def actor_loss(logprobs, entropy, mb, s):
     # truncated at the cap, or masked above it
     is_weights = None
     if s.tis_cap:
-        raw = tis_weights(old, mb.rollout_logprobs, mask, s.tis_level)  # (B, T)
+        raw = tis_weights(old, mb.rollout_logprobs, mask, s.tis_level, s.sample_sum)  # (B, T)
         over = raw > s.tis_cap
         is_weights = raw.clamp(max=s.tis_cap) if s.tis_mode == "truncate" else raw * ~over
     ratio = s.high_entropy_token_ratio
@@ -262,16 +282,17 @@ def actor_loss(logprobs, entropy, mb, s):
     if s.use_kl_loss:
         kl = kl_estimate(logprobs, mb.ref_logprobs, s.kl_estimator)  # (B, T)
         loss = loss + s.kl_coef * aggregate_loss(kl, mask, s.loss_agg_mode, **agg)
-        metrics["kl"] = masked_mean(kl, mask).detach()
+        metrics["kl"] = token_mean(kl.detach(), mask)
     # the mean of these over micro-batches and ranks is the step's policy loss
     metrics["policy_loss"] = pg_loss.detach() * s.micro_batches_per_step
-    metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    metrics["entropy"] = token_mean(entropy.detach(), mask)
     if ratio:
-        metrics["pg_token_frac"] = pg_mask.sum() / mask.sum().clamp(min=1)
+        metrics["pg_token_frac"] = token_mean(pg_mask.float(), mask)
     if s.tis_cap:
-        metrics["is_weight_mean"] = masked_mean(raw, mask)
-        metrics["is_weight_max"] = (raw * mask).max()
-        metrics["is_capped_frac"] = masked_mean(over.float(), mask)
+        has = mask.any().float()
+        metrics["is_weight_mean"] = token_mean(raw, mask)
+        metrics["is_weight_max"] = ((raw * mask).max() * has, has)
+        metrics["is_capped_frac"] = token_mean(over.float(), mask)
     # engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
     # pairs, which Means weighs over the micro-batches (one may hold none)
     known = mb.rollout_known()  # (B, T)
@@ -281,8 +302,9 @@ def actor_loss(logprobs, entropy, mb, s):
     metrics["logprob_diff_mean"] = (diff.sum(), known.sum())
     metrics["logprob_diff_max"] = (diff.max() * has, has)
     # over whole responses, |log pi_rollout(y) - log pi_old(y)|: the log of a sample's weight (--tis_level
-    # sequence); not under sequence parallelism, whose rows hold slices
-    if mb.response_lens is None:
-        rows = known.any(-1)  # (B,): the engine returns a row's logprobs whole or not at all
-        metrics["logprob_diff_seq_mean"] = ((gap.sum(-1).abs() * rows).sum(), rows.sum())
+    # sequence); under sequence / context parallelism summed over the row's slices
+    sums = torch.stack([gap.sum(-1), known.sum(-1).to(gap.dtype)], -1)  # (B, 2)
+    sums = s.sample_sum(sums) if s.sample_sum is not None else sums
+    rows = sums[:, 1] > 0  # (B,): the engine returns a row's logprobs whole or not at all
+    metrics["logprob_diff_seq_mean"] = ((sums[:, 0].abs() * rows).sum(), rows.sum())
     return loss, metrics

@@ -4,7 +4,7 @@ that both take the batch) or fsdp2_cp2.yaml (two GPUs): the same batch through t
 process (SP 1) and through Ulysses SP 2 under ZeRO-3 or context parallelism 2 under FSDP2, as the training
 scripts do it. Writes OUT_DIR/rank<r>.json per rank: the largest differences of the logprobs
 (batched_logprobs, summed over the group), of the loss (summed over the ranks) and of every parameter's
-gradient, per loss aggregation mode.
+gradient, per loss aggregation mode (and TIS level: a sample's weight summed over its slices).
 (Context parallelism needs CUDA: Accelerate runs FSDP on GPUs only and torch's ring attention has no CPU
 kernel; tests/cp_layout_worker.py checks its layout on CPU.)
 
@@ -51,14 +51,18 @@ exp.ref_logprobs = (want_logprobs + 0.1 * torch.randn(3, T)) * action_mask
 
 
 def loss_of(model, mb, mode, num_tokens, sp=None, groups=1):
-    """groups: data-parallel groups, each with this same batch (its sequences count once per group)."""
+    """groups: data-parallel groups, each with this same batch (its sequences count once per group). mode:
+    the loss aggregation, and after a "+" the TIS level (default token)."""
     logprobs, entropy = micro_batch_logprobs(model, mb, 1.0, "grad", chunk_size, sp=sp)
-    settings = LossSettings(loss_agg_mode=mode, entropy_coef=0.01, use_kl_loss=True, kl_coef=0.1, tis_cap=2.0,
+    agg, _, level = mode.partition("+")
+    settings = LossSettings(loss_agg_mode=agg, entropy_coef=0.01, use_kl_loss=True, kl_coef=0.1, tis_cap=2.0,
+                            tis_level=level or "token", sample_sum=sp.sum if sp else None,
                             num_tokens=num_tokens, num_pg_tokens=num_tokens, num_seqs=3 * groups, max_len=T)
     return actor_loss(logprobs, entropy, mb, settings)[0]
 
 
-modes = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+modes = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-mean+sequence",
+         "seq-mean-token-sum-norm+geometric"]
 want = {}
 for mode in modes:  # SP 1: the plain padded path, in this process alone
     whole.zero_grad()

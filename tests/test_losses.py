@@ -16,6 +16,11 @@ LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 9.0, 9.0], [-1.0, 0.5, 2.5
 MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
 
 
+def ratio(pair):
+    """A token-weighted metric's value: its (sum, count) pair divided."""
+    return (pair[0] / pair[1]).item()
+
+
 def naive_aggregate(loss, mask, mode, max_len):
     seqs = []
     for i in range(len(loss)):
@@ -93,7 +98,8 @@ def test_policy_loss_matches_naive():
             clipped += clip < unclipped
     loss, metrics = policy_loss(logprobs, old, adv, mask, eps, "token-mean")
     assert loss.item() == pytest.approx(sum(per_token) / len(per_token), rel=1e-5)
-    assert metrics["clip_frac"] == pytest.approx(clipped / len(per_token))
+    total, count = metrics["clip_frac"]  # (sum, tokens): Means weighs it by its tokens
+    assert total.item() / count.item() == pytest.approx(clipped / len(per_token))
 
 
 def test_policy_loss_on_policy_gradient_is_reinforce():
@@ -313,7 +319,7 @@ def test_actor_loss_matches_its_parts():
     (got_grad,) = torch.autograd.grad(loss, logprobs)
     (want_grad,) = torch.autograd.grad(want, logprobs)
     assert torch.allclose(got_grad, want_grad, atol=1e-7)
-    assert metrics["pg_token_frac"].item() == pytest.approx(round(0.5 * n) / n)
+    assert ratio(metrics["pg_token_frac"]) == pytest.approx(round(0.5 * n) / n)
     # the high-entropy mask: tokens it drops get no policy-gradient (only the drift and KL terms move them)
     s_pg = LossSettings("token-mean", 0.2, 0.2, high_entropy_token_ratio=0.5, num_tokens=torch.tensor(n),
                         num_pg_tokens=torch.tensor(float(round(0.5 * n))))
@@ -385,10 +391,10 @@ def test_behaviour_weights_truncated_or_masked(level, mode):
                           is_weights=weights)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     mask = mb.action_mask.bool()
-    assert metrics["is_weight_mean"].item() == pytest.approx(raw[mask].mean().item(), rel=1e-5)
-    assert metrics["is_weight_max"].item() == pytest.approx(raw[mask].max().item(), rel=1e-5)
-    assert metrics["is_capped_frac"].item() == pytest.approx((raw[mask] > 2.0).float().mean().item())
-    assert 0 < metrics["is_capped_frac"].item() < 1
+    assert ratio(metrics["is_weight_mean"]) == pytest.approx(raw[mask].mean().item(), rel=1e-5)
+    assert ratio(metrics["is_weight_max"]) == pytest.approx(raw[mask].max().item(), rel=1e-5)
+    assert ratio(metrics["is_capped_frac"]) == pytest.approx((raw[mask] > 2.0).float().mean().item())
+    assert 0 < ratio(metrics["is_capped_frac"]) < 1
     if level != "token":  # not the per-token weights
         token_loss = actor_loss(logprobs, torch.zeros(6, 5), mb, dataclasses.replace(s, tis_level="token"))[0]
         assert token_loss.item() != pytest.approx(loss.item(), rel=1e-3)
@@ -403,6 +409,14 @@ def test_both_scripts_pass_the_tis_flags_to_the_loss():
         args.train_batch_size = 8
         s = LossSettings.from_args(args)
         assert (s.tis_cap, s.tis_mode, s.tis_level) == (3.0, "mask", "sequence")
+        # the defaults: no weights; under partial rollout sample-level ones capped at 2, unless asked
+        for flags, want in (({}, (None, "token")), (dict(partial_rollout=True), (2.0, "sequence")),
+                            (dict(partial_rollout=True, tis_level="token"), (2.0, "token")),
+                            (dict(tis_cap=2.0), (2.0, "token"))):
+            args = module.Args(**flags)
+            args.train_batch_size = 8
+            s = LossSettings.from_args(args)
+            assert (s.tis_cap, s.tis_level) == want, flags
 
 
 def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logprobs():

@@ -129,7 +129,8 @@ def test_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, 
     Ulysses with data parallelism on four CPU ranks (two groups of 2, parallelism_config_dp_shard_size 2): the
     logprob pass summed over the group, the loss summed over the ranks and every parameter's gradient equal
     the unsharded model's on one process, for three loss aggregations (with the KL loss, the entropy bonus and
-    TIS; the LM head chunked)."""
+    TIS; the LM head chunked), and with sample-level TIS weights (sequence, geometric: summed over the
+    slices)."""
     if groups > 1:  # the same config with data parallelism as well
         text = open(config).read().replace("num_processes: 2", f"num_processes: {2 * groups}")
         config = tmp_path / "dp_sp.yaml"
@@ -147,7 +148,8 @@ def test_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, 
     tolerance = 1e-5 if device == "cpu" else 1e-4  # the GPU's kernels against the CPU's reference
     for r in ranks:
         assert r["logprobs"] < tolerance
-        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-mean+sequence",
+                     "seq-mean-token-sum-norm+geometric"):
             assert abs(r[mode]["loss"] - r[mode]["want"]) <= tolerance * abs(r[mode]["want"]), (mode, r)
             assert r[mode]["grad_rel"] < 10 * tolerance, (mode, r)
 
@@ -156,7 +158,8 @@ def test_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, 
                                     pytest.param(CP2, marks=two_gpus, id="context-cuda")])
 def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, chars_reward, config):
     """train_ppo.py end to end under deepspeed_zero3_sp2.yaml on two CPU ranks (and fsdp2_cp2.yaml on two
-    GPUs, with vLLM where installed), with the KL loss against a sharded reference model: both ranks of the
+    GPUs, with vLLM where installed), with the KL loss against a sharded reference model and sample-level
+    TIS weights (a collective in the loss, summing each sample's slices): both ranks of the
     group train the group's 8 samples (gathered), the policy moves, a checkpoint and the model are written
     (resuming is the sharded resume tests' path: per-rank states by process index)."""
     prompts = tmp_path / "prompts.jsonl"  # a file without an eval split: no held-out eval (time)
@@ -165,7 +168,7 @@ def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, char
     args = ["--pretrain", tiny_model_dir, "--prompt_data", str(prompts), "--reward_fn", chars_reward,
             "--rollout_batch_size", "4",
             "--n_samples_per_prompt", "2", "--generate_max_len", "12", "--actor_learning_rate", "1e-3",
-            "--use_kl_loss", "--init_kl_coef", "0.1",
+            "--use_kl_loss", "--init_kl_coef", "0.1", "--tis_cap", "2", "--tis_level", "sequence",
             "--max_steps", "2", "--save_steps", "1", "--output_dir", str(tmp_path / "run")]
     cuda = config == CP2
     args += ["--engine_enforce_eager"] if cuda and importlib.util.find_spec("vllm") else []
@@ -178,6 +181,9 @@ def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, char
     # the engine sampled the whole rows that the ranks scored in slices: the same logprobs; and the reference
     # model's sliced pass equals the policy's before the first update
     assert max(m["rollout/logprob_diff_mean"] for m in steps) < (0.02 if cuda else 1e-4)  # (bf16 on GPUs)
+    # so a whole sample's weight is near 1 too (its slices' sums added), and its log is logged
+    assert all(abs(m["train/is_weight_mean"] - 1) < (0.5 if cuda else 1e-3) for m in steps)
+    assert max(m["rollout/logprob_diff_seq_mean"] for m in steps) < (0.5 if cuda else 1e-3)
     assert abs(steps[0]["train/kl"]) < 1e-6 < steps[1]["train/kl"]
     assert os.path.isdir(tmp_path / "run" / "checkpoint-2") and os.path.isfile(tmp_path / "run" / "model" /
                                                                                 "config.json")

@@ -363,7 +363,8 @@ def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_model_dir, tmp_path)
 
 
 def test_partial_rollout(tiny_model_dir, tmp_path, chars_reward):
-    """A budget of at least --generate_max_len gives the synchronous run, step for step; a budget of 3 of 8
+    """A budget of at least --generate_max_len gives the synchronous run, step for step (sample-level weights,
+    partial rollout's default, in both); a budget of 3 of 8
     tokens keeps samples in the buffer, continues them in later steps, and trains no token older than
     --max_staleness versions; TIS weights are logged. In start order (--partial_order start, K = 1, the
     default budget 8 / 2) every step after the first trains groups started a step before, in one round (with
@@ -371,7 +372,7 @@ def test_partial_rollout(tiny_model_dir, tmp_path, chars_reward):
     base = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "2", "--reward_fn", chars_reward,
             "--actor_learning_rate", "1e-3", "--tis_cap", "2"]
     rows = []
-    for i, extra in enumerate([[], ["--partial_rollout", "--max_token_budget", "8"],
+    for i, extra in enumerate([["--tis_level", "sequence"], ["--partial_rollout", "--max_token_budget", "8"],
                                ["--partial_rollout", "--max_token_budget", "3", "--max_staleness", "1",
                                 "--max_steps", "5"],
                                ["--partial_rollout", "--partial_order", "start", "--max_staleness", "1",

@@ -652,8 +652,9 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
         check_args(args, 4, parallelism=config(sp_size=2))
     check_args(args, 2, parallelism=config(dp_shard_size=2))
     check_args(args, 2, parallelism=None)
+    for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):  # summed over the slices
+        check_args(replace(args, tis_cap=2.0, tis_level="sequence"), 2, parallelism=config(**sizes), **kind)
     for flag, value in (("packing_samples", True), ("use_gspo", True), ("high_entropy_token_ratio", 0.2),
-                        ("tis_level", "sequence"),
                         ("pretrain_data", "x.jsonl"), ("reward_pretrain", "rm"),
                         ("advantage_estimator", "gae")):
         for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):
