@@ -450,3 +450,23 @@ def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logpro
     stats = Means()
     stats.add(actor_loss(mbs[1].old_logprobs.clone(), torch.zeros(6, 5), mbs[1], s)[1])
     assert "logprob_diff_mean" not in stats.result() and "policy_loss" in stats.result()
+
+
+def test_token_metrics_add_nothing_for_a_micro_batch_without_tokens():
+    """Under sequence parallelism a rank's slice may hold none of a micro-batch's response tokens: its
+    token-weighted metrics (entropy, clip fraction, the weights' mean, max and capped fraction) add nothing to
+    the step's means, where a mean over no tokens used to add a 0."""
+    from rft_core.metrics import Means
+
+    full, empty = _micro_batch(3), _micro_batch(4)
+    empty.action_mask = torch.zeros_like(empty.action_mask)
+    s = LossSettings(tis_cap=2.0, num_tokens=torch.tensor(float(full.action_mask.sum())),
+                     num_pg_tokens=torch.tensor(float(full.action_mask.sum())), num_seqs=6)
+    entropy = torch.rand(6, 5, generator=torch.Generator().manual_seed(9))
+    stats, alone = Means(), Means()
+    for mb in (full, empty):
+        stats.add(actor_loss(mb.old_logprobs.clone(), entropy, mb, s)[1])
+    alone.add(actor_loss(full.old_logprobs.clone(), entropy, full, s)[1])
+    for key in ("entropy", "clip_frac", "ppo_kl", "is_weight_mean", "is_weight_max", "is_capped_frac"):
+        assert stats.result()[key] == pytest.approx(alone.result()[key]), key
+    assert stats.result()["entropy"] == pytest.approx(entropy[full.action_mask.bool()].mean().item())
