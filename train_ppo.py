@@ -68,7 +68,7 @@ from rft_core.health import HealthGuard
 from rft_core.experience import (build_experience, logprob_passes, micro_batch_logprobs,
                                  micro_batch_values, optimizer_chunks)
 from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
-                             value_loss)
+                             token_mean, value_loss)
 from rft_core.memory import micro_batch_splits
 from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics, update_metrics
 from rft_core.models import compile_blocks, export_hf, lora_model, named_like, text_lm_loss
@@ -541,7 +541,7 @@ def main():
                                             args.loss_agg_mode, settings.num_tokens, settings.num_seqs,
                                             settings.max_len)
                         m["value_loss"] = v_loss.detach() * settings.micro_batches_per_step  # as policy_loss
-                        m["values"] = masked_mean(values.detach(), mb.action_mask)
+                        m["values"] = token_mean(values.detach(), mb.action_mask)
                         loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward
                     accelerator.backward(loss * scale)  # the losses are already the step's
                     # clipped norms (finite, not exploding: checked) on the step's last micro-batch

@@ -294,7 +294,7 @@ def actor_loss(logprobs, entropy, mb, s):
         metrics["is_weight_max"] = ((raw * mask).max() * has, has)
         metrics["is_capped_frac"] = token_mean(over.float(), mask)
     # engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
-    # pairs, which Means weighs over the micro-batches (one may hold none)
+    # pairs, which Means weighs over the micro-batches (one may hold none); (max, has) pairs, which it maxes
     known = mb.rollout_known()  # (B, T)
     gap = torch.where(known, mb.rollout_logprobs - old, 0.0)  # (B, T)
     diff = gap.abs()  # (B, T)

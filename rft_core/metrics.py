@@ -53,10 +53,16 @@ class StepTimer:
         return values
 
 
+def is_maximum(key):
+    """Whether a metric is a maximum (its name ends in _max): merged by max, over micro-batches and ranks."""
+    return key.endswith("_max")
+
+
 class Means:
     """Running means of metric dicts, each key over the dicts that hold it; a (total, weight) pair for a value
-    makes it a weighted mean (a key whose weights sum to 0 is left out). Values may be 0-d device tensors:
-    they are summed on the device and read once, in `result()` (an .item() per micro-batch stalls the GPU)."""
+    makes it a weighted mean (a key whose weights sum to 0 is left out). A maximum (`is_maximum`) is the
+    largest value among the dicts whose weight is not 0. Values may be 0-d device tensors: they are combined
+    on the device and read once, in `result()` (an .item() per micro-batch stalls the GPU)."""
 
     def __init__(self):
         self.sums, self.counts = {}, {}
@@ -64,12 +70,17 @@ class Means:
     def add(self, metrics):
         for key, value in metrics.items():
             total, weight = value if isinstance(value, tuple) else (value, 1)
-            self.sums[key] = self.sums.get(key, 0.0) + total
+            if is_maximum(key):
+                total = torch.as_tensor(total, dtype=torch.float32)
+                total = torch.where(torch.as_tensor(weight, device=total.device) > 0, total, -torch.inf)
+                self.sums[key] = torch.maximum(self.sums[key], total) if key in self.sums else total
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + total
             self.counts[key] = self.counts.get(key, 0) + weight
 
     def result(self):
-        return {key: float(total / self.counts[key]) for key, total in self.sums.items()
-                if float(self.counts[key]) > 0}
+        return {key: float(total if is_maximum(key) else total / self.counts[key])
+                for key, total in self.sums.items() if float(self.counts[key]) > 0}
 
 
 def update_metrics(means):
@@ -101,16 +112,15 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
     return metrics
 
 
-# how a metric merges over the ranks, by its name after the prefix: counts are summed, these maxima are
-# maxima; the rest are means
+# how a metric merges over the ranks, by its name after the prefix: counts are summed, maxima (`is_maximum`)
+# are maxima; the rest are means
 SUMMED = ("reward_errors", "filled_groups", "tokens", "buffered", "resumed", "finished_from_buffer",
           "dropped_stale", "tokens_generated")
-MAXED = ("staleness_max", "response_length_max")
 
 
 def gather_metrics(local):
     """Every rank's metrics dict merged: the mean over the ranks that have a key (NaN-aware), the sum of the
-    counts (SUMMED) and the max of the maxima (MAXED)."""
+    counts (SUMMED) and the max of the maxima (`is_maximum`)."""
     from accelerate.utils import gather_object
 
     per_rank = gather_object([local])  # dicts, so ranks may differ in keys (reward components)
@@ -118,7 +128,7 @@ def gather_metrics(local):
     for key in dict.fromkeys(k for m in per_rank for k in m):
         values = [m[key] for m in per_rank if key in m]
         name = key.split("/", 1)[-1]
-        merged[key] = (sum(values) if name in SUMMED else max(values) if name in MAXED
+        merged[key] = (sum(values) if name in SUMMED else max(values) if is_maximum(name)
                        else float(np.nanmean(values)))
     return merged
 

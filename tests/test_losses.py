@@ -421,8 +421,8 @@ def test_both_scripts_pass_the_tis_flags_to_the_loss():
 
 def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logprobs():
     """Rows whose engine logprobs were not asked for (NaN) leave the logprob_diff metrics, the loss finite;
-    over micro-batches the mean is weighted by their known tokens (the per-sample gap's by their samples); a
-    micro-batch with none adds nothing."""
+    over micro-batches the mean is weighted by their known tokens (the per-sample gap's by their samples), the
+    max is the largest micro-batch's; a micro-batch with none adds nothing."""
     from rft_core.metrics import Means
 
     mbs = [_micro_batch(seed) for seed in (3, 4, 5)]
@@ -444,7 +444,7 @@ def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logpro
                 sample_gaps.append(abs(sum((mb.rollout_logprobs[i] - mb.old_logprobs[i])[known[i]].tolist())))
     result = stats.result()
     assert result["logprob_diff_mean"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
-    assert result["logprob_diff_max"] == pytest.approx(sum(maxima) / len(maxima), rel=1e-5)
+    assert result["logprob_diff_max"] == pytest.approx(max(maxima), rel=1e-5)  # the step's, not a mean
     assert len(sample_gaps) == 10  # 18 rows, 6 + 2 without engine logprobs
     assert result["logprob_diff_seq_mean"] == pytest.approx(sum(sample_gaps) / len(sample_gaps), rel=1e-5)
     stats = Means()
@@ -470,3 +470,27 @@ def test_token_metrics_add_nothing_for_a_micro_batch_without_tokens():
     for key in ("entropy", "clip_frac", "ppo_kl", "is_weight_mean", "is_weight_max", "is_capped_frac"):
         assert stats.result()[key] == pytest.approx(alone.result()[key]), key
     assert stats.result()["entropy"] == pytest.approx(entropy[full.action_mask.bool()].mean().item())
+
+
+def test_maxima_merge_by_max_over_micro_batches_and_ranks(monkeypatch):
+    """A metric named *_max is the largest value over the micro-batches that hold it (weight not 0; a
+    negative maximum too) and over the ranks; means stay means and counts sums."""
+    import accelerate.utils
+
+    from rft_core.metrics import Means, gather_metrics
+
+    stats = Means()
+    stats.add({"is_weight_max": (torch.tensor(1.5), torch.tensor(1.0)), "entropy": torch.tensor(1.0),
+               "gap_max": (torch.tensor(-3.0), 1)})
+    stats.add({"is_weight_max": (torch.tensor(0.0), torch.tensor(0.0)), "entropy": torch.tensor(3.0),
+               "gap_max": (torch.tensor(-2.0), 1)})  # a micro-batch without tokens: no maximum
+    stats.add({"is_weight_max": (torch.tensor(2.5), torch.tensor(1.0)), "gap_max": (torch.tensor(-9.0), 1)})
+    assert stats.result() == {"is_weight_max": 2.5, "entropy": 2.0, "gap_max": -2.0}
+    empty = Means()
+    empty.add({"is_weight_max": (torch.tensor(0.0), torch.tensor(0.0))})
+    assert empty.result() == {}
+    ranks = [{"train/is_weight_max": 2.5, "train/entropy": 2.0, "rollout/buffered": 3},
+             {"train/is_weight_max": 4.0, "train/entropy": 1.0, "rollout/buffered": 5}]
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda local: ranks)
+    merged = gather_metrics(ranks[0])
+    assert merged == {"train/is_weight_max": 4.0, "train/entropy": 1.5, "rollout/buffered": 8}

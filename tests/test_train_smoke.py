@@ -84,6 +84,7 @@ def test_ppo_critic_warmup_and_adaptive_kl(tiny_model_dir, tmp_path, chars_rewar
     assert "train/grad_norm" not in rows[0] and rows[0]["train/critic_grad_norm"] > 0
     assert rows[1]["train/grad_norm"] > 0
     assert all(r["train/critic_grad_norm"] > 0 and math.isfinite(r["train/value_loss"]) for r in rows)
+    assert all(math.isfinite(r["train/values"]) for r in rows)  # a token mean over the micro-batches
     assert "train/adam_step_rms" not in rows[0] and all(r["train/critic_adam_step_rms"] > 0 for r in rows)
     assert rows[0]["rollout/kl"] == 0 and rows[2]["rollout/kl"] != 0  # KL penalty in the reward
     # KL 0 < target
