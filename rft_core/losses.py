@@ -291,7 +291,7 @@ def actor_loss(logprobs, entropy, mb, s):
     if s.tis_cap:
         has = mask.any().float()
         metrics["is_weight_mean"] = token_mean(raw, mask)
-        metrics["is_weight_max"] = ((raw * mask).max() * has, has)
+        metrics["is_weight_max"] = ((raw * mask).max(), has)  # Means skips it where has is 0
         metrics["is_capped_frac"] = token_mean(over.float(), mask)
     # engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
     # pairs, which Means weighs over the micro-batches (one may hold none); (max, has) pairs, which it maxes
@@ -300,7 +300,7 @@ def actor_loss(logprobs, entropy, mb, s):
     diff = gap.abs()  # (B, T)
     has = known.any().float()
     metrics["logprob_diff_mean"] = (diff.sum(), known.sum())
-    metrics["logprob_diff_max"] = (diff.max() * has, has)
+    metrics["logprob_diff_max"] = (diff.max(), has)
     # over whole responses, |log pi_rollout(y) - log pi_old(y)|: the log of a sample's weight (--tis_level
     # sequence); under sequence / context parallelism summed over the row's slices
     sums = torch.stack([gap.sum(-1), known.sum(-1).to(gap.dtype)], -1)  # (B, 2)
