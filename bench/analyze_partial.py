@@ -200,7 +200,8 @@ def spread(diffs):
 def pairs(runs, skip, window=(11, 20), cut_runs=()):
     """Seed for seed, each partial run against the synchronous run of its seed (runs of one seed ran on the
     same machine, at the same time where bench/partial_pairs.py ran them): the speed-up in samples per second
-    over the steps after `skip` (sums of step times, and the median step's), the trained reward's difference
+    over the steps after `skip` (sums of step times, and the median step's; pooled over the pairs in the
+    summary), the trained reward's difference
     over the steps in `window`, and the held-out accuracy's difference at each evaluation and averaged over
     the evaluations after step 0, also against the synchronous run's at the same training time (seconds of
     steps, evaluations not counted; linear between its evaluations). Seeds without both arms, or whose arms
@@ -241,6 +242,7 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
                      for t in sorted(evals["partial"]) if t > 0]
         rows.append({"seed": seed,
                      "speedup_sum": round(sum(times["sync"]) / sum(times["partial"]), 3),
+                     "seconds": {mode: round(sum(t), 3) for mode, t in times.items()},  # after `skip`
                      "speedup_median_step": round(statistics.median(times["sync"])
                                                   / statistics.median(times["partial"]), 3),
                      "reward_sync": round(reward["sync"], 4), "reward_diff": round(reward["partial"]
@@ -259,6 +261,9 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
         "pairs": len(rows), "window": list(window),
         "speedup_sum": {"median": round(statistics.median(speedups), 3), "min": min(speedups),
                         "max": max(speedups)},
+        # every pair's samples over every pair's seconds (each run trains as many samples a step)
+        "speedup_pooled": round(sum(r["seconds"]["sync"] for r in rows)
+                                / sum(r["seconds"]["partial"] for r in rows), 3),
         "speedup_median_step": round(statistics.median(r["speedup_median_step"] for r in rows), 3),
         "reward_diff": spread([r["reward_diff"] for r in rows]),
         "eval_mean_diff": spread([r["eval_mean_diff"] for r in rows]),

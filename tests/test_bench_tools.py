@@ -337,6 +337,7 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     # partial at 2 s / 4 s against the synchronous run's 0.55 / 0.6 there (its evals at 0, 4, 8 s)
     assert (s0["eval_same_time_diff"], s1["eval_same_time_diff"]) == (0.025, 0.125)
     summary = out["summary"]
+    assert s0["seconds"] == {"sync": 8.0, "partial": 4.0} and summary["speedup_pooled"] == 2.0
     assert summary["reward_diff"]["mean"] == 0.0 and math.isclose(summary["reward_diff"]["sd"], 0.1414)
     assert summary["eval_same_time_diff"]["mean"] == 0.075 and summary["eval_same_time_diff"]["se"] == 0.05
     # seed 2's synchronous run stopped by a device call's limit after step 2: it enters the differences at the
@@ -353,6 +354,13 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     assert {t: (e["pairs"], e["mean"]) for t, e in every.items()} == {2: (3, -0.0333), 4: (2, 0.0)}
     out["summary"].pop("eval_diff_by_step_every_pair")
     assert with_cut == out
+    # pooled: all pairs' synchronous seconds over all their partial seconds, not the median pair's ratio
+    for seed, sync_s in enumerate([2.0, 1.0, 4.0]):  # speed-ups 2, 1, 4: median 2, pooled 28 / 12
+        run(tmp_path / f"p-sync-seed{seed}.metrics.jsonl", sync_s, 0.5, [0.5, 0.6, 0.7])
+        run(tmp_path / f"p-partial-seed{seed}.metrics.jsonl", 1.0, 0.5, [0.5, 0.6, 0.7])
+    summary = analyze_partial.pairs(analyze_partial.read_runs([str(tmp_path)], "p"), skip=0,
+                                     window=(1, 4))["summary"]
+    assert summary["speedup_sum"]["median"] == 2.0 and summary["speedup_pooled"] == 2.333
 
 
 def test_the_lagged_engine_samples_old_weights_and_evaluates_the_live_ones(tiny_model_dir, monkeypatch,
