@@ -468,7 +468,6 @@ def main():
     if prompts["eval"] and not resume_from:
         first_eval = run_eval(0)
 
-    n = args.n_samples_per_prompt  # the group size
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
     perf, stops = StepTimer(), StopSignals()
     for step in tqdm(range(start + 1, num_steps + 1), desc="steps", initial=start, total=num_steps,
@@ -498,7 +497,7 @@ def main():
 
         # ---- advantages ----
         perf.phase("advantages")
-        scores = outcome_scores(exp.rewards, n, args.advantage_estimator)  # (B,) per sequence
+        scores = outcome_scores(exp.rewards, args.n_samples_per_prompt, args.advantage_estimator)  # (B,)
         reward_kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_in_reward else None  # (B, T)
         exp.advantages = scores  # (B,)
         if token_level:  # (B, T): the score on the last token, the KL penalty on all, then GAE or returns
