@@ -201,10 +201,10 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
     """Seed for seed, each partial run against the synchronous run of its seed (runs of one seed ran on the
     same machine, at the same time where bench/partial_pairs.py ran them): the speed-up in samples per second
     over the steps after `skip` (sums of step times, and the median step's; pooled over the pairs in the
-    summary), the trained reward's difference
-    over the steps in `window`, and the held-out accuracy's difference at each evaluation and averaged over
-    the evaluations after step 0, also against the synchronous run's at the same training time (seconds of
-    steps, evaluations not counted; linear between its evaluations). Seeds without both arms, or whose arms
+    summary), the trained reward's difference over the steps in `window`, and the held-out accuracy's
+    difference at each evaluation and averaged over the evaluations after step 0, also against the
+    synchronous run's at the same training time (seconds of steps, evaluations not counted; linear between
+    its evaluations). Seeds without both arms, or whose arms
     ran different numbers of steps, are listed and left out; also the held-out accuracy's difference at each
     evaluation over every seed whose two runs reached it, cut_runs (read_runs(cut=True)) included."""
     by_seed, with_cut = {}, {}
