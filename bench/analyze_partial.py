@@ -204,9 +204,9 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
     summary), the trained reward's difference over the steps in `window`, and the held-out accuracy's
     difference at each evaluation and averaged over the evaluations after step 0, also against the
     synchronous run's at the same training time (seconds of steps, evaluations not counted; linear between
-    its evaluations). Seeds without both arms, or whose arms
-    ran different numbers of steps, are listed and left out; also the held-out accuracy's difference at each
-    evaluation over every seed whose two runs reached it, cut_runs (read_runs(cut=True)) included."""
+    its evaluations). Seeds without both arms, or whose arms ran different numbers of steps, are listed and
+    left out; also the held-out accuracy's difference at each evaluation over every seed whose two runs
+    reached it, cut_runs (read_runs(cut=True)) included."""
     by_seed, with_cut = {}, {}
     for mode, seed, rows in runs:
         by_seed.setdefault(seed, {})[mode] = rows
