@@ -230,6 +230,7 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
             left_out[seed] = f"steps {len(steps['sync'])} sync, {len(steps['partial'])} partial"
             continue
         times = {mode: [r["perf/step_time_s"] for r in arm[skip:]] for mode, arm in steps.items()}
+        seconds = {mode: sum(t) for mode, t in times.items()}  # after `skip`
         reward = {mode: statistics.mean(r["rollout/reward_mean"] for r in arm[window[0] - 1:window[1]])
                   for mode, arm in steps.items()}
         evals = evals_of[seed]
@@ -241,8 +242,8 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
                                                      [evals["sync"][u] for u in sync_at])
                      for t in sorted(evals["partial"]) if t > 0]
         rows.append({"seed": seed,
-                     "speedup_sum": round(sum(times["sync"]) / sum(times["partial"]), 3),
-                     "seconds": {mode: round(sum(t), 3) for mode, t in times.items()},  # after `skip`
+                     "speedup_sum": round(seconds["sync"] / seconds["partial"], 3),
+                     "seconds": {mode: round(total, 3) for mode, total in seconds.items()},
                      "speedup_median_step": round(statistics.median(times["sync"])
                                                   / statistics.median(times["partial"]), 3),
                      "reward_sync": round(reward["sync"], 4), "reward_diff": round(reward["partial"]
