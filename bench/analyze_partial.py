@@ -27,15 +27,28 @@
    reward over steps 11-20, held-out accuracy at each evaluation and at the same training time; the
    differences' mean, standard error and t over the seeds (pairs()).
 
-    python bench/analyze_partial.py bench/results/partial_h100/long2048 --budget 256
+    python bench/analyze_partial.py RESULTS --budget 256      # RESULTS: bench_partial.py's $OUT folder
     python bench/analyze_partial.py RESULTS --budget 256 --tag frozen     # the runs named frozen-MODE-seedS
     python bench/analyze_partial.py RESULTS --budget 256 --sync sync_tis  # against sync_tis-seedS
-    python bench/analyze_partial.py session17/a session17/b --budget 512 --tag drgrpo --partial_tag \
-        drgrpo-b512 --sync sync_tis --trajectory rollout/truncated
-    python bench/analyze_partial.py bench/results/partial_h100x4/session20/{a,b,c,d} --budget 512 --tag \
-        drgrpo --partial_tag drgrpo-b512 --sync sync_tis --pairs
-    python bench/analyze_partial.py DIRS --budget 2047 --tag drgrpo --sync sync_tis --partial_tag lag1 \
-        --partial_mode sync_tis --pairs           # the engine-lag arm (lag1-sync_tis-seedS) as "partial"
+    python bench/analyze_partial.py A B --budget 512 --tag drgrpo --partial_tag drgrpo-b512 --sync sync_tis \
+        --trajectory rollout/truncated                                    # the runs of folders A and B
+    python bench/analyze_partial.py A B C D --budget 512 --tag drgrpo --partial_tag drgrpo-b512 \
+        --sync sync_tis --pairs > b512.json
+    python bench/analyze_partial.py A B --budget 2047 --tag drgrpo --sync sync_tis --partial_tag alt \
+        --partial_mode sync_tis --pairs    # a synchronous arm of other flags (alt-sync_tis-seedS) as partial
+
+5. Plots (no analysis; --out the PNG written):
+   --plot_pairs FILE:LABEL ...: the held-out accuracy's difference per evaluation step, arm minus its
+   synchronous pair, mean over the seed pairs with one standard error, one line per --pairs output FILE.
+   --plot_runs JSONL ... [--accuracy]: the training reward (or, --accuracy, the greedy held-out accuracy)
+   against step and against wall-clock time (the sum of step times, evaluations not counted) of
+   bench_partial.py's runs (its partial.jsonl files); several runs of an arm: each a thin line and the arm's
+   mean a thick one, with a count in the legend (runs that evaluated at other steps left out of the mean).
+
+    python bench/analyze_partial.py --plot_pairs b512.json:"budget 512" b2048.json:"budget 2048" \
+        --out differences.png
+    python bench/analyze_partial.py --plot_runs A/partial.jsonl B/partial.jsonl --accuracy --out accuracy.png
+    python bench/analyze_partial.py --plot_runs RESULTS/partial.jsonl          # -> RESULTS/partial.png
 """
 
 import argparse
@@ -55,9 +68,10 @@ def read_runs(folders, tag, sync="sync", partial_tag=None, partial_mode="partial
     """[(mode, seed, rows)] for the runs named [TAG-]SYNC-seedS / [PARTIAL_TAG-]PARTIAL_MODE-seedS in the
     folders (SYNC: sync, or sync_tis for the synchronous arm with partial rollout's importance weights;
     PARTIAL_TAG: TAG unless given; PARTIAL_MODE: partial, or another arm compared with the synchronous one,
-    e.g. sync_tis under bench_partial.py --engine_lag), read as "sync" and "partial"; rows: every line of the
-    run's metrics.jsonl. cut: instead, the runs a device call's limit stopped (NAME-seedS.cut.metrics.jsonl,
-    the step metrics run_gpu_partial_pairs.sh keeps), for pairs()'s every-pair differences only."""
+    e.g. sync_tis under another tag), read as "sync" and "partial"; rows: every line of the run's
+    metrics.jsonl. cut: instead, runs stopped before their end whose step metrics were kept as
+    NAME-seedS.cut.metrics.jsonl (a copy of the run's metrics.jsonl taken while it ran), for pairs()'s
+    every-pair differences only."""
     partial_tag = tag if partial_tag is None else partial_tag
     names = {"sync": (re.escape(tag + "-") if tag else "") + sync,
              "partial": (re.escape(partial_tag + "-") if partial_tag else "") + partial_mode}
@@ -198,8 +212,8 @@ def spread(diffs):
 
 
 def pairs(runs, skip, window=(11, 20), cut_runs=()):
-    """Seed for seed, each partial run against the synchronous run of its seed (runs of one seed ran on the
-    same machine, at the same time where bench/partial_pairs.py ran them): the speed-up in samples per second
+    """Seed for seed, each partial run against the synchronous run of its seed (runs of one seed ran on one
+    host, at the same time, where bench/partial_pairs.py ran them): the speed-up in samples per second
     over the steps after `skip` (sums of step times, and the median step's; pooled over the pairs in the
     summary), the trained reward's difference over the steps in `window`, and the held-out accuracy's
     difference at each evaluation and averaged over the evaluations after step 0, also against the
@@ -274,25 +288,128 @@ def pairs(runs, skip, window=(11, 20), cut_runs=()):
                                          if t > 0}}}
 
 
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_pairs(specs, out):
+    """--plot_pairs: each FILE:LABEL's (a --pairs output) held-out accuracy difference by step, with its
+    standard error."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.axhline(0, color="grey", linewidth=0.8)
+    for spec in specs:
+        path, _, label = spec.partition(":")
+        with open(path) as f:
+            summary = json.load(f)["pairs"]["summary"]
+        by_step = sorted((int(step), d["mean"], d["se"]) for step, d in summary["eval_diff_by_step"].items())
+        steps, means, ses = zip(*by_step)
+        ax.errorbar(steps, means, yerr=ses, capsize=3, marker="o",
+                    label=f"{label or path} ({summary['pairs']} pairs)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out accuracy, arm minus synchronous")
+    ax.set_title("mean over seed pairs, one standard error")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def course(run, accuracy):
+    """(steps, seconds, values) of one bench_partial.py run: its reward by step, or its held-out accuracy
+    at each evaluation."""
+    if not accuracy:
+        return range(1, len(run["reward_by_step"]) + 1), run["time_by_step"], run["reward_by_step"]
+    clock = [0.0] + run["time_by_step"]
+    return ([step for step, _, _ in run["eval"]], [clock[step] for step, _, _ in run["eval"]],
+            [acc for _, acc, _ in run["eval"]])
+
+
+def plot_runs(files, accuracy, out):
+    """--plot_runs: reward (or held-out accuracy) against step and against time, a colour per arm."""
+    plt = pyplot()
+    runs = []
+    for path in files:
+        with open(path) as f:
+            runs += [json.loads(line) for line in f]
+    # the shared warm-up is no arm; a run that stopped (a health-guard stop, a timeout) is left out
+    runs = [r for r in runs if not r["run"].startswith("warm") and r["rc"] == 0]
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    # a colour per arm, the synchronous loop's first
+    arm_of = {r["run"]: r["run"].rsplit("-seed", 1)[0] for r in runs}
+    arms = sorted(set(arm_of.values()), key=lambda a: ("sync" not in a, a))
+    for arm in arms:
+        members = [r for r in runs if arm_of[r["run"]] == arm]
+        colour = f"C{arms.index(arm)}"
+        for r in members:
+            steps, seconds, values = course(r, accuracy)
+            label = f"{r['run']} ({r['samples_per_s']:.0f} samples/s)" if len(members) == 1 else None
+            width = 1.5 if len(members) == 1 else 0.6
+            by_step.plot(steps, values, color=colour, alpha=0.8, lw=width, label=label)
+            by_time.plot(seconds, values, color=colour, alpha=0.8, lw=width)
+        if len(members) > 1:
+            courses = [course(r, accuracy) for r in members]
+            steps = list(courses[0][0])
+            same = [c for c in courses if list(c[0]) == steps]
+            mean = [statistics.mean(c[2][i] for c in same) for i in range(len(steps))]
+            seconds = [statistics.mean(c[1][i] for c in same) for i in range(len(steps))]
+            rate = statistics.mean(r["samples_per_s"] for r in members)
+            label = f"{arm}: mean of {len(same)} ({rate:.0f} samples/s)"
+            by_step.plot(steps, mean, color=colour, lw=2.5, label=label)
+            by_time.plot(seconds, mean, color=colour, lw=2.5)
+    name = "held-out accuracy (greedy)" if accuracy else "training reward (mean)"
+    by_step.set(xlabel="step", ylabel=name, title=f"{name.split(' (')[0]} per step")
+    by_time.set(xlabel="seconds (sum of step times)", title=f"{name.split(' (')[0]} against time")
+    by_step.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("results", nargs="+",
+    parser.add_argument("results", nargs="*",
                         help="folders of [TAG-]sync-seedS / partial-seedS .metrics.jsonl files")
-    parser.add_argument("--budget", type=int, required=True, help="the partial runs' --max_token_budget")
+    parser.add_argument("--budget", type=int, help="the partial runs' --max_token_budget (required)")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the cost model")
     parser.add_argument("--tag", default="", help="read the runs named TAG-MODE-seedS")
     parser.add_argument("--partial_tag", help="the partial runs' tag, where it is not --tag's")
     parser.add_argument("--partial_mode", default="partial",
-                        help="the compared arm's mode in its runs' names (sync_tis for an --engine_lag arm)")
+                        help="the compared arm's mode in its runs' names (e.g. sync_tis, with --partial_tag)")
     parser.add_argument("--trajectory", metavar="METRIC", help="a step metric's course in both arms")
     parser.add_argument("--with_cut", action="store_true",
-                        help="--pairs: also NAME-seedS.cut.metrics.jsonl (runs a limit stopped), in "
+                        help="--pairs: also NAME-seedS.cut.metrics.jsonl (runs stopped early), in "
                              "eval_diff_by_step_every_pair only")
     parser.add_argument("--sync", default="sync", choices=["sync", "sync_tis"],
                         help="the synchronous arm: sync-seedS, or sync_tis-seedS (with --tis_cap 2)")
     parser.add_argument("--pairs", action="store_true",
                         help="seed for seed: speed-up, trained reward and held-out accuracy (pairs())")
+    parser.add_argument("--plot_pairs", nargs="+", metavar="FILE:LABEL",
+                        help="plot these --pairs outputs' held-out differences by step (with --out)")
+    parser.add_argument("--plot_runs", nargs="+", metavar="JSONL",
+                        help="plot bench_partial.py runs (partial.jsonl files): reward against step and time")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="--plot_runs: the held-out accuracy instead of the reward")
+    parser.add_argument("--out", help="the plot's PNG (--plot_runs: else the first file's name with .png)")
     args = parser.parse_args()
+    if args.plot_pairs and args.plot_runs:
+        parser.error("one plot a call: --plot_pairs or --plot_runs")
+    if args.plot_pairs:
+        if not args.out:
+            parser.error("--plot_pairs needs --out PNG")
+        plot_pairs(args.plot_pairs, args.out)
+        print(args.out)
+        return
+    if args.plot_runs:
+        out = args.out or os.path.splitext(args.plot_runs[0])[0] + ".png"
+        plot_runs(args.plot_runs, args.accuracy, out)
+        print(out)
+        return
+    if not args.results or args.budget is None:
+        parser.error("the analysis needs results folders and --budget (or a --plot_pairs / --plot_runs plot)")
     runs = read_runs(args.results, args.tag, args.sync, args.partial_tag, args.partial_mode)
     steps = by_arm(runs)
     out = {"cost": cost_model(steps, args.budget, args.skip), "optimizer": step_sizes(steps)}

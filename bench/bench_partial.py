@@ -17,17 +17,12 @@ line per run: samples trained per second, tokens generated per second, the decod
     python bench/bench_partial.py --warm_steps 12 --staleness 2 --modes sync_tis start   # start order, K = 2
     python bench/bench_partial.py --warm_steps 12 --tag drgrpo --arm_flags "--loss_agg_mode \
         seq-mean-token-sum-norm"                                     # flags for the measured runs only
-    python bench/bench_partial.py --warm_steps 12 --tag lag1 --engine_lag 1 --modes sync_tis   # the
-        # synchronous loop sampling with the weights of one version earlier (bench/lagged_engine.py)
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \
         --rollout_batch_size 4 --n_samples_per_prompt 2                  # a CPU smoke run (2-3 minutes)
-    python bench/bench_partial.py --size 1.5b --max_len 2048 --budget 512 --staleness 7 --steps 15 \
-        --modes sync_tis partial              # the rollout at a real size: random weights, scripted lengths
 
---size: a random-weight Qwen2 shape (bench_sizes.py's) or 135m (the embedded model), whose answers end where
-bench/scripted_lengths.py says (the counting task's length profile, the same in every arm), with
-bench_sizes.py's pseudo-random reward, no held-out set, and the weights frozen (--frozen): the two arms'
-speed at that size, nothing about learning (named SIZE-MODE-seedS).
+Flags after -- go to train_ppo.py. Results go to $OUT (else --root): one JSON line per run appended to
+partial.jsonl, and each run's log and step metrics (NAME.log, NAME.metrics.jsonl), which analyze_partial.py
+reads.
 """
 
 import argparse
@@ -40,9 +35,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_ppo.py loads reward() by path
-import bench_sizes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,14 +129,10 @@ def main():
                         help="the measured runs keep their starting weights (learning rate 1e-12, updates "
                              "of ~1e-12): both arms answer alike, so the rates compare the rollouts alone "
                              "(named frozen-MODE-seedS)")
-    parser.add_argument("--size", help="time the rollout at this size, answers of scripted lengths (above)")
     parser.add_argument("--arm_flags", default="",
                         help="train_ppo.py flags for the measured runs only, not the warm-up (e.g. "
                              "\"--loss_agg_mode seq-mean-token-sum-norm\"); with --tag")
     parser.add_argument("--tag", help="a prefix for the measured runs' names (TAG-MODE-seedS)")
-    parser.add_argument("--engine_lag", type=int, default=0,
-                        help="the measured runs' engine samples with the weights of this many versions "
-                             "earlier (bench/lagged_engine.py: a pure delay through the synchronous loop)")
     args, extra = parser.parse_known_args()
     extra = [x for x in extra if x != "--"]
     out = os.environ.get("OUT", args.root)
@@ -170,12 +158,8 @@ def main():
     warm_len = args.warm_max_len or args.max_len
     warm_name = f"warm-{args.warm_steps}" + (f"-len{warm_len}" if warm_len != args.max_len else "")
     warm = os.path.join(args.root, "runs", warm_name, "model")
-    if args.engine_lag and (args.size or not args.tag):
-        raise SystemExit("--engine_lag needs a --tag (its runs are not the plain ones), and no --size")
-    if args.size and args.warm_steps:
-        raise SystemExit("--size runs start from random weights (or the embedded model): no --warm_steps")
     if args.warm_steps and not os.path.exists(warm):
-        # (held-out eval every 10 steps whatever --eval_steps says, as the warm-ups of sessions 13-19)
+        # (held-out eval every 10 steps whatever --eval_steps says: one warm-up model for any --eval_steps)
         rc = run(args, out, data, evals, warm_name, 100, args.warm_steps, [], extra, max_len=warm_len,
                  eval_steps=10)
         if rc != 0 or not os.path.exists(warm):
@@ -184,9 +168,7 @@ def main():
         print(warm)
         return
     start_from = ["--pretrain", warm] if args.warm_steps else []
-    if args.size and args.size != "135m":
-        start_from = ["--pretrain", bench_sizes.make_model(args.size, args.root)]
-    frozen = ["--actor_learning_rate", "1e-12"] if args.frozen or args.size else []  # (0 is refused)
+    frozen = ["--actor_learning_rate", "1e-12"] if args.frozen else []  # (0 is refused)
     if args.arm_flags and not args.tag:
         raise SystemExit("--arm_flags needs a --tag, so its runs are not taken for the plain ones")
     failed = []
@@ -194,17 +176,16 @@ def main():
         for mode in args.modes:
             flags = modes[mode] + start_from + frozen + shlex.split(args.arm_flags)
             name = f"{mode}-r{ratio}-seed{seed}" if mode == "partial" and ratio else f"{mode}-seed{seed}"
-            name = "frozen-" + name if args.frozen and not args.size else name
-            name = f"{args.size}-{name}" if args.size else name
+            name = "frozen-" + name if args.frozen else name
             name = f"{args.tag}-{name}" if args.tag else name
-            if run(args, out, data, evals, name, seed, args.steps, flags, extra, lag=args.engine_lag) != 0:
+            if run(args, out, data, evals, name, seed, args.steps, flags, extra) != 0:
                 failed.append(name)
     if failed:
         raise SystemExit(f"{len(failed)} of {len(args.seeds) * len(args.modes)} runs failed "
                          f"({', '.join(failed)}): see their logs in {out}")
 
 
-def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, eval_steps=None, lag=0):
+def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, eval_steps=None):
     """One training run; prints and appends its JSON line to $OUT/partial.jsonl. Returns its exit code
     (or "timeout")."""
     run_dir = os.path.join(args.root, "runs", name)
@@ -212,20 +193,14 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, e
     for path in (lengths, lengths + ".overshoot.jsonl"):
         if os.path.exists(path):
             os.remove(path)
-    # --size: through the scripted lengths, the pseudo-random reward, no held-out set (a random model's
-    # greedy answers would run to the limit)
-    here = os.path.dirname(os.path.abspath(__file__))
-    launch = [os.path.join(here, "scripted_lengths.py")] if args.size else []
-    launch = [os.path.join(here, "lagged_engine.py")] if lag else launch
-    task = (["--reward_fn", f"{os.path.join(here, 'bench_sizes.py')}:reward"] if args.size
-            else ["--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward"])
-    cmd = [sys.executable, *launch, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data, *task,
+    task = ["--eval_data", evals, "--reward_fn", f"{os.path.abspath(__file__)}:reward"]
+    cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", data, *task,
            "--rollout_batch_size", "32", "--n_samples_per_prompt", "8",
            "--generate_max_len", str(max_len or args.max_len), "--max_steps", str(steps),
            "--eval_steps", str(eval_steps or args.eval_steps), "--seed", str(seed), "--output_dir", run_dir,
            "--no_resume", *flags, *extra]
-    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # beside the GPU's packages
-    env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path, "RFT_LAG": str(lag)}
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # the checkout, then any PYTHONPATH
+    env = {**os.environ, "COUNT_LENGTHS": lengths, "PYTHONPATH": path}
     start = time.time()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         try:
@@ -233,8 +208,7 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, e
                                 timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    result = {"run": name, "rc": rc, "wall_s": round(time.time() - start, 1), "flags": flags + extra,
-              **({"engine_lag": lag} if lag else {})}
+    result = {"run": name, "rc": rc, "wall_s": round(time.time() - start, 1), "flags": flags + extra}
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         config = json.load(open(os.path.join(run_dir, "config.json")))
         per_step = config["rollout_batch_size"] * config["n_samples_per_prompt"]

@@ -1,4 +1,4 @@
-"""Issue 18: the longest response one update step trains at batch 1 per GPU, with and without sequence
+"""The longest response one update step trains at batch 1 per GPU (issue 18), with and without sequence
 parallelism, and the step time per length; a random-weight Qwen2 shape (bench_sizes.SHAPES), under DeepSpeed
 ZeRO-3 (Ulysses SP) or FSDP2 (context parallelism).
 

@@ -13,8 +13,8 @@ per run in $OUT/partial.jsonl, a log and the step metrics per run.
         --arm_flags "--loss_agg_mode seq-mean-token-sum-norm"
     python bench/partial_pairs.py --gpus 2 --dry_run ...      # print the rounds, run nothing
 
-With --time_limit (the device call's limit, which run_gpu_partial_pairs.sh passes), a round that the
-longest round so far says would not finish in time is not started: its seeds are named at the end (exit 1).
+With --time_limit (seconds this command may run, e.g. a job scheduler's limit), a round that the longest
+round so far says would not finish in time is not started: its seeds are named at the end (exit 1).
 
 Flags after -- go to every run (and the warm-up); each --arm's go to that arm's runs only.
 """
@@ -75,12 +75,12 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--arm", action="append", required=True,
                         help="bench_partial.py flags of one arm, quoted (e.g. \"--tag t --modes sync_tis\")")
-    parser.add_argument("--gpus", type=int, help="default: the machine's (nvidia-smi -L)")
+    parser.add_argument("--gpus", type=int, help="default: every GPU nvidia-smi -L lists")
     parser.add_argument("--cache_root", default="/tmp/rft_pair_cache")
     parser.add_argument("--dry_run", action="store_true")
     parser.add_argument("--time_limit", type=float,
-                        help="seconds this call may run (run_gpu_partial_pairs.sh passes its LIMIT): a round "
-                             "is not started when the longest one so far would not fit in what is left")
+                        help="seconds this command may run: a round is not started when the longest one so "
+                             "far would not fit in what is left")
     started = time.time()
     args, common = parser.parse_known_args()
     common = [x for x in common if x != "--"]
@@ -100,7 +100,7 @@ def main():
     longest, skipped = 0.0, {}  # skipped: the seeds of the rounds not started, in order
     for i, batch in enumerate(rounds(args.seeds, args.arm, gpus)):
         left = args.time_limit - (time.time() - started) if args.time_limit else float("inf")
-        if longest > left:  # the limit would stop it: the device time is kept, not spent on cut runs
+        if longest > left:  # the limit would stop it part way: no GPU time spent on runs cut short
             skipped.update(dict.fromkeys(seed for _, seed, _ in batch))
             continue
         say(f"round {i}: {len(batch)} runs")

@@ -55,8 +55,7 @@ class HealthGuard:
             if experience is not None and not found and not self.norms.get(key):
                 # the first update of this process: the weights are as loaded, so no learning rate made it
                 advice = ("the step's inputs are finite and no update has run yet, so the model's forward "
-                          "or backward gave it, not the learning rate: rerun with --torch_compile false "
-                          "(bench/nan_probe.py finds the micro-batch)")
+                          "or backward gave it, not the learning rate: rerun with --torch_compile false")
             self.stop(f"non-finite loss or gradients ({key} {norm}{where})", step, advice)
         earlier = [x for x in self.norms.setdefault(key, []) if x > 0]
         if len(earlier) >= 3 and norm > self.explode_factor * statistics.median(earlier):

@@ -12,8 +12,7 @@ from rft_core.losses import entropy_from_logits
 # The SDPA kernels a forward with gradients may use: any but cuDNN's. A left pad is a query row with nothing
 # to attend to, and cuDNN's backward turns such a row into NaN gradients for every weight below it (the
 # forward stays finite; torch picks cuDNN for some batch shapes only, so runs stopped at random). The
-# efficient and math kernels give such rows zero gradients (bench/nan_replay.py, on a 1.5B batch that
-# stopped a run).
+# efficient and math kernels give such rows zero gradients (replayed on a 1.5B batch that stopped a run).
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -114,7 +114,7 @@ def lora_model(model, rank, alpha, target_modules="all-linear"):
 def checkpointing_on(model):
     """Non-reentrant activation checkpointing (with LoRA the checkpointed blocks' inputs need no gradient of
     their own), under the name transformers gives it: activation_checkpointing_enable since about 5.2x,
-    gradient_checkpointing_enable before (5.17, the GPU machine's)."""
+    gradient_checkpointing_enable before (5.17 has only that one)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

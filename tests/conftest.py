@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -6,6 +7,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_collection_modifyitems(items):
+    """A test marked gpu (pytest.ini) skips with fewer CUDA GPUs than its count (default 1), or without the
+    package its mark names: @pytest.mark.gpu(count=2, needs="vllm")."""
+    for item in items:
+        mark = item.get_closest_marker("gpu")
+        if mark is None:
+            continue
+        count, needs = mark.kwargs.get("count", 1), mark.kwargs.get("needs")
+        if torch.cuda.device_count() < count:
+            item.add_marker(pytest.mark.skip(reason=f"needs {count} CUDA GPU{'s' if count > 1 else ''}"))
+        elif needs and importlib.util.find_spec(needs) is None:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needs}"))
 
 
 def save_tiny_model(path):

@@ -113,19 +113,6 @@ def test_sync_tis_runs_stand_for_the_synchronous_arm(tmp_path):
     assert out.returncode != 0 and "needs sync-seedS" in out.stderr  # sync_tis is read only when asked
 
 
-def test_schedule_replay_prices_the_tail_and_ages_the_samples():
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "replay_partial_schedule.py"), "--steps", "12",
-           "--skip", "4"]
-    sync = json.loads(subprocess.run(cmd + ["--budget", "2048", "--staleness", "0"], capture_output=True,
-                                     text=True, check=True).stdout)
-    partial = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    assert sync["start_age"] == 0 and sync["rounds_per_step"] == 1  # the synchronous loop: one call a step
-    # 3% of answers run to 2048 tokens: every synchronous call lasts 2048 decode steps
-    assert sync["generate_s_per_step"] > 2048 * 1.68e-3
-    assert partial["start_age"] > 0 and 1 <= partial["rounds_per_step"] <= 3
-    assert partial["generate_s_per_step"] < sync["generate_s_per_step"] / 1.5
-
-
 def test_the_memory_plans_lines_on_a_simulated_gpu(tiny_model_dir, monkeypatch, tmp_path):
     """plan_update_memory with torch's CUDA memory calls simulated on the CPU (80 GiB GPU, 30 free, the
     trainer holding 20 in tensors and 50 reserved; 1 MiB a token measured): it says what the trainer holds,
@@ -162,48 +149,6 @@ def test_the_memory_plans_lines_on_a_simulated_gpu(tiny_model_dir, monkeypatch, 
     assert not checkpointing and tokens == 25600 and "sized for the engine asleep" in said[1]
 
 
-def test_scripted_lengths_give_every_arm_the_same_answers():
-    """bench/scripted_lengths.py: an engine that never stops on its own (random tokens up to each limit), run
-    through the real Rollouts, synchronous and partial (budget 8 of 64): every trained group's answers have
-    the lengths the script gives its prompt, in either arm, and end with EOS where they end before the
-    limit."""
-    import random
-
-    sys.path.insert(0, ROOT)
-    from bench.replay_partial_schedule import Tok, score_all
-    from bench.scripted_lengths import Script, scripted_length
-    from rft_core.engine import Generation
-    from rft_core.experience import Sample
-    from rft_core.rollout import Rollouts, RolloutSettings
-
-    class Babbler:
-        def generate(self, prompts, limits, temperature=1.0, top_p=1.0, mm=None, logprob_every=1):
-            rng = random.Random(len(prompts))
-            return [Generation([rng.randrange(10, 1000) for _ in range(n)], [-1.0] * n) for n in limits]
-
-    max_len, group, k = 64, 4, 6
-    prompts = [Sample([i, 7, 99], str(i), f"p{i}") for i in range(400)]
-    lengths = {}
-    for partial in (False, True):
-        settings = RolloutSettings(group, max_len, max_rounds=3, partial=partial, token_budget=8,
-                                   max_staleness=7, eos_token_id=0)
-        rollouts = Rollouts(prompts, k * 1, 0, 0, 1, settings, "cpu")
-        script = Script(Rollouts._generate)
-        rollouts._generate = lambda engine, p, limits, mm: script(rollouts, engine, p, limits, mm)
-        for step in range(1, 7):
-            samples, _ = rollouts.collect(Babbler(), Tok(), score_all, lambda t: t, step)
-            for i in range(0, len(samples), group):
-                ids = samples[i].prompt_ids
-                got = sorted(len(s.generation.token_ids) for s in samples[i:i + group])
-                assert got == sorted(scripted_length(ids, j, max_len) for j in range(group))
-                ends = [s.generation.token_ids[-1] == 0 for s in samples[i:i + group]]
-                assert ends == [len(s.generation.token_ids) < max_len for s in samples[i:i + group]]
-                lengths.setdefault(tuple(ids), []).append(got)
-    assert any(g > 8 for got in lengths.values() for g in got[0])  # answers continued over rounds
-    assert any(64 in got[0] for got in lengths.values()) and any(min(got[0]) < 20 for got in lengths.values())
-    assert sum(len(v) == 2 for v in lengths.values()) >= k  # prompts trained in both arms
-
-
 def test_the_bench_rewards_load_as_the_trainer_loads_them(tmp_path):
     """train_ppo.py loads --reward_fn by file path, in a process whose sys.path lacks bench/: each bench
     reward must import what it needs itself (bench_partial.py's once failed on `import bench_sizes`)."""
@@ -216,27 +161,6 @@ def test_the_bench_rewards_load_as_the_trainer_loads_them(tmp_path):
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'correct': [1.0]" in out.stdout.splitlines()[0]  # 1..3 exactly
-
-
-def test_toy_rambling_learns_through_the_real_scheduler():
-    """bench/toy_rambling.py: the toy policy learns (exact answers rise), partial rollout with a budget of the
-    whole length is the synchronous loop seed for seed, a small budget continues answers over steps, and the
-    pure delay generates in one round a step."""
-    import argparse
-
-    sys.path.insert(0, ROOT)
-    from bench import toy_rambling
-
-    args = argparse.Namespace(k=4, group=4, max_len=256, budget=256, staleness=3, start_staleness=2, lr=0.3,
-                              optimizer="adam", steps=6)
-    sync = toy_rambling.run("sync", 0, args)
-    assert sync[-1]["exact"] > sync[0]["exact"] + 0.05
-    assert toy_rambling.run("partial", 0, args) == sync
-    args.budget = 16
-    partial = toy_rambling.run("partial", 0, args)
-    assert partial != sync and max(step["rounds"] for step in partial) > 1
-    delay = toy_rambling.run("delay", 0, args)  # every group whole, in one round, trained a step later
-    assert delay != sync and all(step["rounds"] == 1 for step in delay)
 
 
 def test_seed_pairs_run_together_one_run_per_gpu():
@@ -256,6 +180,7 @@ def test_seed_pairs_run_together_one_run_per_gpu():
         assert envs[0][key] != envs[1][key]
 
 
+@pytest.mark.slow
 def test_pairs_stop_on_a_failed_warm_up_and_count_failed_runs(tmp_path):
     """bench/partial_pairs.py on a machine without vLLM once printed the warm-up's model path with rc 0 and
     started every run from a model that was never written; now a failed warm-up starts nothing, and failed
@@ -276,8 +201,8 @@ def test_pairs_stop_on_a_failed_warm_up_and_count_failed_runs(tmp_path):
 
 def test_pairs_start_no_round_the_time_limit_would_cut(monkeypatch, capsys):
     """partial_pairs.py --time_limit: once a round has taken longer than the time left, no further round
-    starts (the device call's limit would stop its runs part way, spending the device time for nothing); the
-    seeds not started are named at the end, with exit 1."""
+    starts (the limit would stop its runs part way, spending GPU time for nothing); the seeds not started are
+    named at the end, with exit 1."""
     sys.path.insert(0, ROOT)
     from bench import partial_pairs
 
@@ -340,8 +265,8 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     assert s0["seconds"] == {"sync": 8.0, "partial": 4.0} and summary["speedup_pooled"] == 2.0
     assert summary["reward_diff"]["mean"] == 0.0 and math.isclose(summary["reward_diff"]["sd"], 0.1414)
     assert summary["eval_same_time_diff"]["mean"] == 0.075 and summary["eval_same_time_diff"]["se"] == 0.05
-    # seed 2's synchronous run stopped by a device call's limit after step 2: it enters the differences at the
-    # evaluations both runs reached, and nothing else
+    # seed 2's synchronous run stopped after step 2: it enters the differences at the evaluations both runs
+    # reached, and nothing else
     run(tmp_path / "t-sync_tis-seed2.cut.metrics.jsonl", 2.0, 0.5, [0.5, 0.6, 0.7])
     with open(tmp_path / "t-sync_tis-seed2.cut.metrics.jsonl") as f:
         kept = [line for line in f if json.loads(line)["step"] <= 2]
@@ -363,79 +288,65 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     assert summary["speedup_sum"]["median"] == 2.0 and summary["speedup_pooled"] == 2.333
 
 
-def test_the_lagged_engine_samples_old_weights_and_evaluates_the_live_ones(tiny_model_dir, monkeypatch,
-                                                                           tmp_path, chars_reward):
-    """bench/lagged_engine.py, issue 16's pure-delay control through the synchronous loop: the transformers
-    engine samples with the weights of one sync earlier and evaluates (greedy) with the live ones. Through
-    train_ppo.py the first step is the plain run's, and later steps train on samples whose engine logprobs
-    differ from the trainer's (0 in the plain run, where the engine is the trainer's model, but rounding)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def test_same_metrics_compare_reports_every_difference_outside_perf(tmp_path, capsys):
+    """bench/same_metrics.py compare on hand-made runs: a run whose rows differ only in perf/ (and holds the
+    same NaN) is IDENTICAL; a changed value, a key gone, a key new, an extra row and a run missing in one
+    root are each reported, and any of them makes the command exit 1."""
     sys.path.insert(0, ROOT)
-    from bench import lagged_engine
-    from rft_core.engine import HFEngine
+    from bench import same_metrics
 
-    for name in ("update_weights", "generate"):
-        monkeypatch.setattr(HFEngine, name, getattr(HFEngine, name))  # the class back as it was, after
-    monkeypatch.setattr(lagged_engine, "LAG", 1)
-    lagged_engine.install()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    engine = HFEngine(model, AutoTokenizer.from_pretrained(tiny_model_dir))
-    engine.generate([[1, 2, 3]], 2)
-    versions = [{k: v.clone() for k, v in model.state_dict().items()}]
-    for _ in range(2):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.1)
-        versions.append({k: v.clone() for k, v in model.state_dict().items()})
-        engine.update_weights(model)
-        engine.generate([[1, 2, 3]], 2)
-        old = engine.model.state_dict()
-        assert engine.model is not model and all(torch.equal(old[k], versions[-2][k]) for k in old)
-        engine.generate([[1, 2, 3]], 2, temperature=0)
-        assert engine.model is model
+    def write(root, name, rows):
+        os.makedirs(root / name, exist_ok=True)
+        (root / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    flags = ["--pretrain", tiny_model_dir, "--max_steps", "3", "--rollout_batch_size", "2",
-             "--n_samples_per_prompt", "2", "--generate_max_len", "8", "--reward_fn", chars_reward,
-             "--actor_learning_rate", "1e-3", "--tis_cap", "2", "--no_resume"]
-    rows = {}
-    for lag in (0, 1):
-        launch = [os.path.join(ROOT, "bench", "lagged_engine.py")] if lag else []
-        out = tmp_path / f"lag{lag}"
-        done = subprocess.run([sys.executable, *launch, os.path.join(ROOT, "train_ppo.py"), *flags,
-                               "--output_dir", str(out)], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "RFT_LAG": str(lag), "OMP_NUM_THREADS": "2"})
-        assert done.returncode == 0, done.stderr[-2000:]
-        rows[lag] = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "rollout/reward_mean" in r]
-    assert [r["step"] for r in rows[1]] == [1, 2, 3]
-    assert rows[1][0] == {**rows[0][0], **{k: v for k, v in rows[1][0].items() if k.startswith("perf/")}}
-    assert all(r["rollout/logprob_diff_mean"] < 1e-5 for r in rows[0])  # (1e-7: padding's rounding)
-    assert all(r["rollout/logprob_diff_mean"] > 1e-3 for r in rows[1][1:])
+    before, after = tmp_path / "before", tmp_path / "after"
+    rows = [{"step": 1, "train/policy_loss": 0.5, "train/kl": float("nan"), "perf/step_time_s": 1.0},
+            {"step": 2, "train/policy_loss": 0.25, "train/kl": 0.1, "perf/step_time_s": 1.0}]
+    write(before, "gae", rows)
+    write(after, "gae", [{**r, "perf/step_time_s": 2.0, "perf/new_timer": 3.0} for r in rows])
+    write(before, "lora", rows)
+    changed = [{**rows[0], "train/policy_loss": 0.75}, {k: v for k, v in rows[1].items() if k != "train/kl"}]
+    write(after, "lora", changed + [{"step": 3, "train/policy_loss": 0.1}])
+    write(before, "cpgd", rows)
+    write(after, "cpgd", [rows[0], {**rows[1], "rollout/new": 1.0}])
+    write(before, "vl_kl", rows)  # not in AFTER
+
+    assert same_metrics.compare(before, after, ["gae"]) == 0
+    assert capsys.readouterr().out == "gae IDENTICAL\n"
+    assert same_metrics.compare(before, after, ["gae", "lora", "cpgd", "vl_kl"]) == 3
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["gae IDENTICAL", "lora 3 diffs", "    rows 2 vs 3",
+                   "    step 1 train/policy_loss: 0.5 -> 0.75", "    step 2 train/kl missing after",
+                   "cpgd 1 diffs", "    step 2 new rollout/new",
+                   f"vl_kl missing: {after / 'vl_kl' / 'metrics.jsonl'}"]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "same_metrics.py"), "compare", str(before), str(after)]
+    assert subprocess.run(cmd + ["gae"], capture_output=True, text=True).returncode == 0
+    done = subprocess.run(cmd + ["gae", "lora"], capture_output=True, text=True)
+    assert done.returncode == 1 and "lora 3 diffs" in done.stdout
 
 
-def test_a_detached_job_outlives_the_call_that_started_it(tmp_path):
-    """bench/detach.sh: the job runs in a copy of the tree with OUT set to its folder, goes on after the
-    starting shell has returned, and each `wait` stops at its limit or at the job's end and copies what the
-    job has written (its folder's files, a tar of each path named) to the call's $OUT."""
-    job, out = tmp_path / "job", tmp_path / "out"
-    out.mkdir()
-    detach = os.path.join(ROOT, "bench", "detach.sh")
+def test_analyze_partial_plots_pairs_and_runs(tmp_path, monkeypatch, capsys):
+    """analyze_partial.py --plot_pairs (--pairs outputs) and --plot_runs (bench_partial.py's JSON lines, with
+    --accuracy) each write their PNG, without results folders or --budget."""
+    sys.path.insert(0, ROOT)
+    from bench import analyze_partial
 
-    def run(*args):
-        return subprocess.run(["bash", detach, *map(str, args)], capture_output=True, text=True,
-                              env={**os.environ, "OUT": str(out)}, timeout=60)
-
-    script = "test -f bench/detach.sh && mkdir part && touch part/a && sleep 4 && echo $PWD > $OUT/where"
-    started = run("start", job, "--", "bash", "-c", script)
-    assert started.returncode == 0, started.stdout + started.stderr
-    first = run("wait", job, 1, job / "repo" / "part")
-    assert "still running" in first.stdout and not (out / "where").exists()
-    last = run("wait", job, 30, job / "repo" / "part")
-    assert "ended" in last.stdout
-    assert (out / "where").read_text().strip() == str(job / "repo") and (out / "part.tgz").exists()
-    assert run("start", tmp_path / "other").returncode == 2  # no command: one line, nothing started
-    assert not (tmp_path / "other").exists()
-    (tmp_path / "mine").mkdir()  # a folder no job made is not emptied, nor a relative path used
-    assert run("start", tmp_path / "mine", "--", "true").returncode == 2 and (tmp_path / "mine").exists()
-    assert run("start", "job", "--", "true").returncode == 2
+    pairs = {"pairs": {"summary": {"pairs": 2, "eval_diff_by_step": {"2": {"mean": -0.01, "se": 0.02},
+                                                                     "4": {"mean": 0.03, "se": 0.01}}}}}
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    runs = [{"run": f"{arm}-seed{seed}", "rc": 0, "samples_per_s": 10.0 + seed, "reward_by_step": [0.1, 0.2],
+             "time_by_step": [1.0, 2.0], "eval": [[0, 0.5, 0.1], [2, 0.6, 0.2]]}
+            for arm in ("sync", "partial") for seed in (0, 1)]
+    runs.append({"run": "warm-12", "rc": 0})  # the warm-up: no arm, left out
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    for flags, png in ((["--plot_pairs", f"{tmp_path / 'pairs.json'}:label", "--out", "d.png"], "d.png"),
+                       (["--plot_runs", str(tmp_path / "runs.jsonl"), "--accuracy"], "runs.png")):
+        monkeypatch.setattr(sys, "argv", ["analyze_partial.py", *flags])
+        monkeypatch.chdir(tmp_path)
+        analyze_partial.main()
+        assert (tmp_path / png).stat().st_size > 10_000
+        assert capsys.readouterr().out.strip().endswith(png)
+    monkeypatch.setattr(sys, "argv", ["analyze_partial.py", "--plot_pairs", "x.json"])
+    with pytest.raises(SystemExit):
+        analyze_partial.main()
+    assert "--plot_pairs needs --out PNG" in capsys.readouterr().err

@@ -23,7 +23,7 @@ RUN = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt"
 
 
 def launch(cmd, timeout=600, **env):
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # beside the GPU's packages
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # the checkout first
     env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **env}
     try:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -55,6 +55,7 @@ def test_config_files_load():
         assert config.mixed_precision == "no"  # the script picks bf16 itself
 
 
+@pytest.mark.slow
 def test_full_weights_sharded(tiny_model_dir):
     """The vLLM weight sync's gather under FSDP2 and ZeRO-3, with and without LoRA: every weight exact (LoRA
     merged), one layer or tensor at a time."""
@@ -64,6 +65,7 @@ def test_full_weights_sharded(tiny_model_dir):
     assert out.count("OK") == 2 * 2 * len(modes)
 
 
+@pytest.mark.slow
 def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tmp_path, chars_reward):
     """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss)
     and a reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same
@@ -138,7 +140,7 @@ def test_move_optimizer_state():
 
 
 def test_host_copy_keeps_a_dtensors_layout():
-    """FSDP2's moments are DTensors: their CPU copy (pinned on a GPU machine; here not) holds the local shard
+    """FSDP2's moments are DTensors: their CPU copy (pinned with a GPU; here not) holds the local shard
     in a buffer reused by the next move, and keeps the mesh, placements and global shape, so moving it back
     gives the DTensor it was (on one gloo rank: a mesh of 1)."""
     import socket
@@ -168,7 +170,7 @@ def test_host_copy_keeps_a_dtensors_layout():
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_move_optimizer_state_reuses_pinned_buffers():
     """With a GPU the moments go to pinned CPU buffers, made on the first move and reused by the next ones,
     holding the values they had on the GPU."""
@@ -191,6 +193,7 @@ def test_move_optimizer_state_reuses_pinned_buffers():
     assert buffers[0] == buffers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_move_optimizer_state_under_deepspeed(stage):
     """--optimizer_offload under DeepSpeed ZeRO-1 and ZeRO-3 moves the inner AdamW's moments, and the next
@@ -313,10 +316,10 @@ def test_evaluate_pads_ranks_to_equal_work():
                     "as --reward_fallback)")
 
 
-# ---- GPU: two GPUs with vllm (run on the GPU machine) ----
+# ---- GPU ----
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
-                    reason="needs 2 GPUs and vllm")
+@pytest.mark.slow
+@pytest.mark.gpu(count=2, needs="vllm")
 @pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2"])
 def test_sharded_configs_with_vllm(tmp_path, config):
     """The embedded model, sharded over 2 GPUs with vLLM colocated: the layer-wise sync keeps vLLM's
@@ -333,8 +336,8 @@ def test_sharded_configs_with_vllm(tmp_path, config):
     assert os.path.isfile(tmp_path / "model" / "model.safetensors")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
-                    reason="needs a GPU and sglang")
+@pytest.mark.slow
+@pytest.mark.gpu(needs="sglang")
 @pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2"])
 def test_sharded_configs_on_one_gpu_with_sglang(tmp_path, config):
     """SGLang colocated under ZeRO-3 / FSDP2 (one process): the sync gathers one layer at a time into SGLang's
@@ -351,6 +354,8 @@ def test_sharded_configs_on_one_gpu_with_sglang(tmp_path, config):
     assert all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0 for r in steps)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_engine_tensor_parallel_over_two_gpus(tmp_path, engine):
     """--engine_tp_size 2 on two GPUs (DDP, two processes): both ranks' prompts go to the one engine the pair
@@ -358,8 +363,8 @@ def test_engine_tensor_parallel_over_two_gpus(tmp_path, engine):
     stay on the trainer's after each sync. The model is bench_sizes.py's random Qwen2 of the 0.5B shape (14
     heads, 2 KV heads: SmolLM2-135M's 9 heads do not split over 2 ranks), with its pseudo-random reward, so
     every step moves the weights the engine must follow."""
-    if torch.cuda.device_count() < 2 or importlib.util.find_spec(engine) is None:
-        pytest.skip(f"needs 2 GPUs and {engine}")
+    if importlib.util.find_spec(engine) is None:
+        pytest.skip(f"needs {engine}")
     sys.path.insert(0, ROOT)
     from bench.bench_sizes import make_model
 
@@ -375,7 +380,7 @@ def test_engine_tensor_parallel_over_two_gpus(tmp_path, engine):
     assert all(r["rollout/logprob_diff_mean"] < 0.05 and r["rollout/tokens_generated"] > 0 for r in steps)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_fsdp2_moments_move_to_pinned_buffers():
     """FSDP2 (fully_shard on one GPU): --optimizer_offload moves the AdamW moments, DTensors, into pinned
     buffers (a pageable copy cost ~15x more a move), keeping their layout, and the next step trains on them
@@ -421,8 +426,8 @@ def moments_of(state):
     return []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                    reason="needs a GPU and vllm")
+@pytest.mark.slow
+@pytest.mark.gpu(needs="vllm")
 def test_zero3_optimizer_offload_on_one_gpu_with_vllm(tmp_path):
     """DeepSpeed ZeRO-3 on one GPU, vLLM colocated, --optimizer_offload: the inner AdamW's moments are on
     the CPU between updates (the checkpoint saved after step 1 holds them there), the run resumes from it

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 ENGINES = [pytest.param(e, marks=pytest.mark.skipif(not importlib.util.find_spec(e), reason=f"needs {e}"))
            for e in ("vllm", "sglang")]
 

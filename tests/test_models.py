@@ -161,21 +161,24 @@ def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir, checkpointing):
     """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight
-    sync), the same logits and gradients (the eager backend here; inductor on the GPU machine), also with the
+    sync), the same logits and gradients (the eager backend on a CPU; inductor on a GPU), also with the
     non-reentrant gradient checkpointing the scripts turn on when an update would not fit."""
     from rft_core.models import checkpointing_on, compile_blocks
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     compiled = compile_blocks(AutoModelForCausalLM.from_pretrained(tiny_model_dir), backend="eager")
     for model in (plain, compiled) if checkpointing else ():
         model.train()
         checkpointing_on(model)
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in compiled.named_parameters()]
-    assert compiled.model.layers[0]._compiled_call_impl is not None
     ids = torch.tensor([[3, 4, 5, 6, 7], [0, 0, 5, 6, 7]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-    outs = [m(input_ids=ids, attention_mask=mask).logits for m in (plain, compiled)]
+    outs = [plain(input_ids=ids, attention_mask=mask).logits]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    outs.append(compiled(input_ids=ids, attention_mask=mask).logits)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # its layers ran as compiled graphs
     assert torch.allclose(outs[0], outs[1], atol=1e-6)
     for out in outs:
         out.sum().backward()
@@ -217,12 +220,15 @@ def test_compile_blocks_takes_the_vision_critic():
     from rft_core.vision import VisionValueModel, tiny_qwen2_vl, word_tokenizer
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     plain = VisionValueModel(tiny_qwen2_vl(word_tokenizer()))
     torch.nn.init.normal_(plain.score.weight)
     compiled = compile_blocks(copy.deepcopy(plain), backend="eager")
-    assert compiled.model.language_model.layers[0]._compiled_call_impl is not None
     ids, mask = torch.tensor([[3, 4, 5, 6], [0, 4, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
-    values = [m(ids, mask).logits for m in (plain, compiled)]
+    values = [plain(ids, mask).logits]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    values.append(compiled(ids, mask).logits)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # its blocks ran as compiled graphs
     assert torch.allclose(values[0], values[1], atol=1e-6)
 
 
@@ -256,6 +262,7 @@ def test_the_health_check_measures_the_update_on_rows_with_engine_logprobs(tiny_
     from accelerate import Accelerator
 
     from rft_core.engine import Generation
+    from rft_core.errors import TrainingDiverged
     from rft_core.experience import batched_logprobs, build_experience
     from rft_core.health import HealthGuard
 
@@ -266,8 +273,13 @@ def test_the_health_check_measures_the_update_on_rows_with_engine_logprobs(tiny_
     gens = [Generation([7, 8, 9], None), Generation([7, 8], own[1, :2].tolist())]
     exp = build_experience([[3, 4, 5], [3, 4]], gens, 0)
     guard = HealthGuard(str(tmp_path), model.config.vocab_size, max_update_kl=1e-4)
-    guard.before_checkpoint(model, exp, {"micro_batch_size": 2, "packed": False}, 1.0, None,
-                            Accelerator(cpu=True), step=1)  # raises if the KL is not finite and small
+    split = {"micro_batch_size": 2, "packed": False}
+    guard.before_checkpoint(model, exp, split, 1.0, None, Accelerator(cpu=True), step=1)  # passes
+    # the known row's engine logprobs 0.01 above the model's: a KL of 0.01 nats per token, over the limit
+    gens = [Generation([7, 8, 9], None), Generation([7, 8], (own[1, :2] + 0.01).tolist())]
+    moved = build_experience([[3, 4, 5], [3, 4]], gens, 0)
+    with pytest.raises(TrainingDiverged, match=r"moved the policy by 0\.01 nats per token"):
+        guard.before_checkpoint(model, moved, split, 1.0, None, Accelerator(cpu=True), step=1)
 
 
 def test_forwards_with_gradients_never_run_cudnn_attention(tiny_model_dir):
@@ -297,10 +309,10 @@ def test_forwards_with_gradients_never_run_cudnn_attention(tiny_model_dir):
     assert seen == [False] * 4 and before and torch.backends.cuda.cudnn_sdp_enabled()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_left_padded_rows_give_finite_gradients_on_the_gpu():
     """On a GPU, a bf16 Qwen2 of head size 128 over a left-padded batch of 25 x 64 (the shape that stopped
-    session 18's 1.5B run), with cuDNN's SDPA kernel enabled and first in priority around the call: a plain
+    a 1.5B run), with cuDNN's SDPA kernel enabled and first in priority around the call: a plain
     forward then gives NaN gradients (the bug: skipped where this torch's cuDNN no longer has it, or has no
     kernel for the shape), and response_logprobs, which turns cuDNN off inside, gives finite ones."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -4,7 +4,7 @@ parallelism config.
 On CPU Accelerate and DeepSpeed allow Ulysses under ZeRO-3 (gloo, DS_ACCELERATOR=cpu, sdpa). They do not allow
 FSDP2's context parallelism (Accelerate runs FSDP on GPUs only; torch's ring attention is CUDA only): on CPU
 its layout is checked with torch's own context on a gloo mesh, the rest on two GPUs (marked). Nor
-flash-attention (so no packed rows under SP). The two-GPU runs are in bench/run_gpu_sp.sh."""
+flash-attention (so no packed rows under SP)."""
 
 import importlib.util
 import json
@@ -81,6 +81,7 @@ def test_one_rank_and_the_first_slice_equal_the_padded_path(tiny_model_dir):
     torch.testing.assert_close(got * owned, want.detach() * owned, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_context_parallel_slices_are_the_contexts_columns(tmp_path):
     """Context parallelism's layout on two CPU ranks with torch's context_parallel
     (tests/cp_layout_worker.py): a rank's columns are those the context gives it (two chunks, head and tail,
@@ -113,12 +114,11 @@ def test_context_parallel_slices_are_the_contexts_columns(tmp_path):
             assert r["columns"][r["where"][b][t]] == prompt_lens[b] + t - 1
 
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-two_gpus_deepspeed = pytest.mark.skipif(
-    not (torch.cuda.device_count() >= 2 and importlib.util.find_spec("deepspeed")),
-    reason="needs two GPUs and deepspeed")
+two_gpus = pytest.mark.gpu(count=2)
+two_gpus_deepspeed = pytest.mark.gpu(count=2, needs="deepspeed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, device, groups", [
     pytest.param(SP2, "cpu", 1, marks=needs_deepspeed), pytest.param(SP2, "cpu", 2, marks=needs_deepspeed),
     pytest.param(SP2, "cuda", 1, marks=two_gpus_deepspeed), pytest.param(CP2, "cuda", 1, marks=two_gpus)],
@@ -136,7 +136,7 @@ def test_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, 
         config = tmp_path / "dp_sp.yaml"
         key = "parallelism_config_dp_shard_size"
         config.write_text(text.replace(f"{key}: 1", f"{key}: {groups}"))
-    path = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])  # (the GPU's packages)
+    path = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])  # the checkout first
     env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": device, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                           os.path.join(ROOT, "tests", "sp_worker.py"), tiny_model_dir, "4", str(tmp_path)],
@@ -154,6 +154,7 @@ def test_sp2_equals_sp1_logprobs_losses_and_gradients(tiny_model_dir, tmp_path, 
             assert r[mode]["grad_rel"] < 10 * tolerance, (mode, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [pytest.param(SP2, marks=needs_deepspeed, id="ulysses-cpu"),
                                     pytest.param(CP2, marks=two_gpus, id="context-cuda")])
 def test_train_ppo_runs_with_sequence_parallelism(tiny_model_dir, tmp_path, chars_reward, config):

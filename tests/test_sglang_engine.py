@@ -13,8 +13,7 @@ from rft_core.sglang_engine import (SGLangEngine, generation_of, processor_outpu
 import test_vllm_engine as same  # its GPU checks take any engine: run here on SGLang's
 from test_vllm_engine import _prompts
 
-gpu = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("sglang")),
-                         reason="needs a CUDA GPU and sglang")
+gpu = pytest.mark.gpu(needs="sglang")
 
 
 def test_sampling_params_per_request():
@@ -159,7 +158,7 @@ def test_asking_for_sglang_without_it_is_one_line():
         resolve_engine_type("sglang")
 
 
-# ---- GPU (run on the GPU machine with bench/sglang_wheels.txt installed; one engine, shared) ----
+# ---- GPU (with requirements-sglang.txt installed; one engine, shared) ----
 
 @pytest.fixture(scope="module")
 def engine_and_model():

@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import ROOT, read_metrics, run_script
 
+pytestmark = pytest.mark.slow  # every test here runs the script
+
 TINY_BY_TOKENS = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
                   "--micro_rollout_batch_size", "4", "--generate_max_len", "8"]
 TINY = [*TINY_BY_TOKENS, "--micro_train_batch_size", "2"]

@@ -18,6 +18,7 @@ def run_vl(args, **kwargs):
     return run_script("train_ppo_vl.py", args, **kwargs)
 
 
+@pytest.mark.slow
 def test_builtin_shapes(tmp_path):
     run_vl([*VL_TINY, "--output_dir", str(tmp_path)])
     rows, evals = read_metrics(str(tmp_path))
@@ -31,6 +32,7 @@ def test_builtin_shapes(tmp_path):
     assert os.path.isfile(tmp_path / "model" / "preprocessor_config.json")
 
 
+@pytest.mark.slow
 def test_file_dataset_with_images(tmp_path, chars_reward):
     import random
 
@@ -55,6 +57,7 @@ def test_file_dataset_with_images(tmp_path, chars_reward):
 
 
 # dr_grpo, rloo: only their pure function differs
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["cpgd", "reinforce", "gae"])
 def test_estimators_with_images(tmp_path, estimator, chars_reward):
     """More of the text script's estimators on the shapes task (group_norm and reinforce_baseline run above);
@@ -74,6 +77,7 @@ def test_estimators_with_images(tmp_path, estimator, chars_reward):
         assert rows[2]["train/values"] != 0  # the zero head has learned
 
 
+@pytest.mark.slow
 def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
     """Every flag of train_ppo.py exists in train_ppo_vl.py; those that cannot apply are refused in one line,
     the others run (--optimizer_offload, --system_prompt, --partial_rollout in start order: image prompts
@@ -104,6 +108,7 @@ def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
                for r in rows[1:])
 
 
+@pytest.mark.slow
 def test_deepspeed_zero3_matches_ddp(tmp_path, chars_reward):
     """train_ppo_vl.py through accelerate_configs/deepspeed_zero3.yaml on two CPU ranks (DS_ACCELERATOR=cpu),
     the policy and the image-seeing reference sharded: the same rewards, grad norms and KL as DDP on the same

@@ -106,6 +106,7 @@ def test_vl_script_checks_the_same_flags(tmp_path, monkeypatch):
                 re.escape("--image_max_pixels 100: must be >= 784"))
 
 
+@pytest.mark.slow
 def test_a_user_error_is_one_line_without_traceback(tmp_path):
     proc = run(["--temperature", "0", "--output_dir", str(tmp_path)], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -250,6 +251,7 @@ def test_a_step_that_trains_nothing_is_said_once(tmp_path, capsys):
     assert said[1].startswith("[signal] step 2: every response was cut at --generate_max_len 8 before it")
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_leaves_it_alone(tiny_model_dir, tmp_path):
     """The same command again after a run whose last checkpoint is its last step: one line, exit 0, and its
     record untouched (it used to evaluate again, append a second final eval row, then fail on the empty loop
@@ -264,6 +266,7 @@ def test_rerunning_a_finished_run_leaves_it_alone(tiny_model_dir, tmp_path):
     assert {name: (out / name).read_bytes() for name in before} == before
 
 
+@pytest.mark.slow
 def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     """A checkpoint records the settings its contents depend on (data stream, batch, buffers, models, layout):
     resuming it with others is one line before anything loads, naming each; a changed learning rate or a
@@ -346,6 +349,7 @@ def test_reward_failures_are_printed_once_and_bounded(tmp_path):
         scorer.check(3, 4, 3)  # below the default limit (all of them)
 
 
+@pytest.mark.slow
 def test_a_run_whose_rewards_all_fail_stops(tiny_model_dir, tmp_path):
     (tmp_path / "rw.py").write_text(REWARDS)
     args = ["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:raises"]
@@ -412,6 +416,7 @@ def test_reward_sources_name_their_flag(tmp_path):
 
 # ---- the output directory ----
 
+@pytest.mark.slow
 def test_a_failed_rerun_leaves_the_finished_run_alone(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
     run(["--pretrain", tiny_model_dir, *TINY, "--output_dir", str(out)])
@@ -435,6 +440,7 @@ def reward(p, completions, l, **kw):
 """
 
 
+@pytest.mark.slow
 def test_non_finite_gradients_stop_before_the_update_and_name_the_intact_checkpoint(tiny_model_dir, tmp_path):
     (tmp_path / "rw.py").write_text(HUGE)
     proc = run(["--pretrain", tiny_model_dir, *TINY, "--max_steps", "3", "--advantage_estimator", "dr_grpo",
@@ -510,6 +516,7 @@ def test_a_nan_gradient_before_any_update_is_not_blamed_on_the_learning_rate(tmp
 
 # ---- checkpoints ----
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_named_and_skipped(tiny_model_dir, tmp_path):
     """The latest checkpoint's weights truncated and the one before's RNG state truncated: the resume names
     both and continues from the newest intact one, checkpoint-1."""
@@ -555,11 +562,14 @@ def chars(p, completions, l, **kw):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, sig, code):
     """SIGINT / SIGTERM during step 2: the step finishes, one line says what is intact, the exit status says
     which signal; with --save_on_sigterm a checkpoint of that step is written first. SIGUSR1 before it only
     prints the stacks (where a stuck run waits)."""
+    from rft_core.checkpoint import verify_checkpoint
+
     (tmp_path / "rw.py").write_text(SLOW)
     out = tmp_path / "out"
     args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "20",
@@ -585,7 +595,12 @@ def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, s
     assert stopped == [f"stopped: {signal.Signals(sig).name} after step {step}: checkpoint-{step} is intact; "
                        "rerun the same command to resume from it"]
     assert (out / "latest").read_text() == f"checkpoint-{step}" and not (out / "model").exists()
-    assert torch.load(out / f"checkpoint-{step}" / "random_states_0.pkl", weights_only=False) is not None
+    # the checkpoint is whole: every file its manifest lists (the RNG states among them), of the size and
+    # digest it was written with, and it is the step's
+    ckpt = out / f"checkpoint-{step}"
+    assert verify_checkpoint(str(ckpt)) is None
+    assert "random_states_0.pkl" in json.loads((ckpt / "manifest.json").read_text())
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
 
 
 def test_a_deleted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
