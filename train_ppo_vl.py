@@ -12,7 +12,7 @@ reward 1 for the right first word.
         --images_key images --label_key answer --reward_fn math --freeze_prefix model.visual
 
 Any config in accelerate_configs/ works as for train_ppo.py. vLLM gets one placeholder per image and the
-images, and must expand them to the trainer's prompt token for token (rft_core/vllm_engine.py). gae's
+images, and must expand them to the trainer's prompt token for token (rft_core/engines/vllm.py). gae's
 critic is a copy of the policy's backbone, vision tower included. The lines marked `# VL` (and the
 `# VL begin` ... `# VL end` blocks) are where this file differs from train_ppo.py, and
 tests/test_scripts_in_step.py fails on any other difference. The loop per step and where it departs from
@@ -29,28 +29,32 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from rft_core.advantages import TOKEN_LEVEL, adaptive_kl_coef, outcome_scores, token_level_advantages
+from rft_core.advantages import adaptive_kl_coef, outcome_scores, token_level_advantages
 from rft_core.checkpoint import checkpoint_step, finished_run, load_checkpoint, resume_point, save_checkpoint
-from rft_core.cli import StopSignals, check_args, parse_args, run_main, stop_error
+from rft_core.cli import parse_args
 from rft_core.data import shapes_task, text_batches  # VL
-from rft_core.distributed import (accumulate_over, accumulation_divisor, adamw_with_warmup,
-                                  configure_deepspeed, end_run, move_optimizer_state, offload_after_update,
-                                  prepare_frozen, process_group_kwargs, step_optimizers)
-from rft_core.engine import create_engine, engine_options, resolve_engine_type
+from rft_core.distributed import configure_deepspeed, end_run, prepare_frozen, process_group_kwargs
+from rft_core.engines import create_engine
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
 from rft_core.health import HealthGuard
 from rft_core.experience import (build_experience, logprob_passes, micro_batch_logprobs,
                                  micro_batch_values, optimizer_chunks)
-from rft_core.losses import (LossSettings, actor_loss, kl_estimate, masked_mean, policy_token_counts,
-                             token_mean, value_loss)
+from rft_core.losses import (actor_loss, kl_estimate, masked_mean, policy_token_counts, token_mean,
+                             value_loss)
 from rft_core.memory import micro_batch_splits
 from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics, update_metrics
-from rft_core.models import compile_blocks, export_hf, lora_model, named_like, text_lm_loss
+from rft_core.model_training import compile_blocks, text_lm_loss
+from rft_core.models import export_hf, lora_model, named_like
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
-from rft_core.rewards import RewardScorer, RunningMoments, reward_sources, shape_rewards
-from rft_core.rollout import RolloutSettings, Rollouts
-from rft_core.sequence_parallel import SequenceParallel, group_size, sliced
+from rft_core.optim import (accumulate_over, accumulation_divisor, adamw_with_warmup, move_optimizer_state,
+                            offload_after_update, step_optimizers)
+from rft_core.reward_sources import reward_sources
+from rft_core.rewards import RewardScorer, RunningMoments, shape_rewards
+from rft_core.plan import default_bf16, resolve, with_memory_plan
+from rft_core.rollout import Rollouts
+from rft_core.run import StopSignals, run_main, stop_error
+from rft_core.sequence_parallel import SequenceParallel, sliced
 
 
 @dataclass
@@ -303,10 +307,10 @@ class Args:
 
 
 # VL begin: loading the model and the image prompts
-def load_models(args, accelerator, kl_in_reward):
+def load_models(args, plan, accelerator):
     """(policy, tokenizer, image processor, frozen reference model or None, critic or None)."""
     # with LoRA the base is frozen: kept in bf16, it needs no fp32 master copy (not when the critic copies it)
-    bf16_base = args.lora_rank and args.bf16 and args.advantage_estimator != "gae"
+    bf16_base = args.lora_rank and plan.bf16 and args.advantage_estimator != "gae"
     model, tokenizer, processor = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels,
                                                 dtype=torch.bfloat16 if bf16_base else torch.float32)
     critic = VisionValueModel(model) if args.advantage_estimator == "gae" else None  # named model.* too
@@ -314,7 +318,7 @@ def load_models(args, accelerator, kl_in_reward):
     if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
         model = lora_model(model, args.lora_rank, args.lora_alpha, args.target_modules)
     ref_model = None
-    if (args.use_kl_loss or kl_in_reward) and not args.lora_rank:  # sharded like the actor
+    if (args.use_kl_loss or plan.kl_in_reward) and not args.lora_rank:  # sharded like the actor
         reference, _, _ = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)
         ref_model = prepare_frozen(accelerator, reference)
     return model, tokenizer, processor, ref_model, critic
@@ -347,35 +351,41 @@ def encode_prompts(args, rows, tokenizer, processor, model, log):
 # VL end
 
 
+def micro_batch_loss(model, critic, mb, settings, frozen, args, plan, sp, ptx_batches, tokenizer):
+    """One micro-batch's loss, normalised by the whole optimizer step's totals (settings), and its metrics:
+    the policy loss (and KL, entropy, TIS: actor_loss), the ptx loss, the critic's value loss."""
+    with torch.set_grad_enabled(not frozen):  # PPO's warm-up: only the critic learns
+        entropy_grad = "grad" if args.entropy_coef else True  # the entropy, with a gradient if it is a loss
+        logprobs, entropy = micro_batch_logprobs(model, mb, args.temperature, entropy_grad, plan.chunk_size,
+                                                 args.packing_samples, sp)  # (B, T) each
+    loss, m = actor_loss(logprobs, entropy, mb, settings)  # (B, T) each -> scalar
+    if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
+        ptx_loss = text_lm_loss(model, tokenizer, next(ptx_batches), args.prompt_max_len)
+        loss = loss + args.ptx_coef * ptx_loss / settings.micro_batches_per_step
+        m["ptx_loss"] = ptx_loss.detach()
+    if critic is not None:
+        values = micro_batch_values(critic, mb, args.packing_samples)  # (B, T)
+        v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
+                            args.loss_agg_mode, settings.num_tokens, settings.num_seqs, settings.max_len)
+        m["value_loss"] = v_loss.detach() * settings.micro_batches_per_step  # as policy_loss
+        m["values"] = token_mean(values.detach(), mb.action_mask)
+        loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward
+    return loss, m
+
+
 def main():
     args = parse_args(Args)
-    args.bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
     trackers = (["wandb"] if args.use_wandb else []) + (["tensorboard"] if args.use_tensorboard else [])
-    accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no", log_with=trackers or None,
+    precision = "bf16" if default_bf16(args) else "no"  # (the plan records it)
+    accelerator = Accelerator(mixed_precision=precision, log_with=trackers or None,
                               project_dir=args.use_tensorboard, kwargs_handlers=process_group_kwargs())
-    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    rank, device = accelerator.process_index, accelerator.device
 
-    # ---- derived values and checks ----
-    samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
-    args.train_batch_size = args.train_batch_size or samples_per_step
-    deepspeed = accelerator.state.deepspeed_plugin
-    sharded = accelerator.distributed_type.name == "FSDP" or (deepspeed and deepspeed.zero_stage == 3)
-    engine_type = resolve_engine_type(args.engine_type)  # auto: vllm where installed with a GPU, else hf
-    check_args(args, world, deepspeed, sharded, engine_type, accelerator.parallelism_config)
-    args.actor_learning_rate = args.actor_learning_rate or (1e-6 if args.pretrain else 3e-3)  # VL
-    chunk_size = args.chunk_size if args.fused_linear_logprob else None  # of the LM head
-    sp_size = group_size(accelerator.parallelism_config)  # ranks sharing samples (SP / CP), a slice of each
-    if args.torch_compile is None:  # auto: on where measured (SP and CP come with DeepSpeed or FSDP2)
-        args.torch_compile = device.type == "cuda" and not (deepspeed or sharded) and engine_type != "hf"
-    rows_per_update = args.train_batch_size * sp_size // world  # local samples per optimizer step
-    token_level = args.advantage_estimator in TOKEN_LEVEL
-    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0  # KL penalty in the rewards
+    # ---- the plan: the flags checked, every derived value and automatic choice made (rft_core/plan.py) ----
+    plan = resolve(args, accelerator, default_lr=1e-6 if args.pretrain else 3e-3)  # VL
+    world, deepspeed = plan.world, accelerator.state.deepspeed_plugin
     kl_coef = args.init_kl_coef
-    # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
-    one_update = args.max_epochs == 1 and args.train_batch_size == samples_per_step
-    reuse_old_logprobs = one_update and not kl_in_reward
-
-    configure_deepspeed(accelerator, rows_per_update, args.micro_train_batch_size, args.max_norm)
+    configure_deepspeed(accelerator, plan.rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
     resume_from, identity = resume_point(args, accelerator)  # identity: what a resume must share
 
@@ -384,29 +394,28 @@ def main():
     ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size or 8, rank,
                                world) if args.pretrain_data else None  # for the ptx loss
     sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, device,
-                             torch.bfloat16 if args.bf16 else None,
+                             torch.bfloat16 if plan.bf16 else None,
                              place=lambda m: prepare_frozen(accelerator, m),
                              default_rule="first_word")  # VL
     score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_timeout,
                              args.reward_failure_limit, log=tqdm.write)  # score_all(samples)
     moments = RunningMoments() if args.normalize_reward else None
-    model, tokenizer, processor, ref_model, critic = load_models(args, accelerator, kl_in_reward)
-    for net in [net for net in (model, critic) if net is not None and args.torch_compile]:  # what trains
+    model, tokenizer, processor, ref_model, critic = load_models(args, plan, accelerator)
+    for net in [net for net in (model, critic) if net is not None and plan.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
     prompts = encode_prompts(args, rows, tokenizer, processor, model, accelerator.print)
     if len(prompts["train"]) < args.rollout_batch_size:
         raise DataError(f"{len(prompts['train'])} usable training prompts, fewer than --rollout_batch_size")
     num_steps = min(args.max_steps, args.num_episodes * (len(prompts["train"]) // args.rollout_batch_size))
-    num_updates = num_steps * args.max_epochs * (samples_per_step // args.train_batch_size)
+    num_updates = num_steps * args.max_epochs * (plan.samples_per_step // plan.train_batch_size)
     warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # optimizer steps of linear warm-up
     if finished_run(resume_from, num_steps, accelerator.print):  # a rerun of a finished run
         return end_run(accelerator)
 
     sp = SequenceParallel.from_accelerator(accelerator, model)  # None without SP or CP
-    loss_settings = LossSettings.from_args(args, sample_sum=sp.sum if sp else None)
     # what one optimizer step updates, by the name its gradient norm is logged under
-    actor_optim = adamw_with_warmup(model, args.actor_learning_rate, warmup)
+    actor_optim = adamw_with_warmup(model, plan.actor_learning_rate, warmup)
     model, optimizer, scheduler = accelerator.prepare(model, *actor_optim)
     trained = {"grad_norm": (model, optimizer, scheduler)}
     if critic is not None:
@@ -415,12 +424,13 @@ def main():
         critic = trained["critic_grad_norm"][0]
     trained_nets = [net for net, _, _ in trained.values()]  # as prepared (DDP- or DeepSpeed-wrapped)
     # micro-batches by rows or by tokens (planned from the measured activations on a GPU), checkpointing
-    split, logprob_split = micro_batch_splits(args, accelerator, model, trained_nets, chunk_size, sp)
+    plan = with_memory_plan(plan, args, accelerator, model, trained_nets)
+    split, logprob_split = micro_batch_splits(args, plan, accelerator, sp)
     optimizers = [opt for _, opt, _ in trained.values()]
-    engine = create_engine(engine_type, accelerator.unwrap_model(model), tokenizer, processor,
+    engine = create_engine(plan.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
                            limit_mm_per_prompt=args.limit_mm_image_per_prompt,  # VL
                            static_prefix=args.freeze_prefix,  # VL
-                           **engine_options(args, samples_per_step // world, sp_size))
+                           **plan.engine)
 
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,
@@ -435,7 +445,7 @@ def main():
             export_hf(accelerator.unwrap_model(model), tokenizer, path, state_dict, processor)
 
     # the run's record starts here, once everything has loaded: a failed start leaves output_dir as it was
-    config = {**asdict(args), "world_size": world}
+    config = {**asdict(args), "world_size": world, "plan": plan.record()}  # the flags as typed, the plan
     log = MetricsLog(args.output_dir, config, accelerator, args.wandb_project if trackers else None,
                      keep_until=checkpoint_step(resume_from) if resume_from else None,
                      samples_every=args.log_samples_steps, plot_every=args.plot_every,
@@ -443,7 +453,7 @@ def main():
     guard = HealthGuard(args.output_dir, accelerator.unwrap_model(model).config.get_text_config().vocab_size)
 
     # ---- resume ----
-    settings = RolloutSettings.from_args(args, tokenizer.eos_token_id)
+    settings = replace(plan.rollout, eos_token_id=tokenizer.eos_token_id)
     rollouts = Rollouts(prompts["train"], args.rollout_batch_size, args.seed, rank, world, settings, device)
     start, first_eval = 0, None  # the last step done, the step-0 eval
     if resume_from:
@@ -455,16 +465,19 @@ def main():
         ema = tensors["ema"] if ema is not None else None
         engine.update_weights(accelerator.unwrap_model(model))
         accelerator.print(f"[resume] from {resume_from}: step {start}")
-    accelerator.print(f"[setup] {num_steps} steps x {samples_per_step} samples | {world} processes | "
-                      f"engine {type(engine).__name__} | bf16 {args.bf16}")
+    accelerator.print(plan.describe())
+    accelerator.print(f"[setup] {num_steps} steps x {plan.samples_per_step} samples | {world} processes | "
+                      f"engine {type(engine).__name__} | bf16 {plan.bf16}")
     if prompts["eval"] and not resume_from:
         first_eval = run_eval(0)
 
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
     perf, stops = StepTimer(), StopSignals()
+    loss_settings = replace(plan.loss, sample_sum=sp.sum if sp else None)  # SP / CP: a sample's slices summed
+    offload = plan.optimizer_offload  # --optimizer_offload; auto (None): decided after the first update
     for step in tqdm(range(start + 1, num_steps + 1), desc="steps", initial=start, total=num_steps,
                      disable=not accelerator.is_main_process):
-        # ---- rollout ----
+        # ---- rollout: generate and score (perf/score_s of it), keep whole groups ----
         perf.phase("wake")
         engine.wake_up()  # the KV cache, if the engine slept
         perf.phase("generate")
@@ -473,8 +486,8 @@ def main():
         perf.phase("sleep")
         slept = engine.sleep(needed_bytes=perf.extra_bytes("update"))  # auto: if training needs the memory
 
-        # ---- rewards ----
-        perf.phase("rewards")
+        # ---- experience: the padded batch, its rewards shaped ----
+        perf.phase("experience")
         exp = build_experience([s.prompt_ids for s in samples], [s.generation for s in samples],
                                tokenizer.pad_token_id, device, mm=[s.mm for s in samples])
         rewards = torch.tensor([s.reward for s in samples], device=device, dtype=torch.float32)  # (B,)
@@ -484,27 +497,29 @@ def main():
         perf.phase("logprob")
         with accelerator.autocast():  # (B, T) each, or None where not needed
             exp.old_logprobs, exp.ref_logprobs, exp.values = logprob_passes(
-                exp, model, ref_model, critic, args.temperature, chunk_size, logprob_split,
-                old=not reuse_old_logprobs, ref=args.use_kl_loss or kl_in_reward, lora=bool(args.lora_rank))
+                exp, model, ref_model, critic, args.temperature, plan.chunk_size, logprob_split,
+                old=not plan.reuse_old_logprobs, ref=args.use_kl_loss or plan.kl_in_reward,
+                lora=bool(args.lora_rank))
 
         # ---- advantages ----
         perf.phase("advantages")
         scores = outcome_scores(exp.rewards, args.n_samples_per_prompt, args.advantage_estimator)  # (B,)
-        reward_kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") if kl_in_reward else None  # (B, T)
+        reward_kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, "k1") if plan.kl_in_reward else None
         exp.advantages = scores  # (B,)
-        if token_level:  # (B, T): the score on the last token, the KL penalty on all, then GAE or returns
+        if plan.token_level:  # (B, T): the score on the last token, the KL penalty on all, then GAE / returns
             exp.advantages, exp.returns = token_level_advantages(
                 scores, exp.action_mask, reward_kl, kl_coef, exp.values, args.gamma, args.lambd, reduce_sum)
 
         # ---- update ----
         perf.phase("update")
-        if args.optimizer_offload:
+        if offload:
             move_optimizer_state(optimizers, device)  # the AdamW moments back on the GPU
         model.train()
         frozen = step <= args.freezing_actor_steps  # PPO warm-up: only the critic learns
         stepped = {key: parts for key, parts in trained.items() if not (frozen and parts[0] is model)}
         stats = Means()
-        for chunk in optimizer_chunks(exp, rows_per_update, args.max_epochs, args.seed * 100003 + step * 101):
+        shuffle_seed = args.seed * 100003 + step * 101
+        for chunk in optimizer_chunks(exp, plan.rows_per_update, args.max_epochs, shuffle_seed):
             micro_batches = chunk.split(**split)  # as many on every rank
             accumulate_over(accelerator, len(micro_batches))  # the last one syncs and steps
             scale = world * accumulation_divisor(accelerator)  # the mean gradient accumulation and DDP apply
@@ -517,43 +532,27 @@ def main():
                                micro_batches_per_step=len(micro_batches) * world)
             for mb in micro_batches:
                 with accelerator.accumulate(*trained_nets), accelerator.autocast(), sliced(sp, model, mb):
-                    with torch.set_grad_enabled(not frozen):
-                        logprobs, entropy = micro_batch_logprobs(
-                            model, mb, args.temperature, "grad" if args.entropy_coef else True, chunk_size,
-                            args.packing_samples, sp)  # (B, T) each
-                    loss, m = actor_loss(logprobs, entropy, mb, settings)  # (B, T) each -> scalar
-                    if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
-                        ptx_loss = text_lm_loss(model, tokenizer, next(ptx_batches), args.prompt_max_len)
-                        loss = loss + args.ptx_coef * ptx_loss / settings.micro_batches_per_step
-                        m["ptx_loss"] = ptx_loss.detach()
-                    if critic is not None:
-                        values = micro_batch_values(critic, mb, args.packing_samples)  # (B, T)
-                        v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
-                                            args.loss_agg_mode, settings.num_tokens, settings.num_seqs,
-                                            settings.max_len)
-                        m["value_loss"] = v_loss.detach() * settings.micro_batches_per_step  # as policy_loss
-                        m["values"] = token_mean(values.detach(), mb.action_mask)
-                        loss = v_loss if frozen else loss + v_loss  # separate parameters: one backward
+                    loss, m = micro_batch_loss(model, critic, mb, settings, frozen, args, plan, sp,
+                                               ptx_batches, tokenizer)
                     accelerator.backward(loss * scale)  # the losses are already the step's
                     # clipped norms (finite, not exploding: checked) on the step's last micro-batch
                     step_optimizers(accelerator, stepped, args.max_norm, m,
                                     check=lambda key, norm: guard.grad_norm(key, norm, step, exp))
-                    if ema is not None and accelerator.sync_gradients and not frozen:
-                        weights = [p.detach() for p in model.parameters()]
-                        torch._foreach_lerp_(ema, weights, 1.0 - args.ema_beta)
+                if ema is not None and accelerator.sync_gradients and not frozen:
+                    torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1.0 - args.ema_beta)
                 stats.add(m)  # device tensors: read once, after the update
         # auto (None): decided once, now, by whether the engine can wake beside the optimizer state
-        args.optimizer_offload = offload_after_update(optimizers, args.optimizer_offload, engine, deepspeed,
-                                                      accelerator.print)
+        offload = offload_after_update(optimizers, offload, engine, deepspeed, accelerator.print)
 
         # ---- weight sync ----
         perf.phase("weight_sync")
         engine.update_weights(accelerator.unwrap_model(model))
 
         # ---- log ----
+        perf.phase("log")
         shaped = exp.rewards if moments is not None or args.reward_clip is not None else None  # (B,)
         local = {**rollout_metrics(samples, args.generate_max_len, shaped, args.reward_clip), **rollout_stats,
-                 **update_metrics(stats), "perf/tokens": exp.attention_mask.sum().item() / sp_size}
+                 **update_metrics(stats), "perf/tokens": exp.attention_mask.sum().item() / plan.sp_size}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
         metrics = gather_metrics(local)  # over the ranks: means, and sums of counts
@@ -561,7 +560,7 @@ def main():
                         "perf/engine_slept": float(slept), **perf.metrics()})
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
             kl_coef = adaptive_kl_coef(kl_coef, metrics["rollout/kl"], args.kl_target, args.kl_horizon,
-                                       samples_per_step)
+                                       plan.samples_per_step)
         log.write(step, metrics, print_line=step % args.logging_steps == 0)
         guard.entropy(metrics["train/entropy"], step)
         log.samples_and_plots(step, samples, tokenizer, exp.action_mask.sum(-1).tolist(), step == num_steps)
@@ -572,8 +571,8 @@ def main():
             run_eval(step)
         if args.save_steps and step % args.save_steps == 0 or stop == "SIGTERM" and args.save_on_sigterm:
             # atomic: `latest` names only whole checkpoints, and only healthy weights are saved
-            guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator,
-                                    step)
+            guard.before_checkpoint(model, exp, logprob_split, args.temperature, plan.chunk_size,
+                                    accelerator, step)
             state = {**rollouts.state_dict(), "kl_coef": kl_coef, "first_eval": first_eval, "run": identity,
                      "moments": moments.state_dict() if moments is not None else None}
             tensors = {"ema": ema, "rollouts": rollouts.buffer_state()}
@@ -584,7 +583,7 @@ def main():
             raise stop_error(stop, step, args.output_dir)
 
     # the final weights pass the checks a checkpoint's do
-    guard.before_checkpoint(model, exp, logprob_split, args.temperature, chunk_size, accelerator, step)
+    guard.before_checkpoint(model, exp, logprob_split, args.temperature, plan.chunk_size, accelerator, step)
     last_eval = run_eval(num_steps) if prompts["eval"] else None
     log.plots(exp.action_mask.sum(-1).tolist())  # the curves again, with the final eval point
     accelerator.wait_for_everyone()

@@ -61,7 +61,7 @@ import statistics
 
 import numpy as np
 
-BETA2 = 0.95  # rft_core.distributed.adamw_with_warmup's
+BETA2 = 0.95  # rft_core.optim.adamw_with_warmup's
 
 
 def read_runs(folders, tag, sync="sync", partial_tag=None, partial_mode="partial", cut=False):

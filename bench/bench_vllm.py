@@ -58,7 +58,7 @@ def bench_engine(args):
     from vllm import SamplingParams
 
     from rft_core.data import arithmetic_task, encode_prompt
-    from rft_core.vllm_engine import VLLMEngine
+    from rft_core.engines.vllm import VLLMEngine
 
     model, tokenizer = build(args.model)
     model_dir = tempfile.mkdtemp()

@@ -44,7 +44,7 @@ def rounds(seeds, arms, gpus):
 
 def gpu_env(gpu, cache_root):
     """The environment of a run on one GPU: that GPU alone, caches of its own, and its own port for the
-    engine's one-process rendezvous (rft_core.vllm_engine otherwise asks the OS for a free one)."""
+    engine's one-process rendezvous (rft_core.engines.vllm otherwise asks the OS for a free one)."""
     cache = os.path.join(cache_root, f"gpu{gpu}")
     return {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "MASTER_PORT": str(29610 + gpu),
             "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),

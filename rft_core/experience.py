@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from rft_core.logprobs import packed_logprobs, response_logprobs, unwrap
-from rft_core.models import response_values
+from rft_core.model_training import response_values
 from rft_core.multimodal import mm_inputs
 
 
@@ -23,7 +23,7 @@ class Sample:
     label: str  # the reference answer the reward compares with
     prompt: object  # the prompt as the reward sees it: a string or a list of chat messages
     mm: dict = None  # a vision-language prompt's images and videos (multimodal.py), None for text
-    generation: object = None  # engine.Generation: the response's token ids and sampling logprobs
+    generation: object = None  # engines.base.Generation: the response's token ids and sampling logprobs
     completion: str = None  # the response decoded
     reward: float = None  # as scored: the weighted sum of the reward sources, plus shaping
     components: dict = None  # name -> value, each logged as rollout/reward/<name>

@@ -26,18 +26,6 @@ TIS_LEVELS = ("token", "sequence", "geometric")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def tis_cap_of(args):
-    """The TIS cap the scripts' flags ask for: --tis_cap, or 2 under partial rollout (tokens sampled by older
-    weights); None: no importance weights."""
-    return 2.0 if args.tis_cap is None and args.partial_rollout else args.tis_cap
-
-
-def tis_level_of(args):
-    """The TIS level the scripts' flags ask for: --tis_level, or by default "sequence" under partial
-    rollout (no late lag in six GPU seed pairs; per-token weights left one: README), else "token"."""
-    return args.tis_level or ("sequence" if args.partial_rollout else "token")
-
-
 def masked_mean(x, mask, dim=None):
     """Mean of x over positions where mask is 1 (all of them if dim is None)."""
     mask = mask.to(x.dtype)
@@ -200,20 +188,6 @@ class LossSettings:
     num_pg_tokens: Optional[torch.Tensor] = None  # those the policy loss keeps (high_entropy_token_ratio)
     micro_batches_per_step: int = 1  # over all ranks: the logged loss is this micro-batch's share times this
     sample_sum: Optional[Callable] = None  # SP / CP: sums (B, k) per-row values over a row's slices
-
-    @classmethod
-    def from_args(cls, args, sample_sum=None):
-        """The loss flags of the training scripts (train_batch_size already resolved); cpgd's defaults.
-        sample_sum: with sequence or context parallelism, SequenceParallel.sum (a sample's weight needs every
-        slice of it)."""
-        cpgd = args.advantage_estimator == "cpgd"
-        drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
-        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-        return cls(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
-                   args.use_cpg_loss or cpgd, tis_cap_of(args), args.tis_mode, tis_level_of(args),
-                   args.high_entropy_token_ratio, args.entropy_coef, drift, args.use_kl_loss,
-                   kl_estimator=args.kl_estimator, max_len=args.generate_max_len,
-                   num_seqs=args.train_batch_size, sample_sum=sample_sum)
 
 
 def tis_weights(old_logprobs, rollout_logprobs, mask, level="token", sample_sum=None):

@@ -1,12 +1,12 @@
 """The update's memory plan on a GPU: how many tokens an update micro-batch may hold beside the colocated
 engine, and whether gradient checkpointing must go on, from activations measured at start-up
-(`plan_update_memory`, `choose_budget`), and the micro-batch split that follows (`micro_batch_splits`).
+(`plan_update_memory`, `choose_budget`; rft_core/plan.py decides with them), and the micro-batch split
+that follows from the plan (`micro_batch_splits`).
 """
 
 import torch
 
 from rft_core.logprobs import response_logprobs, unwrap
-from rft_core.models import checkpointing_on
 
 
 AUTO_MAX_TOKENS = 32768  # larger micro-batches gain little and take memory from the engine
@@ -97,25 +97,16 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     return checkpointing, tokens
 
 
-def micro_batch_splits(args, accelerator, model, nets, chunk_size, sp=None):
-    """(update, logprob passes): Experience.split's keyword arguments. Fixed rows (--micro_train_batch_size),
-    or samples grouped by tokens, as many micro-batches on every rank (under ZeRO-3 / FSDP2 each forward is a
-    collective); on a GPU the budget, unless set, is planned from the measured activations
-    (plan_update_memory). The logprob passes keep no activations: twice the update's budget. Turns on gradient
-    checkpointing in the prepared nets where the plan or the flag says so. sp (SequenceParallel): a rank
-    computes a 1 / sp.size slice of each row, so the budget counts sp.size times its tokens."""
+def micro_batch_splits(args, plan, accelerator, sp=None):
+    """(update, logprob passes): Experience.split's keyword arguments from the plan. Fixed rows
+    (--micro_train_batch_size), or samples grouped by tokens up to the plan's budget, as many micro-batches on
+    every rank (under ZeRO-3 / FSDP2 each forward is a collective). The logprob passes keep no activations:
+    twice the update's budget. sp (SequenceParallel): a rank computes a 1 / sp.size slice of each row, so the
+    budget counts sp.size times its tokens."""
     device = accelerator.device
     sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
-    by_tokens = None if args.micro_train_batch_size else args.max_tokens_per_micro_batch or 16384
-    split = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=by_tokens, sync_count=sync_count,
-                 packed=args.packing_samples)
-    if by_tokens and args.gradient_checkpointing is None:  # auto: from the measured activations
-        share = 0.0 if args.enable_engine_sleep else args.engine_mem_util  # of the GPU, an awake engine's
-        args.gradient_checkpointing, split["max_tokens"] = plan_update_memory(
-            model, by_tokens, chunk_size, accelerator.autocast, share, not args.disable_engine_sleep,
-            fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
-    for net in nets if args.gradient_checkpointing else []:
-        checkpointing_on(accelerator.unwrap_model(net))
+    split = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=plan.max_tokens_per_micro_batch,
+                 sync_count=sync_count, packed=args.packing_samples)
     if sp is not None:
         split.update(sp=sp, max_tokens=split["max_tokens"] and split["max_tokens"] * sp.size)
     return split, {**split, "micro_batch_size": args.micro_rollout_batch_size,

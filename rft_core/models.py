@@ -1,14 +1,13 @@
-"""Model loading (HF directories and GGUF files, the embedded default) and token log-probabilities."""
+"""Models in and out: loading (HF directories and GGUF files, the embedded default), LoRA adapters, and the
+export (save_pretrained, a LoRA model's adapters merged: the weights vLLM serves too); `named_like` names
+an EMA's tensors."""
 
-import copy
 import importlib.util
 import os
 
 import torch
-from torch.nn.attention import sdpa_kernel
 
 from rft_core.errors import ConfigError, MissingPath
-from rft_core.logprobs import NOT_CUDNN, positions
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -109,100 +108,6 @@ def lora_model(model, rank, alpha, target_modules="all-linear"):
             raise ConfigError(f"--target_modules {target_modules}: the model has no module named "
                               f"{', '.join(missing)}; its linear layers: {', '.join(linear)} (or all-linear)")
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
-
-
-def checkpointing_on(model):
-    """Non-reentrant activation checkpointing (with LoRA the checkpointed blocks' inputs need no gradient of
-    their own), under the name transformers gives it: activation_checkpointing_enable since about 5.2x,
-    gradient_checkpointing_enable before (5.17 has only that one)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def compile_blocks(model, backend="inductor"):
-    """torch.compile every repeated block (each ModuleList element: a decoder layer) in place, parameter names
-    unchanged, with dynamic shapes (lengths change every step). It fuses the fp32 element-wise ops (norms,
-    rotary, activations, residual adds) that cost a small model's update more than its matmuls (H100
-    profile). With gradients on, the token embeddings' output is made to require them, as every later block's
-    input does, even where the embeddings are frozen (LoRA): else the first block would need a graph of its
-    own (the language model's embeddings only: a frozen vision tower stays out of the backward)."""
-    def inputs_require_grad(module, inputs, output):
-        if torch.is_grad_enabled():
-            output.requires_grad_(True)
-
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()  # the VL critic has none: it trains
-    if embeddings is not None:
-        embeddings.register_forward_hook(inputs_require_grad)
-    for module in list(model.modules()):
-        if isinstance(module, torch.nn.ModuleList):
-            for block in module:
-                block.compile(backend=backend, dynamic=True)
-    return model
-
-
-def load_value_model(path=None, actor=None, dtype=torch.float32, flag="--critic_pretrain"):
-    """A transformer with a scalar head `score` on every position (AutoModelForTokenClassification,
-    one label): the PPO critic, or a reward model.
-
-    From `path`, a sequence- or token-classification checkpoint (both name their head `score`, so
-    either loads; a missing bias starts at 0), or else from `actor`'s own weights with a zero head, so
-    values start at 0. flag: what a missing path is reported as.
-    """
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
-    if path:
-        if not os.path.isdir(path):
-            raise MissingPath(f"{flag} {path!r}: not a model directory (a critic / reward model is an HF "
-                              "checkpoint)")
-        config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
-    else:
-        config = copy.deepcopy(actor.config)
-        config.num_labels, config.classifier_dropout = 1, 0.0
-        model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
-        model.base_model.load_state_dict(actor.base_model.state_dict())
-        torch.nn.init.zeros_(model.score.weight)
-        if model.score.bias is not None:
-            torch.nn.init.zeros_(model.score.bias)
-    return model
-
-
-def response_values(model, input_ids, attention_mask, num_actions, mm_inputs=None):
-    """Critic values V(s_t) of the state before each response token: (B, T), like response_logprobs
-    (mm_inputs: a vision-language critic's image inputs; it computes its own positions)."""
-    with sdpa_kernel(NOT_CUDNN):  # left pads: see NOT_CUDNN
-        out = model(input_ids=input_ids, attention_mask=attention_mask,
-                    position_ids=None if mm_inputs else positions(attention_mask), **(mm_inputs or {}))
-    return out.logits[:, -num_actions - 1:-1, 0].float()  # (B, T)
-
-
-def sequence_scores(model, input_ids, attention_mask):
-    """Reward-model scores (B,): the head's output at each row's last attended token."""
-    values = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=positions(attention_mask)).logits[..., 0]  # (B, L)
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(-1)  # (B,)
-    return values.gather(1, last.unsqueeze(-1)).squeeze(-1).float()
-
-
-def lm_loss(model, input_ids, attention_mask):
-    """Mean next-token cross-entropy over the attended tokens (the pretraining / ptx loss)."""
-    # a token is a target only if it and its predecessor are attended: with left padding, the first
-    # real token is not predicted from a pad
-    previous = torch.nn.functional.pad(attention_mask, (1, 0))[:, :-1]  # (B, L)
-    labels = input_ids.masked_fill((attention_mask == 0) | (previous == 0), -100)  # (B, L)
-    with sdpa_kernel(NOT_CUDNN):  # left pads: see NOT_CUDNN
-        return model(input_ids=input_ids, attention_mask=attention_mask,
-                     position_ids=positions(attention_mask), labels=labels, use_cache=False).loss
-
-
-def text_lm_loss(model, tokenizer, texts, max_len):
-    """lm_loss of a batch of texts (the ptx loss's), each cut to max_len tokens."""
-    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
-    enc = enc.to(next(model.parameters()).device)  # model may be wrapped (DDP, DeepSpeed)
-    return lm_loss(model, enc["input_ids"], enc["attention_mask"])
 
 
 def named_like(model, tensors):

@@ -1,29 +1,21 @@
-"""Rewards. A reward function has the signature
+"""Rewards: the built-in rule rewards, scoring samples with any reward function, and shaping. A reward
+function has the signature
 
     fn(prompts, completions, labels, **kwargs) -> list[float] | dict[str, list[float]]
 
 and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>).
 Built in: `answer_reward` (exact match in <answer></answer> plus a format term), `math_reward`, and the
-shapes task's `first_word_reward`; yours come from
-`--reward_fn path/to/file.py:function`, a remote model at `--remote_rm_url`, or local reward models
-(`reward_model_fn`). `score` contains failures: a sample whose reward raises, is not finite or is
-missing gets the fallback and is counted. Shaping: DAPO's `overlong_penalty`, and `RunningMoments`
-for running reward normalisation.
+shapes task's `first_word_reward`; yours (--reward_fn, --remote_rm_url, reward models) come from
+rft_core/reward_sources.py. `score` contains failures: a sample whose reward raises, is not finite or is
+missing gets the fallback and is counted; `RewardScorer` sums a run's sources. Shaping: DAPO's
+`overlong_penalty`, and `RunningMoments` for running reward normalisation.
 """
 
-import importlib.util
-import json
 import math
-import os
 import re
 import threading
-import time
-import traceback
-import urllib.error
-import urllib.parse
-import urllib.request
 
-from rft_core.errors import ConfigError, MissingName, MissingPath, RewardError
+from rft_core.errors import ConfigError, RewardError
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -93,108 +85,6 @@ def first_word_reward(prompts, completions, labels, **kwargs):
 BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward, "first_word": first_word_reward}
 
 
-def load_reward_fn(spec):
-    """A built-in reward by name (answer, math) or the function named by 'path/to/file.py:function'."""
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    path, _, name = spec.rpartition(":")
-    if not path or not name:
-        raise ConfigError(f"--reward_fn {spec!r}: expected path/to/file.py:function "
-                         f"or one of {sorted(BUILTIN_REWARDS)}")
-    if not os.path.isfile(path):
-        raise MissingPath(f"--reward_fn {spec!r}: no such file {path!r}")
-    module_spec = importlib.util.spec_from_file_location(f"reward_module_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: where in it, in one line (--debug shows the traceback)
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if os.path.abspath(f.filename) == os.path.abspath(path)]
-        line = e.lineno if isinstance(e, SyntaxError) else frames[-1].lineno if frames else None
-        where = f" (line {line})" if line else ""
-        raise ConfigError(f"--reward_fn {spec!r}: loading {path} failed{where}: {type(e).__name__}: "
-                          f"{e.msg if isinstance(e, SyntaxError) else e}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise MissingName(f"--reward_fn {spec!r}: {path} defines no function {name!r}")
-    return fn
-
-
-class ServiceDown(ConnectionError):
-    """The reward server did not answer at all (refused, unreachable, timed out): every sample of the batch
-    fails with it, and scoring them one by one would only wait as long again for each."""
-
-
-def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
-    """A reward function that POSTs {"prompts", "completions", "labels"} as JSON to `url` and reads
-    {"rewards": [...]} (or named components) back; retries with exponential backoff, then raises naming the
-    URL and the last failure (HTTP status, unreachable, invalid JSON)."""
-    if urllib.parse.urlparse(url).scheme not in ("http", "https"):
-        raise ConfigError(f"--remote_rm_url {url!r}: not an http(s) URL (e.g. http://host:5000/reward)")
-
-    def fn(prompts, completions, labels, **kwargs):
-        body = json.dumps({"prompts": prompts, "completions": completions, "labels": labels}).encode()
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        for attempt in range(retries):
-            down = False  # the server never answered (not the samples' doing)
-            try:
-                with urllib.request.urlopen(request, timeout=timeout) as response:
-                    out = json.loads(response.read())
-                if not isinstance(out, dict):
-                    raise ValueError(f"expected a JSON object, got {type(out).__name__}")
-                return out["rewards"] if "rewards" in out else out
-            except urllib.error.HTTPError as e:
-                error = f"HTTP {e.code} {e.reason}"
-            except urllib.error.URLError as e:
-                error, down = f"unreachable ({e.reason})", True
-            except (OSError, TimeoutError) as e:
-                error, down = f"no answer ({e!r})", True
-            except ValueError as e:
-                error = f"not a valid answer ({e})"
-            if attempt + 1 < retries:
-                time.sleep(backoff * 2**attempt)
-        # a server that never answered fails the batch: its samples are not retried one by one
-        raise (ServiceDown if down else ConnectionError)(f"--remote_rm_url {url}: no valid answer after "
-                                                         f"{retries} tries: {error}")
-
-    return fn
-
-
-def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
-    """A reward function scoring prompt + completion with the reward model at `path` (a sequence- or
-    token-classification checkpoint), in the reward model's own tokenizer and chat template.
-    place(model) -> model puts it where it costs least (sharded like the actor); default: on `device`."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from rft_core.models import load_value_model, sequence_scores
-
-    model = load_value_model(path, dtype=dtype or torch.float32, flag="--reward_pretrain")
-    model = model.eval().requires_grad_(False)
-    model = place(model) if place else model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-
-    def text(prompt, completion):
-        if isinstance(prompt, str):
-            return prompt + completion
-        if tokenizer.chat_template is None:
-            return "\n".join(m["content"] for m in prompt) + "\n" + completion
-        return tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}],
-                                             tokenize=False)
-
-    @torch.no_grad()
-    def fn(prompts, completions, labels, **kwargs):
-        texts, scores = [text(p, c) for p, c in zip(prompts, completions)], []
-        for i in range(0, len(texts), batch_size):
-            enc = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
-            scores += sequence_scores(model, enc["input_ids"], enc["attention_mask"]).tolist()
-        return scores
-
-    return fn
-
-
 def overlong_penalty(length, max_len, buffer_len, factor=1.0):
     """DAPO's soft overlong punishment (Yu et al. 2025) of a response of `length` tokens: 0 up to
     max_len - buffer_len tokens, then falling linearly to -factor at max_len."""
@@ -236,6 +126,12 @@ def shape_rewards(rewards, moments, clip, gather):
         moments.update(gather(rewards).tolist())
         rewards = (rewards - moments.mean) / (moments.std + 1e-8)
     return rewards if clip is None else rewards.clamp(-clip, clip)
+
+
+class ServiceDown(ConnectionError):
+    """The reward server did not answer at all (refused, unreachable, timed out; raised by
+    reward_sources.remote_reward_fn): every sample of the batch fails with it, and scoring them one by one
+    would only wait as long again for each."""
 
 
 def _rows(reward_fn, prompts, completions, labels, timeout=None):
@@ -310,18 +206,6 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, t
     rewards = [fallback if r is None else sum(r.values()) for r in rows]
     components = {k: [math.nan if r is None else r[k] for r in rows] for k in names}
     return rewards, components, failures
-
-
-def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None,
-                   place=None, default_rule="answer"):
-    """A run's (name, fn) reward sources: "rule" (--reward_fn or --remote_rm_url; the built-in default_rule
-    when no source is given at all), then "rm0", "rm1"... for the comma-separated --reward_pretrain."""
-    rule = (load_reward_fn(reward_fn) if reward_fn
-            else remote_reward_fn(remote_rm_url) if remote_rm_url else None)
-    models = reward_pretrain.split(",") if reward_pretrain else []
-    sources = [("rule", rule or BUILTIN_REWARDS[default_rule])] if rule or not models else []
-    return sources + [(f"rm{i}", reward_model_fn(path, device, dtype, place=place))
-                      for i, path in enumerate(models)]
 
 
 class RewardScorer:

@@ -24,15 +24,15 @@ started, whatever their length: a pure delay of K versions. With a budget of at 
 """
 
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
 
 from rft_core.data import batches
-from rft_core.engine import Generation
+from rft_core.engines.base import Generation
 from rft_core.experience import Sample
-from rft_core.losses import tis_cap_of
 from rft_core.rewards import overlong_penalty
 
 
@@ -54,22 +54,6 @@ class RolloutSettings:
     inflight_ratio: float = 1.0  # groups in hand per round (generating or ready), in steps' worth of groups
     logprob_every: int = 1  # the engine's logprobs for every k-th sample (engine.generate's logprob_every)
     order: str = "finish"  # which finished groups a step trains: "finish" or "start" (the docstring above)
-
-    @classmethod
-    def from_args(cls, args, eos_token_id):
-        """The rollout flags of the training scripts."""
-        order = args.partial_order
-        # start order: every group finishes within the K + 1 rounds before it trains
-        default = (math.ceil(args.generate_max_len / (args.max_staleness + 1)) if order == "start"
-                   else max(1, args.generate_max_len // 4))
-        budget = args.max_token_budget or default
-        # TIS and partial rollout weight every token by its engine logprob; otherwise they feed only the
-        # engine-vs-trainer metric, which one sample in 8 estimates for an eighth of their cost
-        every = 1 if tis_cap_of(args) else 8
-        return cls(args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p,
-                   args.dynamic_sampling, args.max_num_gen_batches, args.overlong_buffer_len,
-                   args.overlong_penalty_factor, args.strict_rewards, args.partial_rollout, budget,
-                   args.max_staleness, eos_token_id, args.inflight_ratio, every, order)
 
 
 def answer_finished(new_ids, limit, length, max_new_tokens, eos_token_id):
@@ -135,6 +119,7 @@ class Rollouts:
         """(samples, metrics) of one step. reduce_sum: the sum over ranks (a collective, called the same
         number of times on every rank); the step stops with RewardError when too many rewards failed."""
         self.generated = self.slots = 0  # counted by _generate
+        self.score_s = 0.0  # the seconds of it spent scoring (by _score)
         if self.settings.partial:
             return self._collect_partial(engine, tokenizer, score_all, reduce_sum, step)
         cfg, n = self.settings, self.settings.group_size
@@ -163,7 +148,9 @@ class Rollouts:
         completions = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
         for s, c in zip(samples, completions):
             s.completion = c
+        start = time.perf_counter()
         counts[0] += score_all(samples, cfg.strict_rewards)  # sets their reward and components
+        self.score_s += time.perf_counter() - start
         counts[1] += len(samples)
         for s in samples if cfg.overlong_buffer_len else []:  # DAPO's soft overlong punishment
             s.components["overlong"] = overlong_penalty(
@@ -181,7 +168,8 @@ class Rollouts:
         score_all.check(failed, total, step)
         return samples, {"rollout/reward_errors": counts[0], "rollout/filled_groups": num_filled,
                          "rollout/tokens_generated": self.generated,
-                         "rollout/slot_utilization": self.generated / max(1, self.slots), **metrics}
+                         "rollout/slot_utilization": self.generated / max(1, self.slots),
+                         "perf/score_s": self.score_s, **metrics}
 
     def _generate(self, engine, prompts, limits, mm):
         """engine.generate, counting the tokens generated and the decode slots the call held (its requests x

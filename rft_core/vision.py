@@ -21,7 +21,8 @@ import torch
 
 from rft_core.data import COLOURS, IMAGE_SIZE, NUMBERS
 from rft_core.errors import DataError, MissingPath
-from rft_core.models import check_model_path, checkpointing_on
+from rft_core.model_training import checkpointing_on
+from rft_core.models import check_model_path
 from rft_core.multimodal import VISION_TOKENS, video_processor_like, vision_token_ids
 
 SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>", *VISION_TOKENS)
@@ -236,7 +237,7 @@ class VisionValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.score.weight)
         torch.nn.init.zeros_(self.score.bias)
 
-    def activation_checkpointing_enable(self, **kwargs):  # rft_core.models.checkpointing_on
+    def activation_checkpointing_enable(self, **kwargs):  # rft_core.model_training.checkpointing_on
         checkpointing_on(self.model)
 
     def forward(self, input_ids, attention_mask, position_ids=None, **mm_inputs):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import deepspeed
 import torch
 
-from rft_core.distributed import adam_step_rms, move_optimizer_state
+from rft_core.optim import adam_step_rms, move_optimizer_state
 
 
 def main(stage):

@@ -152,7 +152,7 @@ def test_the_memory_plans_lines_on_a_simulated_gpu(tiny_model_dir, monkeypatch, 
 def test_the_bench_rewards_load_as_the_trainer_loads_them(tmp_path):
     """train_ppo.py loads --reward_fn by file path, in a process whose sys.path lacks bench/: each bench
     reward must import what it needs itself (bench_partial.py's once failed on `import bench_sizes`)."""
-    code = ("import sys; from rft_core.rewards import load_reward_fn\n"
+    code = ("import sys; from rft_core.reward_sources import load_reward_fn\n"
             "for spec in sys.argv[1:]:\n"
             "    fn = load_reward_fn(spec)\n"
             "    print(fn(['p'], ['1 2 3'], ['3']))\n")

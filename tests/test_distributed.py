@@ -106,7 +106,7 @@ def test_hf_architecture_names_the_transformers_class(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rft_core.engine import hf_architecture
+    from rft_core.engines import hf_architecture
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert hf_architecture(model) == "LlamaForCausalLM"
@@ -121,7 +121,7 @@ def test_hf_architecture_names_the_transformers_class(tiny_model_dir):
 
 def test_move_optimizer_state():
     """--optimizer_offload: AdamW's moments move, its CPU step counter stays, and training goes on."""
-    from rft_core.distributed import move_optimizer_state
+    from rft_core.optim import move_optimizer_state
 
     net = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(net.parameters(), lr=0.1)
@@ -147,7 +147,7 @@ def test_host_copy_keeps_a_dtensors_layout():
 
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from rft_core.distributed import HOST_COPIES, host_copy
+    from rft_core.optim import host_copy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -155,18 +155,17 @@ def test_host_copy_keeps_a_dtensors_layout():
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
-        moment = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
-        first = host_copy(moment, ("p", "exp_avg"), pin=False)
+        moment, buffers = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]), {}
+        first = host_copy(moment, buffers, ("p", "exp_avg"), pin=False)
         assert isinstance(first, DTensor) and first.placements == moment.placements
         assert first.shape == moment.shape and first.device_mesh is moment.device_mesh
         assert torch.equal(first.to_local(), moment.to_local()) and first.to_local() is not moment.to_local()
-        again = host_copy(moment * 2, ("p", "exp_avg"), pin=False)  # the next move: the same buffer
-        assert again.to_local().data_ptr() == HOST_COPIES["p", "exp_avg"].data_ptr()
+        again = host_copy(moment * 2, buffers, ("p", "exp_avg"), pin=False)  # the next move: the same buffer
+        assert again.to_local().data_ptr() == buffers["p", "exp_avg"].data_ptr()
         assert torch.equal(again.full_tensor(), moment.full_tensor() * 2)
-        plain = host_copy(torch.ones(3), ("q", "exp_avg_sq"), pin=False)
-        assert type(plain) is torch.Tensor and plain is HOST_COPIES["q", "exp_avg_sq"]
+        plain = host_copy(torch.ones(3), buffers, ("q", "exp_avg_sq"), pin=False)
+        assert type(plain) is torch.Tensor and plain is buffers["q", "exp_avg_sq"]
     finally:
-        HOST_COPIES.clear()
         torch.distributed.destroy_process_group()
 
 
@@ -174,7 +173,7 @@ def test_host_copy_keeps_a_dtensors_layout():
 def test_move_optimizer_state_reuses_pinned_buffers():
     """With a GPU the moments go to pinned CPU buffers, made on the first move and reused by the next ones,
     holding the values they had on the GPU."""
-    from rft_core.distributed import move_optimizer_state
+    from rft_core.optim import move_optimizer_state
 
     net = torch.nn.Linear(64, 64).cuda()
     opt = torch.optim.AdamW(net.parameters(), lr=0.1)
@@ -209,7 +208,7 @@ def test_adam_step_rms_against_adams_recurrences():
     against the recurrences written out for scalar gradients; 1 for a repeated gradient, small after large
     gradients (as partial rollout's first batches of short answers leave in AdamW's moments); chunked
     alike."""
-    from rft_core.distributed import adam_step_rms
+    from rft_core.optim import adam_step_rms
 
     param = torch.nn.Parameter(torch.zeros(5))
     optimizer = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
@@ -272,7 +271,7 @@ def test_zero3_gradient_bytes_counts_what_prepare_made():
 def test_evaluate_pads_ranks_to_equal_work():
     """With sharded weights every generate call is a collective: each rank generates for as many rows,
     and the padding rows are not counted."""
-    from rft_core.engine import Generation
+    from rft_core.engines.base import Generation
     from rft_core.evaluation import eval_line, evaluate
     from rft_core.experience import Sample
 
@@ -390,7 +389,7 @@ def test_fsdp2_moments_move_to_pinned_buffers():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from rft_core.distributed import HOST_COPIES, move_optimizer_state
+    from rft_core.optim import move_optimizer_state
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -412,7 +411,6 @@ def test_fsdp2_moments_move_to_pinned_buffers():
             move_optimizer_state([opt], "cuda")
             assert all(v.is_cuda for p in net.parameters() for k, v in opt.state[p].items() if k != "step")
     finally:
-        HOST_COPIES.clear()
         torch.distributed.destroy_process_group()
 
 
@@ -456,7 +454,7 @@ def test_adamw_warmup_is_transformers_constant_with_warmup(warmup):
     every start) gives the learning rates of transformers' constant_with_warmup, step for step."""
     from transformers import get_constant_schedule_with_warmup
 
-    from rft_core.distributed import adamw_with_warmup
+    from rft_core.optim import adamw_with_warmup
 
     def rates(optimizer, scheduler):
         out = []

@@ -22,7 +22,7 @@ ENGINE = dict(bf16=True, micro_batch_size=64, mem_util=0.2, sleep="never", enfor
 
 @pytest.fixture(scope="module", params=ENGINES)
 def vl(request):
-    from rft_core.engine import create_engine
+    from rft_core.engines import create_engine
     from rft_core.data import shapes_task
     from rft_core.vision import encode_vl_prompt, load_vl_model
 
@@ -65,7 +65,7 @@ def test_vllm_prompts_are_the_trainers_and_placeholders_never_sampled(vl):
 def test_greedy_equals_transformers_with_images(vl):
     import copy
 
-    from rft_core.engine import HFEngine
+    from rft_core.engines.hf import HFEngine
 
     engine, model, tokenizer, prompts, mm = vl
     ours = [g.token_ids for g in engine.generate(prompts, 12, temperature=0.0, mm=mm)]

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rft_core.engine import Generation, HFEngine
+from rft_core.engines.base import Generation
+from rft_core.engines.hf import HFEngine
 from rft_core.experience import batched_forward, batched_logprobs, build_experience
 from rft_core.logprobs import response_logprobs
 from rft_core.models import load_model_and_tokenizer
@@ -188,7 +189,7 @@ def test_packed_equals_padded(tiny_model_dir, chunk_size):
     from transformers import AutoModelForCausalLM
 
     from rft_core.experience import micro_batch_logprobs, micro_batch_values
-    from rft_core.models import load_value_model
+    from rft_core.model_training import load_value_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     g = torch.Generator().manual_seed(1)

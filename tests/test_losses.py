@@ -403,19 +403,18 @@ def test_behaviour_weights_truncated_or_masked(level, mode):
 def test_both_scripts_pass_the_tis_flags_to_the_loss():
     import train_ppo
     import train_ppo_vl
+    from rft_core.plan import importance_weights, loss_settings
 
     for module in (train_ppo, train_ppo_vl):
         args = module.Args(tis_cap=3.0, tis_mode="mask", tis_level="sequence")
-        args.train_batch_size = 8
-        s = LossSettings.from_args(args)
+        s = loss_settings(args, 8, *importance_weights(args))
         assert (s.tis_cap, s.tis_mode, s.tis_level) == (3.0, "mask", "sequence")
         # the defaults: no weights; under partial rollout sample-level ones capped at 2, unless asked
         for flags, want in (({}, (None, "token")), (dict(partial_rollout=True), (2.0, "sequence")),
                             (dict(partial_rollout=True, tis_level="token"), (2.0, "token")),
                             (dict(tis_cap=2.0), (2.0, "token"))):
             args = module.Args(**flags)
-            args.train_batch_size = 8
-            s = LossSettings.from_args(args)
+            s = loss_settings(args, 8, *importance_weights(args))
             assert (s.tis_cap, s.tis_level) == want, flags
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rft_core.models import lm_loss, load_value_model, response_values, sequence_scores
+from rft_core.model_training import lm_loss, load_value_model, response_values
+from rft_core.reward_sources import sequence_scores
 
 
 def test_critic_from_actor(tiny_model_dir):
@@ -128,7 +129,7 @@ def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast):
     and responses right-padded, at a temperature, in fp32 and under bf16 autocast; chunks that do not divide
     the tokens."""
     from rft_core.experience import build_experience
-    from rft_core.engine import Generation
+    from rft_core.engines.base import Generation
     from rft_core.logprobs import response_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -163,7 +164,7 @@ def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir, checkpointing):
     """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight
     sync), the same logits and gradients (the eager backend on a CPU; inductor on a GPU), also with the
     non-reentrant gradient checkpointing the scripts turn on when an update would not fit."""
-    from rft_core.models import checkpointing_on, compile_blocks
+    from rft_core.model_training import checkpointing_on, compile_blocks
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -191,7 +192,8 @@ def test_compiled_lora_blocks_share_one_graph(tiny_model_dir, fix, monkeypatch):
     """Under LoRA the embeddings are frozen, so without compile_blocks' input hook the first decoder layer's
     input would not require gradients while every later one's does: a second graph (H100, 7B LoRA: a
     recompile per layer switch until dynamo's limit). With it, one graph serves every layer and shape."""
-    from rft_core.models import compile_blocks, lora_model
+    from rft_core.model_training import compile_blocks
+    from rft_core.models import lora_model
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -216,7 +218,7 @@ def test_compile_blocks_takes_the_vision_critic():
     compiles like the policy: its vision and language blocks, the same values."""
     import copy
 
-    from rft_core.models import compile_blocks
+    from rft_core.model_training import compile_blocks
     from rft_core.vision import VisionValueModel, tiny_qwen2_vl, word_tokenizer
 
     torch._dynamo.reset()
@@ -237,10 +239,10 @@ def test_the_health_check_runs_compiled_layers_eagerly(tiny_model_dir, tmp_path)
     that does not recompute old logprobs: it runs eagerly, so it compiles no graph of its own."""
     from accelerate import Accelerator
 
-    from rft_core.engine import Generation
+    from rft_core.engines.base import Generation
     from rft_core.experience import build_experience
     from rft_core.health import HealthGuard
-    from rft_core.models import compile_blocks
+    from rft_core.model_training import compile_blocks
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -261,7 +263,7 @@ def test_the_health_check_measures_the_update_on_rows_with_engine_logprobs(tiny_
     """Rows without engine logprobs (NaN: not asked for) leave the check's KL: unchanged weights pass it."""
     from accelerate import Accelerator
 
-    from rft_core.engine import Generation
+    from rft_core.engines.base import Generation
     from rft_core.errors import TrainingDiverged
     from rft_core.experience import batched_logprobs, build_experience
     from rft_core.health import HealthGuard

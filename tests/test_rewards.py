@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from rft_core.rewards import (RunningMoments, answer_reward, load_reward_fn, math_label, math_reward,
-                              overlong_penalty, parse_answer, pass_at_k, remote_reward_fn, reward_model_fn,
-                              reward_sources, score, RewardScorer)
+from rft_core.reward_sources import load_reward_fn, remote_reward_fn, reward_model_fn, reward_sources
+from rft_core.rewards import (RunningMoments, answer_reward, math_label, math_reward, overlong_penalty,
+                              parse_answer, pass_at_k, score, RewardScorer)
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [
@@ -240,7 +240,8 @@ def test_a_reward_server_that_never_answers_fails_the_batch_at_once():
     """An unreachable --remote_rm_url fails every sample of the batch after its retries, without retrying each
     sample alone (that waited retries x backoff per sample: ~5 minutes for a 96-problem eval); a server that
     answers badly (HTTP 500) is still retried sample by sample, which finds a sample that breaks it."""
-    from rft_core.rewards import ServiceDown, remote_reward_fn, score
+    from rft_core.reward_sources import remote_reward_fn
+    from rft_core.rewards import ServiceDown, score
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from rft_core.sglang_engine import (SGLangEngine, generation_of, processor_output, sampling_params,
-                                    sglang_param_name)
+from rft_core.engines.sglang import (SGLangEngine, generation_of, processor_output, sampling_params,
+                                     sglang_param_name)
 import test_vllm_engine as same  # its GPU checks take any engine: run here on SGLang's
 from test_vllm_engine import _prompts
 
@@ -151,7 +151,7 @@ def test_schedulers_start_without_torchrun_agent_store(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
 def test_asking_for_sglang_without_it_is_one_line():
-    from rft_core.engine import resolve_engine_type
+    from rft_core.engines import resolve_engine_type
     from rft_core.errors import MissingDependency
 
     with pytest.raises(MissingDependency, match=r"--engine_type sglang needs sglang \(pip install sglang=="):
@@ -162,7 +162,7 @@ def test_asking_for_sglang_without_it_is_one_line():
 
 @pytest.fixture(scope="module")
 def engine_and_model():
-    from rft_core.engine import create_engine
+    from rft_core.engines import create_engine
     from rft_core.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer()

@@ -121,7 +121,7 @@ def test_cuda_out_of_memory_is_one_line_naming_the_flags(monkeypatch, capsys):
     """An out-of-memory error the memory plan did not foresee (seen: ZeRO-3's optimizer step, 3B shape, one
     H100) ends with one line: what torch tried and had free, and the flags that make room; --debug / RFT_DEBUG
     keep the traceback."""
-    from rft_core.cli import run_main
+    from rft_core.run import run_main
 
     def main():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.74 GiB. GPU 0 has a total "
@@ -194,7 +194,7 @@ def test_a_reward_file_that_fails_to_load_is_one_line(tmp_path):
     """A --reward_fn file with a syntax error, or one whose imports fail: one line naming the file, the line
     and the error (the traceback went through importlib's frames)."""
     from rft_core.errors import ConfigError
-    from rft_core.rewards import load_reward_fn
+    from rft_core.reward_sources import load_reward_fn
 
     (tmp_path / "syntax.py").write_text("def f(prompts, completions, labels:\n    return 1\n")
     (tmp_path / "imports.py").write_text("import os\nimport no_such_package_here\n")
@@ -328,7 +328,8 @@ def test_reward_failures_are_printed_once_and_bounded(tmp_path):
     """Every kind of broken reward is printed (once) with its exception and counted; a step where all samples
     failed stops the run before training on it, unless --reward_failure_limit is raised."""
     from rft_core.experience import Sample
-    from rft_core.rewards import RewardScorer, load_reward_fn
+    from rft_core.reward_sources import load_reward_fn
+    from rft_core.rewards import RewardScorer
 
     (tmp_path / "rw.py").write_text(REWARDS)
     for name, why in [("raises", "RuntimeError('reward server down')"),
@@ -379,7 +380,7 @@ class _Broken(http.server.BaseHTTPRequestHandler):
 
 
 def test_remote_reward_failures_name_url_and_status():
-    from rft_core.rewards import remote_reward_fn
+    from rft_core.reward_sources import remote_reward_fn
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Broken)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -402,8 +403,8 @@ def test_reward_sources_name_their_flag(tmp_path):
     """A reward model or critic path that is not there, and a --remote_rm_url that is not http(s), are refused
     before the first step, each naming its flag (the URL was only found wrong at step 1, as 32 failures)."""
     from rft_core.errors import ConfigError, MissingPath
-    from rft_core.models import load_value_model
-    from rft_core.rewards import reward_sources
+    from rft_core.model_training import load_value_model
+    from rft_core.reward_sources import reward_sources
 
     with pytest.raises(ConfigError, match=re.escape("--remote_rm_url 'localhost:5000': not an http(s) URL")):
         reward_sources(remote_rm_url="localhost:5000")
@@ -625,10 +626,10 @@ def test_engine_groups_must_divide_the_processes():
     the processes; refused before anything starts (the transformers engine ignores it, with its own
     message)."""
     import train_ppo
-    from rft_core.cli import check_args
+    from rft_core.checks import check_args
 
     args = train_ppo.Args(engine_tp_size=2, rollout_batch_size=12)  # 12 prompts: over 3 or 4 processes
-    args.train_batch_size = args.rollout_batch_size * args.n_samples_per_prompt
+    args = replace(args, train_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
     for engine in ("vllm", "sglang"):
         with pytest.raises(UserError, match=re.escape("--engine_tp_size 2: must divide the 3 processes")):
             check_args(args, 3, engine_type=engine)
@@ -644,13 +645,13 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
 
     import train_ppo
     import train_ppo_vl
-    from rft_core.cli import check_args
+    from rft_core.checks import check_args
 
     def config(**sizes):
         return types.SimpleNamespace(**{"sp_size": 1, "cp_size": 1, "tp_size": 1, **sizes})
 
     args = train_ppo.Args()
-    args.train_batch_size = args.rollout_batch_size * args.n_samples_per_prompt
+    args = replace(args, train_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
     deepspeed, fsdp2 = dict(deepspeed=object(), sharded=True), dict(sharded=True)
     with pytest.raises(UserError, match="parallelism_config_tp_size is 2: .* not supported"):
         check_args(args, 2, parallelism=config(tp_size=2))
@@ -677,7 +678,7 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
                                match=f"--{flag}.* with sequence parallelism .*: .*; drop one of them"):
                 check_args(replace(args, **{flag: value}), 2, parallelism=config(**sizes), **kind)
     vl = train_ppo_vl.Args()
-    vl.train_batch_size = vl.rollout_batch_size * vl.n_samples_per_prompt
+    vl = replace(vl, train_batch_size=vl.rollout_batch_size * vl.n_samples_per_prompt)
     for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):
         with pytest.raises(UserError, match="train_ppo_vl.py with sequence parallelism .* not split across"):
             check_args(vl, 2, parallelism=config(**sizes), **kind)
@@ -690,15 +691,16 @@ def test_optimizer_offload_under_deepspeed():
     import types
 
     import train_ppo
-    from rft_core.cli import check_args
-    from rft_core.distributed import offload_after_update, zero_offloads_optimizer
+    from rft_core.checks import check_args
+    from rft_core.distributed import zero_offloads_optimizer
+    from rft_core.optim import offload_after_update
 
     def plugin(device):
         zero = {"offload_optimizer": {"device": device}}
         return types.SimpleNamespace(deepspeed_config={"zero_optimization": zero})
 
     args = replace(train_ppo.Args(), optimizer_offload=True)
-    args.train_batch_size = args.rollout_batch_size * args.n_samples_per_prompt
+    args = replace(args, train_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
     check_args(args, 2, deepspeed=plugin("none"), sharded=True)
     with pytest.raises(UserError, match=r"--optimizer_offload: this DeepSpeed config \(offload_optimizer_"
                                         r"device: cpu\) keeps the optimizer on the CPU already; drop it"):
@@ -715,7 +717,7 @@ def test_the_engine_memory_checks_name_the_fix(monkeypatch):
     """vLLM's start and each wake-up are checked against the GPU's free memory first, so a trainer that holds
     too much gets one line naming the flags instead of vLLM's traceback (seen on 2 x H200: the 7B shape's full
     fine-tuning under ZeRO-3 left 34 GiB free for vLLM's default 42)."""
-    import rft_core.vllm_engine as V
+    import rft_core.engines.sync as V
     from rft_core.errors import OutOfMemory
 
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)

@@ -105,9 +105,9 @@ def test_engine_and_trainer_logprobs_agree_with_images(arch):
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from rft_core.engine import HFEngine
+    from rft_core.engines.hf import HFEngine
     from rft_core.experience import batched_logprobs, batched_values, build_experience
-    from rft_core.models import response_values
+    from rft_core.model_training import response_values
     from rft_core.vision import VisionValueModel
 
     tok, processor = word_tokenizer(), Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE**2,

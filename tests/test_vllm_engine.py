@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from rft_core.vllm_engine import (buckets, cuda_graph_config, flatten_group, iter_weights, slice_for_rank,
-                                  tp_groups, vllm_param_name)
+from rft_core.engines.sync import (buckets, flatten_group, iter_weights, slice_for_rank, tp_groups,
+                                   vllm_param_name)
+from rft_core.engines.vllm import cuda_graph_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gpu = pytest.mark.gpu(needs="vllm")
@@ -15,25 +16,12 @@ gpu = pytest.mark.gpu(needs="vllm")
 
 def test_cuda_graphs_cover_a_generate_call():
     """A generate call above vLLM's default 512 CUDA-graph batch sizes (partial rollout's fuller rounds) gets
-    graphs up to its size; the engine is sized for --inflight_ratio steps' worth of requests."""
-    from types import SimpleNamespace
-
-    from rft_core.engine import engine_options
-
+    graphs up to its size (the engine is sized for a round's requests: test_plan.py)."""
     assert cuda_graph_config(256) == {} and cuda_graph_config(512) == {}
     assert cuda_graph_config(768) == {"compilation_config": {"max_cudagraph_capture_size": 768}}
     assert cuda_graph_config(513)["compilation_config"]["max_cudagraph_capture_size"] == 528
     assert cuda_graph_config(5000)["compilation_config"]["max_cudagraph_capture_size"] == 1024
     assert cuda_graph_config(768, enforce_eager=True) == {}
-    args = SimpleNamespace(enable_engine_sleep=False, disable_engine_sleep=False, micro_rollout_batch_size=8,
-                           bf16=True, engine_tp_size=1, engine_mem_util=0.3, engine_sleep_level=1,
-                           engine_enforce_eager=False, seed=0, prompt_max_len=64, generate_max_len=64,
-                           partial_rollout=False, inflight_ratio=2.5, partial_order="finish", max_staleness=2)
-    assert engine_options(args, 256)["requests"] == 256
-    args.partial_rollout = True
-    assert engine_options(args, 256)["requests"] == 640
-    args.partial_order = "start"  # its first step draws K + 1 steps' worth
-    assert engine_options(args, 256)["requests"] == 768
 
 
 def test_tp_groups():
@@ -88,7 +76,7 @@ def test_iter_weights_and_buckets(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine_and_model():
-    from rft_core.engine import create_engine
+    from rft_core.engines import create_engine
     from rft_core.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer()
@@ -110,7 +98,7 @@ def _hf_greedy(model, tokenizer, prompts, n):
     """transformers greedy on a bf16 copy: the very weights the engine was sent."""
     import copy
 
-    from rft_core.engine import HFEngine
+    from rft_core.engines.hf import HFEngine
 
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     return [g.token_ids for g in HFEngine(bf16, tokenizer).generate(prompts, n, 0.0)], bf16
@@ -175,7 +163,7 @@ def test_kv_cache_bytes():
     the memory share: bf16 K and V of every layer, per token, for every request at full length."""
     from transformers import LlamaConfig
 
-    from rft_core.vllm_engine import kv_cache_bytes
+    from rft_core.engines.sync import kv_cache_bytes
 
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     per_token = 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x bf16 bytes

@@ -30,10 +30,10 @@ import time
 
 import torch
 
-from rft_core.engine import Generation, wants_logprobs
+from rft_core.engines.base import Generation, wants_logprobs
+from rft_core.engines.sync import (buckets, engine_group, flatten_group, iter_weights, short_for_training,
+                                   slice_for_rank, wake_error)
 from rft_core.errors import ConfigError, OutOfMemory
-from rft_core.vllm_engine import (buckets, engine_group, flatten_group, iter_weights, short_for_training,
-                                  slice_for_rank, wake_error)
 
 
 def _free_port():

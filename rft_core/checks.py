@@ -1,0 +1,250 @@
+"""The checks of the training scripts' flags: every value or combination that cannot work is refused with one
+line naming the flag, the value and the fix, before anything loads. Each check is a small function (or a
+row of a table) that raises ConfigError; `check_args` runs them all, in a fixed order (the same error every
+run), and the plan (rft_core/plan.py) calls it once the values it needs are resolved."""
+
+import dataclasses
+import os
+
+from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
+from rft_core.distributed import zero_offloads_optimizer
+from rft_core.errors import ConfigError
+from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES, TIS_LEVELS
+
+# flag -> (is the value valid?, what it must be); checked on every flag the script has
+RANGES = {
+    "actor_learning_rate": (lambda v: v is None or 0 < v < 1, "in (0, 1); typical: 1e-6 to 1e-4"),
+    "critic_learning_rate": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "temperature": (lambda v: v > 0, "> 0 (0 would sample greedily: a group's samples alike, no signal)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "eps_clip": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "eps_clip_low_high": (lambda v: v is None or (0 < v[0] < 1 and v[1] > 0), "LOW in (0, 1) and HIGH > 0"),
+    "dual_clip": (lambda v: v is None or v > 1, "> 1"),
+    "value_clip": (lambda v: v is None or v > 0, "> 0"),
+    "tis_cap": (lambda v: v is None or v > 0, "> 0"),
+    "reward_clip": (lambda v: v is None or v > 0, "> 0"),
+    "ema_beta": (lambda v: v is None or 0 < v < 1, "in (0, 1)"),
+    "kl_target": (lambda v: v is None or v > 0, "> 0"),
+    "init_kl_coef": (lambda v: v >= 0, ">= 0"),
+    "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lambd": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "high_entropy_token_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lr_warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "max_norm": (lambda v: v > 0, "> 0"),
+    "engine_mem_util": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "engine_sleep_level": (lambda v: v in (1, 2), "1 or 2"),
+    "reward_timeout": (lambda v: v > 0, "> 0 seconds"),
+    "reward_failure_limit": (lambda v: v > 0, "> 0 (above 1: never stop)"),
+    "ptx_coef": (lambda v: v >= 0, ">= 0"),
+    "overlong_penalty_factor": (lambda v: v >= 0, ">= 0"),
+    "lora_alpha": (lambda v: v > 0, "> 0"),
+    "inflight_ratio": (lambda v: v >= 1, ">= 1"),
+    "image_max_pixels": (lambda v: v >= 28 * 28, ">= 784 (28 x 28 pixels: one token)"),
+}
+# (checked in this order: train_batch_size last, as its default is derived from the two before it)
+AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size",
+                "n_samples_per_prompt", "micro_rollout_batch_size", "chunk_size", "max_epochs",
+                "num_episodes", "engine_tp_size", "kl_horizon", "max_num_gen_batches", "eval_n_samples",
+                "logging_steps", "max_ckpt_num", "limit_mm_image_per_prompt", "max_token_budget",
+                "train_batch_size")
+AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every", "lora_rank",
+                 "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
+
+
+def check(ok, message):
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_parallelism(args, world, deepspeed, sharded, parallelism, bf16):
+    """Sequence parallelism: DeepSpeed's Ulysses (sp_size) or FSDP2's context parallelism (cp_size), both in
+    rft_core/sequence_parallel.py, and what they cannot split; tensor parallelism would feed whole layers
+    where shards are expected."""
+    tp = getattr(parallelism, "tp_size", None) or 1
+    check(tp == 1, f"the accelerate config's parallelism_config_tp_size is {tp}: tensor parallelism is not "
+          "supported by the training scripts yet; remove it (sequence parallelism is: "
+          "accelerate_configs/deepspeed_zero3_sp2.yaml, fsdp2_cp2.yaml)")
+    sp, cp = (getattr(parallelism, f"{dim}_size", None) or 1 for dim in ("sp", "cp"))
+    check(cp == 1 or (sharded and not deepspeed), f"parallelism_config_cp_size {cp}: context parallelism "
+          "needs FSDP2 (accelerate_configs/fsdp2_cp2.yaml); under DeepSpeed use parallelism_config_sp_size "
+          "(deepspeed_zero3_sp2.yaml)")
+    check(cp == 1 or bf16 is not False, f"parallelism_config_cp_size {cp} without --bf16: torch's ring "
+          "attention runs on the flash / efficient kernels, grouped-KV models reach in bf16 only: add it")
+    if sp * cp > 1:  # what cannot work when attention masks are dropped and every sdpa forward is split
+        name = f"parallelism_config_{'sp' if sp > 1 else 'cp'}_size {sp * cp}"
+        for flag, on, why in (
+                ("packing_samples", args.packing_samples, "sdpa would attend across the packed samples"),
+                ("use_gspo", args.use_gspo, "its sequence ratio needs every slice of a sequence"),
+                ("high_entropy_token_ratio", args.high_entropy_token_ratio, "its top tokens span the slices"),
+                ("pretrain_data", args.pretrain_data, "its padded text rows would lose their attention mask"),
+                ("reward_pretrain", args.reward_pretrain, "reward models would lose their attention mask"),
+                ("advantage_estimator gae", args.advantage_estimator == "gae", "the critic's values are not "
+                 "split across the ranks yet")):
+            check(not on, f"--{flag} with sequence parallelism ({name}): {why}; drop one of them")
+        dp = getattr(parallelism, "dp_shard_size", 1) * getattr(parallelism, "dp_replicate_size", 1)
+        check(world == sp * cp * dp, f"{world} processes, but the accelerate config's parallelism_config "
+              f"makes {sp * cp * dp} ({name} x data-parallel {dp}): set parallelism_config_dp_shard_size to "
+              f"{world // (sp * cp)}")
+        check(not hasattr(args, "images_key"), f"train_ppo_vl.py with sequence parallelism ({name}): image "
+              "rows are not split across ranks yet; use a config without it")
+
+
+def check_values(args):
+    """Ranges (RANGES, AT_LEAST_ONE, AT_LEAST_ZERO) and named choices of the flags the script has."""
+    names = {f.name for f in dataclasses.fields(args)}
+    for name in (name for name in RANGES if name in names):  # in a fixed order: the same error every run
+        valid, want = RANGES[name]
+        check(valid(getattr(args, name)), f"--{name} {getattr(args, name)}: must be {want}")
+    for name in (name for name in AT_LEAST_ONE + AT_LEAST_ZERO if name in names):
+        low = 1 if name in AT_LEAST_ONE else 0
+        value = getattr(args, name)
+        check(value is None or value >= low, f"--{name} {value}: must be >= {low}")
+    check(args.advantage_estimator in ADVANTAGE_ESTIMATORS,
+          f"--advantage_estimator {args.advantage_estimator!r}: choose one of {ADVANTAGE_ESTIMATORS}")
+    check(args.loss_agg_mode in LOSS_AGG_MODES,
+          f"--loss_agg_mode {args.loss_agg_mode!r}: choose one of {LOSS_AGG_MODES}")
+    check(args.tis_mode in ("truncate", "mask"), f"--tis_mode {args.tis_mode!r}: choose truncate or mask")
+    check(args.tis_level in (None, *TIS_LEVELS),
+          f"--tis_level {args.tis_level!r}: choose one of {TIS_LEVELS}")
+    check(args.partial_order in ("finish", "start"),
+          f"--partial_order {args.partial_order!r}: choose finish or start")
+    check(args.kl_estimator in KL_ESTIMATORS,
+          f"--kl_estimator {args.kl_estimator!r}: choose one of {KL_ESTIMATORS}")
+
+
+def check_algorithm(args):
+    """Combinations of the algorithm's flags that cannot train."""
+    estimator, n = args.advantage_estimator, args.n_samples_per_prompt
+    check(n > 1 or estimator in ("reinforce", "gae"), f"--n_samples_per_prompt 1 with {estimator}: the group "
+          "baseline is the sample itself, so every advantage is 0; use >= 2, or reinforce / gae")
+    check(args.overlong_buffer_len < args.generate_max_len,
+          f"--overlong_buffer_len {args.overlong_buffer_len}: must be below --generate_max_len "
+          f"{args.generate_max_len}")
+    check(not args.freezing_actor_steps or args.freezing_actor_steps < args.max_steps,
+          f"--freezing_actor_steps {args.freezing_actor_steps}: the actor would never train in --max_steps "
+          f"{args.max_steps}")
+
+
+def check_batches(args, world, train_batch_size):
+    """Batch sizes that must divide: over the processes, and into optimizer steps and micro-batches."""
+    n = args.n_samples_per_prompt
+    samples_per_step = args.rollout_batch_size * n
+    check(args.rollout_batch_size % world == 0,
+          f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
+    check(samples_per_step % train_batch_size == 0, f"rollout_batch_size * n_samples_per_prompt = "
+          f"{samples_per_step} must be a multiple of --train_batch_size {train_batch_size}")
+    check(train_batch_size % world == 0,
+          f"--train_batch_size {train_batch_size} must divide over {world} processes")
+    micro = args.micro_train_batch_size
+    check(micro is None or micro >= 1, f"--micro_train_batch_size {micro}: must be >= 1 (or unset)")
+    budget = args.max_tokens_per_micro_batch
+    check(budget is None or budget >= 1, f"--max_tokens_per_micro_batch {budget}: must be >= 1")
+    check(not micro or train_batch_size % (micro * world) == 0,
+          f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size "
+          f"{micro} x {world} processes")
+
+
+def check_setup(args, world, deepspeed, sharded, engine_type):
+    """What the distributed set-up, the engine, the rewards and the output directory cannot do together."""
+    estimator = args.advantage_estimator
+    check(not (args.ema_beta and (args.lora_rank or sharded)), "--ema_beta is not supported with --lora_rank "
+          "(the export would merge the live adapter) nor under ZeRO-3 / FSDP2 (it averages whole parameters)")
+    check(not (deepspeed and estimator == "gae"), "gae trains a critic beside the actor, "
+          "which one DeepSpeed engine cannot: use the multi_gpu or fsdp2 config")
+    check(not (args.optimizer_offload and zero_offloads_optimizer(deepspeed)), "--optimizer_offload: this "
+          "DeepSpeed config (offload_optimizer_device: cpu) keeps the optimizer on the CPU already; drop it")
+    check(not (args.reward_fn and args.remote_rm_url), "--reward_fn and --remote_rm_url both given: pass one")
+    models = len(args.reward_pretrain.split(",")) if args.reward_pretrain else 0
+    sources = models + (1 if args.reward_fn or args.remote_rm_url or not models else 0)
+    check(args.reward_weights is None or len(args.reward_weights) == sources,
+          f"--reward_weights has {len(args.reward_weights or [])} values for {sources} reward sources "
+          "(--reward_fn or --remote_rm_url, then each --reward_pretrain model)")
+    check(not (args.partial_rollout and engine_type == "hf" and sharded), "--partial_rollout with the "
+          "transformers engine under ZeRO-3 / FSDP2: ranks continue different numbers of samples, which its "
+          "sharded generate cannot; use vLLM (--engine_type vllm) or the multi_gpu config")
+    tp = args.engine_tp_size
+    check(engine_type == "hf" or world % tp == 0, f"--engine_tp_size {tp}: must divide the {world} processes "
+          "(groups of consecutive ranks share an engine)")
+    existing = os.path.abspath(args.output_dir)  # it, or the nearest folder above it that exists
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    why = "not writable" if os.path.isdir(existing) else "a file"
+    check(os.path.isdir(existing) and os.access(existing, os.W_OK),
+          f"--output_dir {args.output_dir!r}: {existing} is {why}; pass a folder to write to")
+    check(not (args.enable_engine_sleep and args.disable_engine_sleep),
+          "--enable_engine_sleep or --disable_engine_sleep: pick one")
+
+
+def check_vl_flags(args):
+    """train_ppo_vl.py: the text script's flags that cannot apply to images."""
+    check(not args.critic_pretrain, "--critic_pretrain: the VL critic is the policy's backbone with a "
+          "new value head, not a separate checkpoint; drop the flag")
+    check(args.apply_chat_template, "--apply_chat_template false: image prompts need the chat template "
+          "(it places the image tokens); leave it on")
+    check(not args.packing_samples, "--packing_samples: not for image prompts (the model computes their "
+          "multimodal positions from padded rows); drop the flag")
+
+
+def check_inert(args, engine_type):
+    """Flags set away from their default where they do nothing in this run are refused, saying why."""
+    estimator = args.advantage_estimator
+    token_level = estimator in TOKEN_LEVEL
+    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0
+    inert = [  # (whether they act here, the flags, why they do not)
+        (engine_type != "hf", ("engine_tp_size", "engine_mem_util", "enable_engine_sleep",
+                               "disable_engine_sleep", "engine_sleep_level", "engine_enforce_eager"),
+         "it sets the vLLM / SGLang engine, but this run uses the transformers engine (--engine_type hf, or "
+         "auto without a GPU or without vllm)"),
+        (estimator == "gae", ("critic_pretrain", "critic_learning_rate", "value_clip", "lambd",
+                              "freezing_actor_steps"),
+         f"it is the critic's (gae), but --advantage_estimator is {estimator}"),
+        (token_level, ("gamma",), "it discounts the token-level estimators (gae, reinforce, "
+         f"reinforce_baseline), but --advantage_estimator is {estimator}"),
+        (kl_in_reward, ("kl_target", "kl_horizon"), "it adapts the KL penalty in the reward, which needs "
+         "gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss"),
+        (args.use_kl_loss, ("kl_estimator",), "it is the KL loss's estimator, but --use_kl_loss is off"),
+        (args.dynamic_sampling or args.partial_rollout, ("max_num_gen_batches",),
+         "it bounds the rounds of --dynamic_sampling and --partial_rollout, which are off"),
+        (args.partial_rollout, ("max_token_budget", "max_staleness", "inflight_ratio", "partial_order"),
+         "--partial_rollout is off"),
+        (args.partial_order != "start", ("inflight_ratio",),
+         "--partial_order start holds --max_staleness + 1 steps' worth of groups"),
+        (args.tis_cap is not None or args.partial_rollout, ("tis_mode", "tis_level"), "--tis_cap is off"),
+        (args.overlong_buffer_len > 0, ("overlong_penalty_factor",), "it scales the overlong penalty, but "
+         "--overlong_buffer_len is 0"),
+        (args.pretrain_data is not None, ("ptx_coef", "pretrain_key"),
+         "it is the ptx loss's, but there is no --pretrain_data"),
+        (args.lora_rank > 0, ("lora_alpha", "target_modules"),
+         "it shapes LoRA adapters, but --lora_rank is 0"),
+        (args.use_wandb, ("wandb_project",), "it names the wandb project, but --use_wandb is off"),
+        (args.eps_clip_low_high is None, ("eps_clip",), "--eps_clip_low_high replaces it"),
+        (args.fused_linear_logprob, ("chunk_size",), "it sizes --fused_linear_logprob's chunks; that is off"),
+        (args.micro_train_batch_size is None, ("max_tokens_per_micro_batch",),
+         "--micro_train_batch_size sets the micro-batches by rows instead"),
+    ]
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    for active, flags, reason in inert:
+        for name in flags if not active else ():
+            value = getattr(args, name)
+            check(value == defaults[name], f"--{name} {value}: {reason}; drop the flag")
+
+
+
+
+def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", parallelism=None,
+               train_batch_size=None, bf16=None):
+    """Refuse the flag values and combinations of a training script's Args that cannot work, naming the flag,
+    the value and the fix, before anything loads. world: processes; deepspeed: accelerate's DeepSpeed plugin
+    or None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved rollout engine (hf, vllm, sglang);
+    parallelism: accelerate's ParallelismConfig or None; train_batch_size, bf16: the resolved values (default:
+    the flags' own)."""
+    train_batch_size = train_batch_size or args.train_batch_size
+    bf16 = args.bf16 if bf16 is None else bf16
+    check_parallelism(args, world, deepspeed, sharded, parallelism, bf16)
+    check_values(args)
+    check_algorithm(args)
+    check_batches(args, world, train_batch_size)
+    check_setup(args, world, deepspeed, sharded, engine_type)
+    if "images_key" in {f.name for f in dataclasses.fields(args)}:
+        check_vl_flags(args)
+    check_inert(args, engine_type)

@@ -1,0 +1,54 @@
+"""The rollout engine's interface: the `Engine` protocol (every call the loop and rft_core make on an
+engine, so the scripts never branch on which one runs), the `Generation` record it returns, and
+`wants_logprobs`, which requests of a generate call return their logprobs."""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class Generation:
+    token_ids: list
+    logprobs: list  # the engine's sampling logprob of each token (None: not asked for)
+    versions: list = None  # partial rollout: the policy version (weight syncs so far) that sampled each token
+
+
+def wants_logprobs(index, every):
+    """Whether request `index` of a generate call returns its logprobs (every: 1 all, k every k-th, 0 none)"""
+    return bool(every) and index % every == 0
+
+
+class Engine(Protocol):
+    """What the loop (the scripts, rollout.py, evaluation.py, offload_after_update) calls on an engine:
+    HFEngine (engines/hf.py), VLLMEngine (engines/vllm.py) and SGLangEngine (engines/sglang.py) all offer
+    exactly these (tests/test_engine_protocol.py checks both sides). Step lifecycle: generate -> sleep ->
+    train -> update_weights -> wake_up -> generate."""
+
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None,
+                 logprob_every=1) -> list[Generation]:
+        """One Generation per prompt, in order: the response token ids (ending with EOS unless the length
+        limit cut it) and the logprob of each under the sampling distribution (temperature applied;
+        temperature 0 means greedy, logprobs then at temperature 1), for every logprob_every-th prompt (0:
+        none; the others' logprobs are None: vLLM builds a Python object per token it returns a logprob for,
+        which costs up to 30% of a small model's generation). max_new_tokens: one for all, or a list (one per
+        prompt). mm: per-prompt image inputs of a vision-language model (Experience.mm's form) or None."""
+        ...
+
+    def sleep(self, needed_bytes=None) -> bool:
+        """Free the engine's GPU memory for training; returns whether it slept. needed_bytes: the update's
+        measured transient memory (None: unknown), by which the "auto" sleep mode decides."""
+        ...
+
+    def wake_up(self, tags=None) -> None:
+        """Take the slept memory back: tags "weights", "kv_cache", or both (None)."""
+        ...
+
+    def can_wake(self) -> bool:
+        """Whether what sleeps would fit on the GPU now (offload_after_update asks it after the first update,
+        to decide whether the optimizer state must leave the GPU between updates)."""
+        ...
+
+    def update_weights(self, model) -> None:
+        """Load the trainer's current weights (the unwrapped model); collective under ZeRO-3 / FSDP2 and in a
+        tensor-parallel engine group."""
+        ...

@@ -1,0 +1,81 @@
+"""The transformers engine (`--engine_type hf`): `generate` on the training model itself. Weights are shared,
+so sleep / wake_up / update_weights have nothing to do. It is the engine wherever vLLM is absent."""
+
+from contextlib import nullcontext
+
+import torch
+
+from rft_core.engines.base import Generation, wants_logprobs
+from rft_core.multimodal import mm_inputs
+
+
+class HFEngine:
+    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, synced_gpus=False):
+        self.model = model  # the unwrapped training model: always the current weights
+        # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks keep stepping until all
+        # are done
+        self.synced_gpus = synced_gpus
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.autocast_dtype = autocast_dtype
+
+    def sleep(self, needed_bytes=None):
+        return False
+
+    def wake_up(self, tags=None):
+        pass
+
+    def can_wake(self):
+        return True
+
+    def update_weights(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None,
+                 logprob_every=1):
+        """max_new_tokens: one for all, or a list (one per prompt: requests of equal limits run together)."""
+        was_training = self.model.training
+        self.model.eval()  # also turns gradient checkpointing off, which `generate` cannot use
+        mm = mm or [None] * len(prompt_token_ids)
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(mm)
+        out = [None] * len(mm)
+        for limit in dict.fromkeys(limits):  # in order of first appearance
+            idx = [i for i, m in enumerate(limits) if m == limit]
+            for j in range(0, len(idx), self.micro_batch_size):
+                part = idx[j:j + self.micro_batch_size]
+                gens = self._generate_batch([prompt_token_ids[i] for i in part], limit, temperature, top_p,
+                                            [mm[i] for i in part])
+                for i, g in zip(part, gens):
+                    out[i] = g if wants_logprobs(i, logprob_every) else Generation(g.token_ids, None)
+        self.model.train(was_training)
+        return out
+
+    def _generate_batch(self, prompts, max_new_tokens, temperature, top_p, mm):
+        device = next(self.model.parameters()).device
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        # (B, P)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        # a vision-language model's image inputs, as the trainer builds them
+        images = mm_inputs(mm, input_ids) or {}
+        greedy = temperature == 0
+        sampling = ({"do_sample": False} if greedy
+                    else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0})
+        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                    else nullcontext())
+        with autocast:
+            res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                                      output_logits=True, return_dict_in_generate=True,
+                                      synced_gpus=self.synced_gpus, **sampling, **images)
+        responses = res.sequences[:, width:]  # (B, T)
+        logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)  # (B, T, V), raw
+        lse = torch.logsumexp(logits, -1)  # (B, T)
+        logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse  # (B, T)
+        gens = []
+        for ids, lps in zip(responses.tolist(), logprobs.tolist()):
+            end = ids.index(eos) + 1 if eos in ids else len(ids)  # keep the EOS: it is an action too
+            gens.append(Generation(ids[:end], lps[:end]))
+        return gens

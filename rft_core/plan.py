@@ -1,0 +1,189 @@
+"""The run's plan: every value a training script derives from its flags and every automatic choice, resolved
+in one place into a frozen record that the loop reads. The flags (`args`) are never written after parsing;
+config.json keeps the flags as typed and this plan, and the start-up prints what auto chose and why.
+
+    plan = resolve(args, accelerator)          # right after the Accelerator exists; runs the flag checks
+    plan = with_memory_plan(plan, args, ...)   # once the trained nets are prepared: the update's memory
+
+Two choices cannot be made from the flags alone. The update's micro-batch budget and gradient checkpointing
+come from activations measured on the loaded model (`with_memory_plan`, on a GPU). Whether the optimizer
+state leaves the GPU between updates (`--optimizer_offload` left to auto, `optimizer_offload` None here) is
+decided after the first update, by whether the engine could wake beside it: the loop keeps that decision in
+its own variable, `offload` (rft_core/optim.py: offload_after_update).
+"""
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+import torch
+
+from rft_core.advantages import TOKEN_LEVEL
+from rft_core.checks import check_args
+from rft_core.engines import resolve_engine_type
+from rft_core.losses import LossSettings
+from rft_core.memory import plan_update_memory
+from rft_core.model_training import checkpointing_on
+from rft_core.rollout import RolloutSettings
+from rft_core.sequence_parallel import group_size
+
+TOKENS_PER_MICRO_BATCH = 16384  # the update's default budget where the memory is not measured (CPU)
+
+
+@dataclass(frozen=True)
+class Plan:
+    world: int  # processes
+    sp_size: int  # ranks sharing each sample, a slice of it each (sequence / context parallelism), else 1
+    sharded: bool  # ZeRO-3 or FSDP2: parameters sharded, every forward a collective
+    samples_per_step: int  # rollout_batch_size * n_samples_per_prompt, all ranks
+    train_batch_size: int  # samples per optimizer step, all ranks
+    rows_per_update: int  # a rank's samples per optimizer step (SP / CP: its group's)
+    engine_type: str  # hf, vllm or sglang
+    bf16: bool
+    torch_compile: bool  # each decoder layer of what trains
+    chunk_size: Optional[int]  # tokens per chunk of the fused LM head (None: the model's own logits)
+    actor_learning_rate: float
+    token_level: bool  # gae, reinforce, reinforce_baseline: per-token advantages
+    kl_in_reward: bool  # a k1 penalty in the per-token reward (token-level estimators, no --use_kl_loss)
+    reuse_old_logprobs: bool  # one optimizer step per rollout: the update's own logprobs are the old ones
+    loss: LossSettings
+    rollout: RolloutSettings
+    engine: dict  # create_engine's keywords
+    optimizer_offload: Optional[bool]  # None: decided after the first update
+    max_tokens_per_micro_batch: Optional[int]  # the update's budget; None: micro-batches by rows
+    gradient_checkpointing: Optional[bool]  # None until with_memory_plan
+    why: tuple = ()  # what auto chose and why, a line each
+
+    def record(self):
+        """The plan as config.json keeps it (JSON-ready)."""
+        out = asdict(self)
+        out["loss"] = {k: v for k, v in out["loss"].items() if k != "sample_sum"}
+        out["why"] = list(self.why)
+        return out
+
+    def describe(self):
+        """The start-up's `[plan]` lines."""
+        budget = self.max_tokens_per_micro_batch
+        lines = [f"{self.samples_per_step} samples a step, {self.train_batch_size} an optimizer step, over "
+                 f"{self.world} process(es); engine {self.engine_type}, bf16 {self.bf16}, compile "
+                 f"{self.torch_compile}",
+                 f"update micro-batches {f'of {budget} tokens' if budget else 'by rows'}, gradient "
+                 f"checkpointing {self.gradient_checkpointing}", *self.why]
+        return "\n".join(f"[plan] {line}" for line in lines)
+
+
+def default_bf16(args):
+    """--bf16, or on where a GPU is (needed before the Accelerator exists: its mixed precision)."""
+    return torch.cuda.is_available() if args.bf16 is None else args.bf16
+
+
+def resolve(args, accelerator, default_lr=None):
+    """The plan of a run from its flags, the Accelerator (processes, DeepSpeed / FSDP2, parallelism) and the
+    machine; checks the flags first (rft_core/checks.py). default_lr: the actor's learning rate where the
+    flag is unset (the VL script's default depends on the model)."""
+    world, parallelism = accelerator.num_processes, accelerator.parallelism_config
+    deepspeed = accelerator.state.deepspeed_plugin
+    sharded = accelerator.distributed_type.name == "FSDP" or bool(deepspeed and deepspeed.zero_stage == 3)
+    samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
+    train_batch_size = args.train_batch_size or samples_per_step
+    bf16 = default_bf16(args)
+    engine_type = resolve_engine_type(args.engine_type)  # auto: vllm where installed with a GPU, else hf
+    check_args(args, world, deepspeed, sharded, engine_type, parallelism, train_batch_size, bf16)
+    why = [f"engine {engine_type}: auto, vllm where it is installed and a GPU is present"
+           if args.engine_type == "auto" else None]
+    torch_compile = args.torch_compile
+    if torch_compile is None:  # auto: on where measured (SP and CP come with DeepSpeed or FSDP2)
+        gpu = accelerator.device.type == "cuda"
+        torch_compile = gpu and not (deepspeed or sharded) and engine_type != "hf"
+        why.append(f"torch_compile {torch_compile}: auto, on with a GPU, vLLM or SGLang, and neither "
+                   "DeepSpeed nor FSDP2")
+    sp_size = group_size(parallelism)
+    token_level = args.advantage_estimator in TOKEN_LEVEL
+    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0
+    # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
+    one_update = args.max_epochs == 1 and train_batch_size == samples_per_step
+    tis_cap, tis_level = importance_weights(args)
+    if args.partial_rollout and (args.tis_cap is None or args.tis_level is None):
+        why.append(f"importance weights per {tis_level}, capped at {tis_cap}: partial rollout's default")
+    sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
+    if engine_type != "hf" and sleep == "auto":
+        why.append("engine sleep auto: the engine sleeps only when an update needs its memory")
+    if args.optimizer_offload is None and engine_type != "hf":
+        why.append("optimizer offload auto: decided after the first update (on if the engine cannot wake "
+                   "beside the AdamW state)")
+    by_rows = args.micro_train_batch_size is not None
+    return Plan(
+        world, sp_size, sharded, samples_per_step, train_batch_size, train_batch_size * sp_size // world,
+        engine_type, bf16, torch_compile, args.chunk_size if args.fused_linear_logprob else None,
+        args.actor_learning_rate or default_lr, token_level, kl_in_reward, one_update and not kl_in_reward,
+        loss_settings(args, train_batch_size, tis_cap, tis_level), rollout_settings(args, tis_cap),
+        engine_options(args, bf16, sleep, samples_per_step // world, sp_size), args.optimizer_offload,
+        None if by_rows else args.max_tokens_per_micro_batch or TOKENS_PER_MICRO_BATCH,
+        args.gradient_checkpointing, tuple(line for line in why if line))
+
+
+def importance_weights(args):
+    """(cap, level) of the TIS weights pi_old / pi_engine: --tis_cap, or 2 under partial rollout (tokens
+    sampled by older weights), None: none; --tis_level, or "sequence" under partial rollout (no late lag in
+    six GPU seed pairs, where per-token weights left one: docs/partial_rollout.md), else "token"."""
+    cap = 2.0 if args.tis_cap is None and args.partial_rollout else args.tis_cap
+    return cap, args.tis_level or ("sequence" if args.partial_rollout else "token")
+
+
+def loss_settings(args, train_batch_size, tis_cap, tis_level):
+    """actor_loss's settings from the loss flags; cpgd's defaults."""
+    cpgd = args.advantage_estimator == "cpgd"
+    drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
+    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+    return LossSettings(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
+                        args.use_cpg_loss or cpgd, tis_cap, args.tis_mode, tis_level,
+                        args.high_entropy_token_ratio, args.entropy_coef, drift, args.use_kl_loss,
+                        kl_estimator=args.kl_estimator, max_len=args.generate_max_len,
+                        num_seqs=train_batch_size)
+
+
+def rollout_settings(args, tis_cap):
+    """The rollout's settings from its flags (the EOS token is the tokenizer's: set once it loads)."""
+    order = args.partial_order
+    # start order: every group finishes within the K + 1 rounds before it trains
+    default = (math.ceil(args.generate_max_len / (args.max_staleness + 1)) if order == "start"
+               else max(1, args.generate_max_len // 4))
+    # TIS and partial rollout weight every token by its engine logprob; otherwise they feed only the
+    # engine-vs-trainer metric, which one sample in 8 estimates for an eighth of their cost
+    every = 1 if tis_cap else 8
+    return RolloutSettings(args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p,
+                           args.dynamic_sampling, args.max_num_gen_batches, args.overlong_buffer_len,
+                           args.overlong_penalty_factor, args.strict_rewards, args.partial_rollout,
+                           args.max_token_budget or default, args.max_staleness, None, args.inflight_ratio,
+                           every, order)
+
+
+def engine_options(args, bf16, sleep, requests, sp_size=1):
+    """create_engine's keywords from the engine flags; requests: one generate call's, per rank. sp_size > 1
+    (sequence or context parallelism: Accelerate drops the prepared models' attention masks): the
+    transformers engine generates one prompt at a time, without padding."""
+    micro_batch_size = 1 if sp_size > 1 else args.micro_rollout_batch_size
+    if args.partial_rollout:  # a generation round holds --inflight_ratio steps' worth of groups
+        start = args.partial_order == "start"  # (start order: K + 1 in its first step)
+        requests = math.ceil(requests * (args.max_staleness + 1 if start else args.inflight_ratio))
+    return dict(micro_batch_size=micro_batch_size, bf16=bf16, tp_size=args.engine_tp_size,
+                mem_util=args.engine_mem_util, sleep=sleep, sleep_level=args.engine_sleep_level,
+                enforce_eager=args.engine_enforce_eager, requests=requests, seed=args.seed,
+                max_model_len=args.prompt_max_len + args.generate_max_len)
+
+
+def with_memory_plan(plan, args, accelerator, model, nets):
+    """The plan with the update's micro-batch budget and gradient checkpointing decided, and checkpointing
+    turned on in the prepared nets where it is. Left to auto with micro-batches by tokens, they come from the
+    activations measured on the GPU (rft_core/memory.py: plan_update_memory; collective under ZeRO-3 /
+    FSDP2): the largest budget that fits beside the awake engine, else beside the sleeping one, else
+    checkpointing. A --gradient_checkpointing or --max_tokens_per_micro_batch given is kept."""
+    checkpointing, budget = plan.gradient_checkpointing, plan.max_tokens_per_micro_batch
+    if budget and checkpointing is None:
+        share = 0.0 if args.enable_engine_sleep else args.engine_mem_util  # of the GPU, an awake engine's
+        checkpointing, budget = plan_update_memory(
+            model, budget, plan.chunk_size, accelerator.autocast, share, not args.disable_engine_sleep,
+            fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
+    for net in nets if checkpointing else []:
+        checkpointing_on(accelerator.unwrap_model(net))
+    return replace(plan, gradient_checkpointing=bool(checkpointing), max_tokens_per_micro_batch=budget)

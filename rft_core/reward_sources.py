@@ -1,0 +1,135 @@
+"""Where a run's rewards come from: a --reward_fn file's function (or a built-in rule by name), a remote
+reward server (--remote_rm_url, JSON over HTTP), and local reward models (--reward_pretrain); `reward_sources`
+gives a run's list of them, which rewards.RewardScorer scores.
+"""
+
+import importlib.util
+import json
+import os
+import time
+import traceback
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from rft_core.errors import ConfigError, MissingName, MissingPath
+from rft_core.rewards import BUILTIN_REWARDS, ServiceDown
+
+
+def load_reward_fn(spec):
+    """A built-in reward by name (answer, math) or the function named by 'path/to/file.py:function'."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ConfigError(f"--reward_fn {spec!r}: expected path/to/file.py:function "
+                         f"or one of {sorted(BUILTIN_REWARDS)}")
+    if not os.path.isfile(path):
+        raise MissingPath(f"--reward_fn {spec!r}: no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(f"reward_module_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: where in it, in one line (--debug shows the traceback)
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if os.path.abspath(f.filename) == os.path.abspath(path)]
+        line = e.lineno if isinstance(e, SyntaxError) else frames[-1].lineno if frames else None
+        where = f" (line {line})" if line else ""
+        raise ConfigError(f"--reward_fn {spec!r}: loading {path} failed{where}: {type(e).__name__}: "
+                          f"{e.msg if isinstance(e, SyntaxError) else e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise MissingName(f"--reward_fn {spec!r}: {path} defines no function {name!r}")
+    return fn
+
+
+def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
+    """A reward function that POSTs {"prompts", "completions", "labels"} as JSON to `url` and reads
+    {"rewards": [...]} (or named components) back; retries with exponential backoff, then raises naming the
+    URL and the last failure (HTTP status, unreachable, invalid JSON)."""
+    if urllib.parse.urlparse(url).scheme not in ("http", "https"):
+        raise ConfigError(f"--remote_rm_url {url!r}: not an http(s) URL (e.g. http://host:5000/reward)")
+
+    def fn(prompts, completions, labels, **kwargs):
+        body = json.dumps({"prompts": prompts, "completions": completions, "labels": labels}).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        for attempt in range(retries):
+            down = False  # the server never answered (not the samples' doing)
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    out = json.loads(response.read())
+                if not isinstance(out, dict):
+                    raise ValueError(f"expected a JSON object, got {type(out).__name__}")
+                return out["rewards"] if "rewards" in out else out
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code} {e.reason}"
+            except urllib.error.URLError as e:
+                error, down = f"unreachable ({e.reason})", True
+            except (OSError, TimeoutError) as e:
+                error, down = f"no answer ({e!r})", True
+            except ValueError as e:
+                error = f"not a valid answer ({e})"
+            if attempt + 1 < retries:
+                time.sleep(backoff * 2**attempt)
+        # a server that never answered fails the batch: its samples are not retried one by one
+        raise (ServiceDown if down else ConnectionError)(f"--remote_rm_url {url}: no valid answer after "
+                                                         f"{retries} tries: {error}")
+
+    return fn
+
+
+def sequence_scores(model, input_ids, attention_mask):
+    """Reward-model scores (B,): the head's output at each row's last attended token."""
+    from rft_core.logprobs import positions
+
+    values = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=positions(attention_mask)).logits[..., 0]  # (B, L)
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(-1)  # (B,)
+    return values.gather(1, last.unsqueeze(-1)).squeeze(-1).float()
+
+
+def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
+    """A reward function scoring prompt + completion with the reward model at `path` (a sequence- or
+    token-classification checkpoint), in the reward model's own tokenizer and chat template.
+    place(model) -> model puts it where it costs least (sharded like the actor); default: on `device`."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rft_core.model_training import load_value_model
+
+    model = load_value_model(path, dtype=dtype or torch.float32, flag="--reward_pretrain")
+    model = model.eval().requires_grad_(False)
+    model = place(model) if place else model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+
+    def text(prompt, completion):
+        if isinstance(prompt, str):
+            return prompt + completion
+        if tokenizer.chat_template is None:
+            return "\n".join(m["content"] for m in prompt) + "\n" + completion
+        return tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}],
+                                             tokenize=False)
+
+    @torch.no_grad()
+    def fn(prompts, completions, labels, **kwargs):
+        texts, scores = [text(p, c) for p, c in zip(prompts, completions)], []
+        for i in range(0, len(texts), batch_size):
+            enc = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            scores += sequence_scores(model, enc["input_ids"], enc["attention_mask"]).tolist()
+        return scores
+
+    return fn
+
+
+def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None,
+                   place=None, default_rule="answer"):
+    """A run's (name, fn) reward sources: "rule" (--reward_fn or --remote_rm_url; the built-in default_rule
+    when no source is given at all), then "rm0", "rm1"... for the comma-separated --reward_pretrain."""
+    rule = (load_reward_fn(reward_fn) if reward_fn
+            else remote_reward_fn(remote_rm_url) if remote_rm_url else None)
+    models = reward_pretrain.split(",") if reward_pretrain else []
+    sources = [("rule", rule or BUILTIN_REWARDS[default_rule])] if rule or not models else []
+    return sources + [(f"rm{i}", reward_model_fn(path, device, dtype, place=place))
+                      for i, path in enumerate(models)]

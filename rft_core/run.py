@@ -1,0 +1,84 @@
+"""How a training script's process ends: `run_main` turns a user's error into one line and an exit status,
+`StopSignals` lets SIGINT / SIGTERM stop the loop at a step's end, and `stop_error` says where that left the
+run."""
+
+import faulthandler
+import os
+import signal
+import sys
+
+import torch
+
+from rft_core.checkpoint import latest_checkpoint
+from rft_core.errors import Stopped, UserError
+
+
+def run_main(main):
+    """The scripts' entry point. A UserError (a flag, path, data row, reward or checkpoint the user can fix,
+    or a diverging run) ends the process with its one line, `error: ...`, and status 2; a stop on SIGINT /
+    SIGTERM with its line and 130 / 143; a CUDA out-of-memory error with one line naming the flags that make
+    room, and 2; RFT_DEBUG=1 or --debug shows the traceback instead. Anything else is a bug and keeps its
+    traceback."""
+    argv = sys.argv[1:] + [""]
+    flag = "--debug" in argv and argv[argv.index("--debug") + 1].lower() not in ("0", "false", "no", "off")
+    debug = flag or os.environ.get("RFT_DEBUG", "0") not in ("", "0")
+    try:
+        main()
+    except UserError as e:
+        if debug:
+            raise
+        print(f"{'stopped' if isinstance(e, Stopped) else 'error'}: {e}", file=sys.stderr, flush=True)
+        sys.exit(getattr(e, "exit_code", 2))
+    except torch.OutOfMemoryError as e:  # what the memory plan did not foresee: the flags that make room
+        if debug:
+            raise
+        said = ". ".join(str(e).split(". ")[:3])  # out of memory, how much it tried, how much was free
+        print(f"error: {said}: make room with --optimizer_offload, a smaller --max_tokens_per_micro_batch or "
+              "--engine_mem_util, --gradient_checkpointing or --lora_rank, or shard further (fsdp2.yaml, an "
+              "*_offload.yaml config, more GPUs); checkpoints are written atomically, so the last complete "
+              "one is intact (RFT_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted: checkpoints are written atomically, so the last complete one is intact; rerun "
+              "the same command to resume from it", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption) ask the loop to stop at the end of the current
+    step, after its checkpoint if one is due; a second SIGINT stops at once. `requested(reduce_sum, device)`
+    is the signal any rank got (None, "SIGINT" or "SIGTERM"): every rank calls it at the same point, so that
+    they stop together. SIGUSR1 prints every thread's stack and goes on (where a stuck run waits)."""
+
+    def __init__(self):
+        self.received = 0  # 1: SIGINT, 100: SIGTERM (summed over ranks, SIGTERM wins)
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received:
+            raise KeyboardInterrupt
+        self.received = 100 if signum == signal.SIGTERM else 1
+        print(f"[stop] {signal.Signals(signum).name}: stopping after this step (Ctrl-C again: at once)",
+              file=sys.stderr, flush=True)
+
+    def requested(self, reduce_sum=None, device="cpu"):
+        import torch
+
+        total = self.received
+        if reduce_sum is not None:
+            total = int(reduce_sum(torch.tensor(float(total), device=device)).item())
+        return None if not total else "SIGTERM" if total >= 100 else "SIGINT"
+
+
+def stop_error(signal_name, step, output_dir):
+    """The Stopped error that ends a run on signal_name ("SIGINT" / "SIGTERM") after `step`, naming the
+    newest intact checkpoint in output_dir (if there is one)."""
+    checkpoint = latest_checkpoint(output_dir)
+    where = "no checkpoint was written (--save_steps 0): a rerun starts afresh"
+    if checkpoint:
+        where = f"{os.path.basename(checkpoint)} is intact; rerun the same command to resume from it"
+    return Stopped(f"{signal_name} after step {step}: {where}", 130 if signal_name == "SIGINT" else 143)

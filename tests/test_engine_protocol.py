@@ -1,0 +1,49 @@
+"""The engine interface (rft_core/engines/base.py): every engine offers each call of the `Engine` protocol
+with its signature, and every call the loop makes on an engine is on the protocol. CPU only: the vLLM and
+SGLang engine modules import without vllm, sglang or a GPU."""
+
+import ast
+import inspect
+import os
+
+import pytest
+
+from rft_core.engines.base import Engine
+from rft_core.engines.hf import HFEngine
+from rft_core.engines.sglang import SGLangEngine
+from rft_core.engines.vllm import VLLMEngine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CALLS = sorted(name for name, value in vars(Engine).items() if inspect.isfunction(value) and name[0] != "_")
+
+
+def shape(function):
+    """A signature's parameters as (name, kind, default): annotations aside."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+@pytest.mark.parametrize("engine", [HFEngine, VLLMEngine, SGLangEngine], ids=lambda c: c.__name__)
+def test_every_engine_offers_the_protocol(engine):
+    assert CALLS == ["can_wake", "generate", "sleep", "update_weights", "wake_up"]
+    for name in CALLS:
+        assert shape(getattr(engine, name)) == shape(getattr(Engine, name)), f"{engine.__name__}.{name}"
+    public = sorted(n for n, v in vars(engine).items() if callable(v) and n[0] != "_")
+    assert public == CALLS, f"{engine.__name__}: a public call the protocol lacks"
+
+
+def test_the_loop_calls_only_the_protocol():
+    """`engine.<call>` in the scripts and in every rft_core function that takes an `engine` is on the
+    protocol (a new call the loop makes must be written down there)."""
+    used = set()
+    paths = [os.path.join(ROOT, "rft_core", f) for f in os.listdir(os.path.join(ROOT, "rft_core"))
+             if f.endswith(".py")]
+    for path in [os.path.join(ROOT, "train_ppo.py"), os.path.join(ROOT, "train_ppo_vl.py"), *paths]:
+        tree = ast.parse(open(path).read())
+        if "rft_core" in path:  # there `engine` may be a DeepSpeed engine: only functions taking an engine
+            scopes = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                      and "engine" in [a.arg for a in f.args.args]]
+        else:
+            scopes = [tree]
+        used |= {node.attr for scope in scopes for node in ast.walk(scope) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Name) and node.value.id == "engine"}
+    assert used and used <= set(CALLS), sorted(used - set(CALLS))
