@@ -49,7 +49,7 @@ from rft_core.distributed import configure_deepspeed, end_run, prepare_frozen, p
 from rft_core.engines import create_engine
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
-from rft_core.health import HealthGuard
+from rft_core.health import HealthGuard, check_resumed_weights
 from rft_core.experience import (build_experience, logprob_passes, micro_batch_logprobs,
                                  micro_batch_values, optimizer_chunks)
 from rft_core.losses import (actor_loss, kl_estimate, masked_mean, policy_token_counts, token_mean,
@@ -374,6 +374,7 @@ def micro_batch_loss(model, critic, mb, settings, frozen, args, plan, sp, ptx_ba
 
 def main():
     args = parse_args(Args)
+    StopSignals(args, at_once=True)  # until the loop starts, SIGINT / SIGTERM stop the run at once, in a line
     trackers = (["wandb"] if args.use_wandb else []) + (["tensorboard"] if args.use_tensorboard else [])
     precision = "bf16" if default_bf16(args) else "no"  # (the plan records it)
     accelerator = Accelerator(mixed_precision=precision, log_with=trackers or None,
@@ -455,6 +456,7 @@ def main():
     start, first_eval = 0, None  # the last step done, the step-0 eval
     if resume_from:
         state, tensors = load_checkpoint(accelerator, resume_from)  # models, optimizers, schedulers, RNG
+        check_resumed_weights(trained_nets, resume_from, accelerator)  # finite, or one line naming it
         start, kl_coef, first_eval = state["step"], state["kl_coef"], state["first_eval"]
         rollouts.load_state_dict(state, tensors["rollouts"])  # the prompt stream, partial rollout's buffer
         if moments is not None:
@@ -469,7 +471,7 @@ def main():
         first_eval = run_eval(0)
 
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
-    perf, stops = StepTimer(), StopSignals()
+    perf, stops = StepTimer(), StopSignals(args)  # from here, a signal stops the loop at a step's end
     loss_settings = replace(plan.loss, sample_sum=sp.sum if sp else None)  # SP / CP: a sample's slices summed
     offload = plan.optimizer_offload  # --optimizer_offload; auto (None): decided after the first update
     for step in tqdm(range(start + 1, num_steps + 1), desc="steps", initial=start, total=num_steps,
@@ -577,7 +579,7 @@ def main():
         if args.save_hf_steps and step % args.save_hf_steps == 0:
             export(os.path.join(args.output_dir, f"hf-step-{step}"))
         if stop and step < num_steps:
-            raise stop_error(stop, step, args.output_dir)
+            raise stop_error(stop, step, args)
 
     # the final weights pass the checks a checkpoint's do
     guard.before_checkpoint(model, exp, logprob_split, args.temperature, plan.chunk_size, accelerator, step)

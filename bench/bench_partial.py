@@ -189,6 +189,7 @@ def run(args, out, data, evals, name, seed, steps, flags, extra, max_len=None, e
     """One training run; prints and appends its JSON line to $OUT/partial.jsonl. Returns its exit code
     (or "timeout")."""
     run_dir = os.path.join(args.root, "runs", name)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resumed or moved-aside one
     lengths = os.path.join(args.root, f"{name}.lengths")
     for path in (lengths, lengths + ".overshoot.jsonl"):
         if os.path.exists(path):

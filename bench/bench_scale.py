@@ -12,6 +12,7 @@ shows here first) and the weight-sync time. A failed run keeps its log's last li
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(config, tp, train_args, out_dir, timeout):
     path = os.path.join(ROOT, "accelerate_configs", f"{config}.yaml")
     run_dir = os.path.join(out_dir, f"{config}-tp{tp}")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resumed one
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path,
            os.path.join(ROOT, "train_ppo.py"), *train_args, "--engine_tp_size", str(tp),
            "--output_dir", run_dir]

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -139,6 +140,7 @@ def main():
         if args.config:
             launch += ["-m", "accelerate.commands.launch", "--config_file", args.config, "--num_processes",
                        str(args.gpus), *shlex.split(args.launch_flags)]
+        shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run, not a moved-aside one
         cmd = [*launch, os.path.join(ROOT, "train_ppo.py"), "--rollout_batch_size", "32",
                "--n_samples_per_prompt", "8", "--generate_max_len", str(args.generate_max_len),
                "--max_steps", str(args.steps), "--output_dir", out_dir, "--no_resume"]

@@ -6,17 +6,19 @@ and any extra tensors (the EMA weights). It is written to `checkpoint-N.tmp`, re
 `checkpoint-N` once every rank has finished, and only then named in `latest`, itself replaced
 atomically; so a run killed at any moment resumes from the last complete checkpoint.
 
-Each checkpoint records in `manifest.json` the size of every file it holds and the SHA-256 of the small
-ones (states, RNG, trainer state). Resuming verifies them: a damaged or missing latest checkpoint is named
-and the newest intact one before it is used instead, never a damaged RNG state.
+Each checkpoint records in `manifest.json` the size and SHA-256 of every file it holds (weights too: hashing
+runs at about 750 MB/s a core, files in parallel). Resuming verifies them: a damaged or missing checkpoint is
+named and the newest intact one before it is used instead (found by their manifests where `latest` is
+missing), never a damaged RNG state. Loading reads pickles as plain data only (torch.load's weights_only=True)
+and checks that the RNG states are the saved ones (rft_core/integrity.py). A save that fails (a full
+disk) is one line and leaves the previous checkpoint as it was; pruning never deletes the one just written.
 
 The trainer state also records the settings the checkpoint's contents depend on (`run_identity`): the data
 stream's order and batch, the per-rank buffers, the models and their layout. A run that would resume it
 with other values of them is refused in one line before anything loads; the other flags (learning rate,
-clipping, lengths, steps...) may change on resume.
+the algorithm's, lengths, steps...) may change on resume, and config.json records each segment's values.
 """
 
-import hashlib
 import json
 import os
 import re
@@ -25,18 +27,22 @@ import shutil
 import torch
 
 from rft_core.errors import CheckpointError
+from rft_core.integrity import (MANIFEST, check_rng_restored, is_full, load_plain, mark_written, size_text,
+                                verify_checkpoint)
+from rft_core.integrity import manifest as _manifest
+from rft_core.run_dir import check_free, on_main
 
 LATEST = "latest"
-MANIFEST = "manifest.json"
-HASHED_BYTES = 64 << 20  # files up to this size get a SHA-256 too; larger ones (weights, optimizer): a size
 RESUME_FLAGS = ("pretrain", "prompt_data", "input_key", "label_key", "images_key", "seed",
-                "rollout_batch_size", "n_samples_per_prompt", "partial_rollout", "lora_rank")
+                "rollout_batch_size", "n_samples_per_prompt", "partial_rollout", "lora_rank",
+                "normalize_reward")  # (its running statistics are in the trainer state)
 
 
 def run_identity(args, accelerator):
     """What a run resuming a checkpoint must share with the run that wrote it (JSON-ready): RESUME_FLAGS
-    (paths made absolute), LoRA's target modules, whether a critic trains, the processes, and the format of
-    the saved states (DeepSpeed and its ZeRO stage, FSDP, or plain: DDP and one process save alike)."""
+    (paths made absolute), LoRA's target modules, whether a critic trains and an EMA is kept, the processes,
+    and the format of the saved states (DeepSpeed and its ZeRO stage, FSDP, or plain: DDP and one process
+    save alike)."""
     identity = {name: getattr(args, name) for name in RESUME_FLAGS if hasattr(args, name)}
     for name in ("pretrain", "prompt_data"):
         if identity.get(name) and os.path.exists(identity[name]):  # (not a built-in task's name)
@@ -46,16 +52,20 @@ def run_identity(args, accelerator):
     kind = accelerator.distributed_type.name
     deepspeed = accelerator.state.deepspeed_plugin
     states = f"ZeRO-{deepspeed.zero_stage}" if deepspeed else kind if kind == "FSDP" else "plain"
-    return {**identity, "critic": args.advantage_estimator == "gae", "processes": accelerator.num_processes,
-            "states": states}
+    return {**identity, "critic": args.advantage_estimator == "gae", "ema": args.ema_beta is not None,
+            "processes": accelerator.num_processes, "states": states}
 
 
 def resume_point(args, accelerator):
     """(the checkpoint to resume: the newest intact one in --output_dir, or None with --no_resume or none
-    there, refused if written with other settings; run_identity, which the run's checkpoints record)."""
+    there, refused if written with other settings; run_identity, which the run's checkpoints record). The
+    main process looks (and refuses a directory another live run holds), the others take its answer."""
     identity = run_identity(args, accelerator)
-    ckpt = None if args.no_resume else latest_checkpoint(args.output_dir, accelerator.print, identity)
-    return ckpt, identity
+
+    def find():
+        check_free(args.output_dir)
+        return None if args.no_resume else latest_checkpoint(args.output_dir, accelerator.print, identity)
+    return on_main(accelerator, find), identity
 
 
 def checkpoint_step(ckpt):
@@ -95,29 +105,84 @@ def _write_atomically(path, text):
 
 
 def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt_num=None):
-    """Write checkpoint-{step} (collective: every rank calls it); keep the newest max_ckpt_num."""
+    """Write checkpoint-{step} (collective: every rank calls it); keep the newest max_ckpt_num of the steps up
+    to it. A failure on any rank (a full disk) removes the partial checkpoint and is one line on every rank;
+    `latest` still names the previous one."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a run killed while saving
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    error = None
+    try:
+        accelerator.save_state(tmp)
+        if accelerator.is_main_process:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, **state}, f)
+            if tensors:
+                torch.save(tensors, os.path.join(tmp, "tensors.pt"))
+    except Exception as e:  # (a full disk: OSError, or torch's `iostream error`)
+        error = e
+    if _on_any_rank(accelerator, error is not None):  # every rank's files are written, or one failed
+        raise _save_failed(accelerator, output_dir, step, tmp, error)
     if accelerator.is_main_process:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, **state}, f)
-        if tensors:
-            torch.save(tensors, os.path.join(tmp, "tensors.pt"))
-    accelerator.wait_for_everyone()  # every rank's files are written
-    if accelerator.is_main_process:
-        _write_atomically(os.path.join(tmp, MANIFEST), json.dumps(_manifest(tmp), indent=1))
-        if os.path.exists(final):  # an older save of the same step
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomically(os.path.join(output_dir, LATEST), os.path.basename(final))
-        for old in list_checkpoints(output_dir)[:-max_ckpt_num] if max_ckpt_num else []:
+        try:
+            _write_atomically(os.path.join(tmp, MANIFEST), json.dumps(_manifest(tmp), indent=1))
+            if os.path.exists(final):  # an older save of the same step
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomically(os.path.join(output_dir, LATEST), os.path.basename(final))
+        except OSError as e:
+            error = e
+            if not os.path.isdir(tmp):  # renamed, but `latest` names the previous one: not kept either
+                shutil.rmtree(final, ignore_errors=True)
+        # the newest max_ckpt_num up to this step; newer ones (skipped as damaged by a resume) wait to be
+        # replaced by this run's save of their step
+        older = [c for c in list_checkpoints(output_dir) if checkpoint_step(c) < step] if not error else []
+        for old in older[:max(0, len(older) - max_ckpt_num + 1)] if max_ckpt_num else []:
             shutil.rmtree(old)
-    accelerator.wait_for_everyone()
+    if _on_any_rank(accelerator, error is not None):
+        raise _save_failed(accelerator, output_dir, step, tmp, error)
+    mark_written(final)  # on every rank: naming it later (a stop, a divergence) hashes nothing
     return final
+
+
+def _on_any_rank(accelerator, flag):
+    """Whether flag is true on any rank (collective with several processes)."""
+    if accelerator.num_processes == 1:
+        return flag
+    return accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum").item() > 0
+
+
+def _size(path):
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
+
+
+def _save_failed(accelerator, output_dir, step, tmp, error):
+    """The one-line error of a save that failed on some rank (error: this rank's, None if another's), once
+    the partial checkpoint is removed: with a full disk, how much it needs and what is free. Other errors on
+    this rank keep their traceback."""
+    previous = [c for c in list_checkpoints(output_dir) if checkpoint_step(c) < step]
+    written = _size(tmp) if os.path.isdir(tmp) else 0
+    needed = _size(previous[-1]) if previous else written
+    full = error is not None and is_full(error, output_dir)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if error is not None and not full and not isinstance(error, OSError):
+        return error  # a bug of ours, not the disk's
+    kept = (f"{os.path.basename(previous[-1])}, the previous checkpoint, is intact" if previous
+            else "no earlier checkpoint exists")
+    if full:
+        free = shutil.disk_usage(output_dir).free
+        what = (f"no space left on {output_dir}: checkpoint-{step} needs ~{size_text(needed)}"
+                f"{'' if previous else ' or more'}, {size_text(free)} free")
+    else:
+        how = f"in {output_dir} ({type(error).__name__}: {error})" if error else "by another process"
+        what = f"checkpoint-{step} could not be written {how}"
+    return CheckpointError(f"{what}; it was not kept and {kept}: free space there (or lower --max_ckpt_num) "
+                           "and rerun the same command to resume from the newest intact checkpoint")
 
 
 def list_checkpoints(output_dir):
@@ -129,94 +194,59 @@ def list_checkpoints(output_dir):
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
 
 
-def _files(ckpt):
-    for root, _, names in os.walk(ckpt):
-        for name in names:
-            path = os.path.join(root, name)
-            if os.path.relpath(path, ckpt) != MANIFEST:
-                yield os.path.relpath(path, ckpt), path
-
-
-def _sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _manifest(ckpt):
-    """{file: {"bytes": size, "sha256": digest (small files only)}} of a checkpoint directory."""
-    out = {}
-    for rel, path in sorted(_files(ckpt)):
-        size = os.path.getsize(path)
-        out[rel] = {"bytes": size, **({"sha256": _sha256(path)} if size <= HASHED_BYTES else {})}
-    return out
-
-
-def verify_checkpoint(ckpt):
-    """None if the checkpoint is whole, else what is wrong with it (missing, a file missing or of another size
-    or digest than when it was written). A checkpoint from before manifests is taken as whole if its
-    trainer_state.json reads."""
-    if not os.path.isdir(ckpt):
-        return "missing"
-    path = os.path.join(ckpt, MANIFEST)
-    if not os.path.exists(path):
-        try:
-            with open(os.path.join(ckpt, "trainer_state.json")) as f:
-                json.load(f)
-            return None
-        except (OSError, ValueError) as e:
-            return f"trainer_state.json unreadable ({e})"
+def _named_latest(output_dir, log):
+    """The checkpoint `latest` names, or None where it is missing or names no checkpoint (said)."""
+    path = os.path.join(output_dir, LATEST)
     try:
         with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"{MANIFEST} unreadable ({e})"
-    for rel, want in manifest.items():
-        file = os.path.join(ckpt, rel)
-        if not os.path.isfile(file):
-            return f"{rel} is missing"
-        if os.path.getsize(file) != want["bytes"]:
-            return f"{rel} has {os.path.getsize(file)} bytes, {want['bytes']} when written"
-        if "sha256" in want and _sha256(file) != want["sha256"]:
-            return f"{rel} changed since it was written (SHA-256)"
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if re.fullmatch(r"checkpoint-\d+", name):
+        return os.path.join(output_dir, name)
+    if log:
+        log(f"[resume] {path} names {name[:40]!r}, not a checkpoint: looking for the newest intact one")
     return None
 
 
 def latest_checkpoint(output_dir, log=None, identity=None):
     """The newest intact checkpoint: the one `latest` names (it is only written once that checkpoint is
-    complete) if it verifies, else the newest older one that does, saying why through log(message). None if
-    there is none at all; an error naming the fix if checkpoints exist but none is intact, or (identity:
-    run_identity's) if it was written with other settings."""
-    path = os.path.join(output_dir, LATEST)
-    if not os.path.exists(path):
+    complete) if it verifies, else the newest older one that does, saying why through log(message); without
+    `latest`, the newest of the checkpoints there that verifies, said too. None if there is none at all; an
+    error naming the fix if checkpoints exist but none is intact, or (identity: run_identity's) if it was
+    written with other settings."""
+    named, checkpoints = _named_latest(output_dir, log), list_checkpoints(output_dir)
+    if named is None and not checkpoints:
         return None
-    with open(path) as f:
-        named = os.path.join(output_dir, f.read().strip())
-    older = [c for c in reversed(list_checkpoints(output_dir)) if checkpoint_step(c) < checkpoint_step(named)]
-    for ckpt in [named] + older:
+    newest = checkpoint_step(named) if named else checkpoint_step(checkpoints[-1]) + 1
+    older = [c for c in reversed(checkpoints) if checkpoint_step(c) < newest]
+    for ckpt in ([named] if named else []) + older:
         problem = verify_checkpoint(ckpt)
         if problem is None:
             if identity is not None:
                 check_identity(ckpt, identity)
+            if named is None and log:
+                log(f"[resume] {output_dir} has no `latest`: {os.path.basename(ckpt)} is its newest intact "
+                    "checkpoint (by the manifests)")
             return ckpt
         if log:
             log(f"[resume] {os.path.basename(ckpt)} is damaged ({problem}): skipping it")
-    raise CheckpointError(f"{output_dir} holds no intact checkpoint ({os.path.basename(named)} and older "
-                          "ones are damaged or missing): pass --no_resume to start afresh there, or use "
-                          "another --output_dir")
+    first = os.path.basename(named or checkpoints[-1])
+    raise CheckpointError(f"{output_dir} holds no intact checkpoint ({first} and older ones are damaged or "
+                          "missing): pass --no_resume to start afresh there, or use another --output_dir")
 
 
 def load_checkpoint(accelerator, ckpt):
-    """Restore what save_checkpoint wrote; returns (trainer state dict, extra tensors or None)."""
+    """Restore what save_checkpoint wrote (the RNG states checked); returns (trainer state dict, extra
+    tensors or None)."""
     try:
         accelerator.load_state(ckpt)
     except Exception as e:  # a checkpoint from before manifests can still be damaged
         raise CheckpointError(f"{ckpt} could not be loaded ({type(e).__name__}: {str(e)[:200]}): pass "
                               "--no_resume to start afresh, or delete it to resume from an older one") from e
+    check_rng_restored(ckpt, accelerator)
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         state = json.load(f)
     path = os.path.join(ckpt, "tensors.pt")
-    tensors = torch.load(path, map_location=accelerator.device) if os.path.exists(path) else None
+    tensors = load_plain(path, map_location=accelerator.device) if os.path.exists(path) else None
     return state, tensors

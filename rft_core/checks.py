@@ -5,6 +5,7 @@ run), and the plan (rft_core/plan.py) calls it once the values it needs are reso
 
 import dataclasses
 import os
+import tempfile
 
 from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
 from rft_core.distributed import zero_offloads_optimizer
@@ -165,14 +166,28 @@ def check_setup(args, world, deepspeed, sharded, engine_type):
     tp = args.engine_tp_size
     check(engine_type == "hf" or world % tp == 0, f"--engine_tp_size {tp}: must divide the {world} processes "
           "(groups of consecutive ranks share an engine)")
-    existing = os.path.abspath(args.output_dir)  # it, or the nearest folder above it that exists
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    why = "not writable" if os.path.isdir(existing) else "a file"
-    check(os.path.isdir(existing) and os.access(existing, os.W_OK),
-          f"--output_dir {args.output_dir!r}: {existing} is {why}; pass a folder to write to")
+    check_output_dir(args.output_dir)
     check(not (args.enable_engine_sleep and args.disable_engine_sleep),
           "--enable_engine_sleep or --disable_engine_sleep: pick one")
+
+
+def check_output_dir(path):
+    """--output_dir is a folder, or can be made one, where files can be written: the nearest folder of it that
+    exists takes a probe file (and loses it at once; permissions alone miss /proc, read-only mounts, root's
+    access), and no symbolic link on the way leads nowhere."""
+    existing = os.path.abspath(path)  # it, or the nearest folder above it that exists
+    while not os.path.exists(existing):
+        check(not os.path.islink(existing), f"--output_dir {path!r}: {existing} is a symbolic link to "
+              f"{os.path.realpath(existing)}, which does not exist; create that or pass another folder")
+        existing = os.path.dirname(existing)
+    check(os.path.isdir(existing), f"--output_dir {path!r}: {existing} is a file; pass a folder to write to")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".probe-", dir=existing)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--output_dir {path!r}: files cannot be created in {existing} ({e.strerror}); "
+                          "pass a folder to write to") from e
 
 
 def check_vl_flags(args):

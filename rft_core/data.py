@@ -107,20 +107,25 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
     """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a
     directory of them, or a `save_to_disk` directory; errors name `flag`, the file, the line or column.
     extra_keys: {column: its flag}, columns that must exist, copied into the rows as they are.
-    log(message): told the skipped rows, if any, and the first of them."""
+    log(message): told the rows skipped, the labels that are not text or numbers (null is read as "",
+    a list or an object as Python writes it), a directory's files of other kinds; each counted, the first
+    named."""
     if not os.path.exists(path):
         raise MissingPath(f"{flag} {path!r}: no such file or directory (built-in tasks: arithmetic in "
                           "train_ppo.py, shapes in train_ppo_vl.py)")
-    ds = _load_dataset(path, flag)
+    ds = _load_dataset(path, flag, log)
     for key, key_flag in [(input_key, "--input_key"), (label_key, "--label_key"), *dict(extra_keys).items()]:
         if key is not None and key not in ds.column_names:
             raise MissingColumn(f"{flag} {path!r} has no column {key!r} (columns: {ds.column_names}); set "
                                 f"{key_flag if flag != '--pretrain_data' else '--pretrain_key'}")
-    rows, skipped = [], []
+    rows, skipped, coerced = [], [], {}  # coerced: {JSON type of a label: [(row, text it is read as)]}
     for i, row in enumerate(ds):
         if _usable(row[input_key]):
-            label = "" if label_key is None or row[label_key] is None else str(row[label_key])
-            rows.append({"prompt": row[input_key], "label": label, "row": i,
+            label = None if label_key is None else row[label_key]
+            text = "" if label is None else str(label)
+            if label_key and (not isinstance(label, (str, int, float)) or isinstance(label, bool)):
+                coerced.setdefault(_json_type(label), []).append((i, text))
+            rows.append({"prompt": row[input_key], "label": text, "row": i,
                          **{k: row[k] for k in dict(extra_keys)}})
         else:
             skipped.append(i)
@@ -131,12 +136,23 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
         first = ds[skipped[0]][input_key]
         log(f"[data] {path}: skipped {len(skipped)} rows whose {input_key!r} is empty or malformed (first: "
             f"row {skipped[0]}, {type(first).__name__} {str(first)[:60]!r})")
+    if log and coerced:  # a number is the usual label: read as its text, unsaid
+        kinds = [f"{kind} in {len(at)} row{'s' if len(at) > 1 else ''} (first: row {at[0][0]}, read as "
+                 f"{at[0][1][:40]!r})" for kind, at in coerced.items()]
+        log(f"[data] {path}: {sum(map(len, coerced.values()))} {label_key!r} values are not text or numbers: "
+            f"{', '.join(kinds)}; a reward comparing labels may not expect these")
     return rows, len(skipped)
 
 
-def _load_dataset(path, flag):
+def _json_type(value):
+    return {type(None): "null", bool: "boolean", list: "list", dict: "object"}.get(type(value),
+                                                                                  type(value).__name__)
+
+
+def _load_dataset(path, flag, log=None):
     """The rows of a data file or directory through `datasets`; a bad file is one error naming it (and for
-    JSON lines, the first line that does not parse)."""
+    JSON, the first line that is not UTF-8, or does not parse, or repeats a key). log(message): told the
+    files of a directory that are skipped for their kind."""
     import datasets  # heavy; only needed for files
 
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
@@ -144,26 +160,74 @@ def _load_dataset(path, flag):
         return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
     files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
     kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+    other = [os.path.basename(f) + "/" * os.path.isdir(f) for f in files
+             if os.path.splitext(f)[1] not in kinds]
     files = [f for f in files if os.path.splitext(f)[1] in kinds]
     found = {kinds[os.path.splitext(f)[1]] for f in files}
     if len(found) != 1:
         raise DataError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, "
                         f"found {found or 'none'}")
+    if log and other:
+        log(f"[data] {path}: skipped {len(other)} entries that are not .jsonl/.json/.parquet/.arrow files: "
+            f"{', '.join(other[:5])}{' ...' if len(other) > 5 else ''}")
     for f in files:
-        if os.path.getsize(f) == 0 or (f.endswith((".json", ".jsonl")) and not open(f).read(1 << 16).strip()):
+        if os.path.getsize(f) == 0 or (f.endswith((".json", ".jsonl"))
+                                       and not open(f, "rb").read(1 << 16).strip(b" \t\r\n\xef\xbb\xbf")):
             raise DataError(f"{flag} {f!r}: the file is empty")
     try:
-        return datasets.load_dataset(next(iter(found)), data_files=files, split="train")
+        ds = datasets.load_dataset(next(iter(found)), data_files=files, split="train")
+        ds.data.table.validate(full=True)  # pyarrow reads JSON that is not UTF-8, to fail on its rows later
+        return ds
     except Exception as e:  # datasets' own error buries the file and line in a long chain
-        for f in files if files[0].endswith(".jsonl") else []:
-            with open(f) as lines:
-                for number, line in enumerate(lines, 1):
-                    try:
-                        json.loads(line) if line.strip() else None
-                    except ValueError as bad:
-                        raise DataError(f"{flag} {f!r}: line {number} is not valid JSON ({bad})") from e
+        for f in files if found == {"json"} else []:
+            problem = _json_problem(f)
+            if problem:
+                raise DataError(f"{flag} {f!r}: {problem}") from e
         raise DataError(f"{flag} {path!r}: could not be read as {next(iter(found))} "
                         f"({type(e).__name__}: {str(e)[:300]})") from e
+
+
+UTF16_32 = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
+            b"\xfe\xff": "UTF-16"}
+
+
+def _json_problem(path):
+    """What makes a JSON / JSON lines file unreadable: not UTF-8 (the line and byte), or for JSON lines, the
+    first line that does not parse or whose object repeats a key; None if none of these."""
+    stem, ext = os.path.splitext(path)
+    with open(path, "rb") as f:
+        head = f.read(4)
+        name = next((name for bom, name in UTF16_32.items() if head.startswith(bom)), None)
+        if name or b"\x00" in head:
+            return (f"the file is {name or 'UTF-16 or UTF-32 (it holds NUL bytes)'}, but JSON files must be "
+                    f"UTF-8: convert it, e.g. `iconv -f {name or 'UTF-16'} -t UTF-8 {path} > "
+                    f"{stem}.utf8{ext}`")
+        f.seek(0)
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as bad:
+                return (f"line {number} is not UTF-8 (byte {raw[bad.start]:#04x}, the line's byte "
+                        f"{bad.start + 1}), but JSON files must be UTF-8: convert it, e.g. for Latin-1 "
+                        f"`iconv -f LATIN1 -t UTF-8 {path} > {stem}.utf8{ext}`")
+            if ext == ".jsonl" and line.strip():
+                try:
+                    json.loads(line, object_pairs_hook=_unique_keys)
+                except KeyError as twice:  # a JSON parser keeps the last; datasets' fails without a word
+                    return (f"line {number}: the key {twice.args[0]!r} appears twice in one object (datasets "
+                            "cannot read such a line): keep one")
+                except ValueError as bad:
+                    return f"line {number} is not valid JSON ({bad})"
+    return None
+
+
+def _unique_keys(pairs):
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise KeyError(key)
+        seen.add(key)
+    return dict(pairs)
 
 
 def batches(rows, rollout_batch_size, seed):

@@ -5,7 +5,6 @@ from dataclasses import replace
 
 import torch
 
-from rft_core.rewards import pass_at_k
 
 
 def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_samples=1, temperature=1.0,
@@ -83,3 +82,10 @@ def eval_summary(first, last):
     key, name = ("eval/accuracy", "accuracy") if "eval/accuracy" in last else ("eval/reward_mean", "reward")
     return (f"greedy {name} {first[key]:.3f} -> {last[key]:.3f} on {last['eval/num_problems']} held-out "
             "problems")
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -7,6 +7,7 @@
   entropy that reached the uniform bound log(V) from well below it (the policy collapsed), non-finite weights,
   or (before a save) an update that moved the policy by more than `max_update_kl` nats per token.
 The stop (errors.TrainingDiverged) says which checkpoint is intact and how to resume from it with other flags.
+- A resumed checkpoint's weights, once loaded: finite (`check_resumed_weights`; errors.CheckpointError).
 """
 
 import math
@@ -15,8 +16,8 @@ import statistics
 
 import torch
 
-from rft_core.checkpoint import latest_checkpoint
-from rft_core.errors import TrainingDiverged
+from rft_core.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
+from rft_core.errors import CheckpointError, TrainingDiverged
 from rft_core.experience import micro_batch_logprobs
 
 
@@ -37,6 +38,23 @@ def nonfinite_inputs(exp):
         if bad.any():
             found.append(f"{name} {int(bad.sum())} tokens")
     return ", ".join(found)
+
+
+@torch.no_grad()
+def check_resumed_weights(models, ckpt, accelerator):
+    """Collective. The weights of `models` just loaded from checkpoint ckpt are finite on every rank, or one
+    line names it: a NaN weight (damage the manifest did not catch) would otherwise surface later as a
+    sampling error far from its cause."""
+    bad = [name for model in models for name, p in model.named_parameters()
+           if not torch.isfinite(getattr(p, "ds_tensor", p)).all()]  # (ZeRO-3: this rank's shard)
+    if not accelerator.reduce(torch.tensor(float(len(bad)), device=accelerator.device), "sum").item():
+        return
+    older = [c for c in list_checkpoints(os.path.dirname(ckpt)) if checkpoint_step(c) < checkpoint_step(ckpt)]
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    where = f" ({bad[0].removeprefix('module.')}{more}, on this rank)" if bad else ""
+    fix = (f"delete it to resume from {os.path.basename(older[-1])}, or pass --no_resume to start afresh"
+           if older else "pass --no_resume to start afresh (there is no older checkpoint)")
+    raise CheckpointError(f"{ckpt}: its weights hold NaN or inf once loaded{where}, so it is damaged; {fix}")
 
 
 class HealthGuard:

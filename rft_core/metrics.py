@@ -10,6 +10,9 @@ import torch
 from tqdm import tqdm
 
 from rft_core.errors import ConfigError
+from rft_core.integrity import append, read_rows, write_error
+from rft_core.run_dir import (move_previous, on_main, previous_run, refuse_overwrite, release_lock, take_lock,
+                              with_segments)
 
 
 class StepTimer:
@@ -152,45 +155,74 @@ class MetricsLog:
 
     def __init__(self, output_dir, config=None, accelerator=None, project=None, keep_until=None,
                  samples_every=0, plot_every=0, max_len=None):
-        """Writes config (a dict) to config.json and starts metrics.jsonl: a resumed run (keep_until, its
-        checkpoint's step) keeps the rows up to that step and drops those logged after it by the run that
-        died; a new run (None) starts the file empty. With a project name, the accelerator's trackers start
-        too, with the config's scalars and strings (TensorBoard's hparams refuse anything else).
-        samples_every, plot_every (steps; 0: never), max_len (of a response): samples_and_plots below.
-        Only the main process writes."""
+        """Starts the record where that is safe (rft_core/run_dir.py): the main process takes output_dir's
+        lock (a second live run is refused in one line); a new run (keep_until None) over a previous run's
+        steps is refused unless config["no_resume"], which moves that run into previous-N/ first. Then config
+        (a dict) goes to config.json and metrics.jsonl starts: a resumed run (keep_until, its checkpoint's
+        step) keeps the rows up to that step (a row cut by a full disk is dropped and said), and its
+        config.json keeps, under "resumed", each resume's step and the values that changed there; a new run
+        starts it empty. With a project name, the accelerator's trackers start first, with the config's
+        scalars and strings (TensorBoard's hparams refuse anything else). samples_every, plot_every (steps;
+        0: never), max_len (of a response): samples_and_plots below. Only the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
         self.said = set()  # the notices given (each once): "idle", "cut"
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_every, self.plot_every, self.max_len = samples_every, plot_every, max_len
-        if project is not None:  # first: a tracker that cannot start leaves output_dir as it was
-            plain = (int, float, str, bool)
-            scalars = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
-            try:
-                accelerator.init_trackers(project, config=scalars)
-            except Exception as e:  # wandb without a login, offline...: one line
-                raise ConfigError(f"the trackers could not start ({type(e).__name__}: {str(e)[:200]}): for "
-                                  "wandb run `wandb login` or set WANDB_MODE=offline; or drop --use_wandb / "
-                                  "--use_tensorboard") from e
-        if self.enabled:
-            os.makedirs(output_dir, exist_ok=True)
+        on_main(accelerator, lambda: take_lock(output_dir, tqdm.write))
+        try:
+            if project is not None:  # first: a tracker that cannot start leaves output_dir as it was
+                plain = (int, float, str, bool)
+                scalars = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
+                try:
+                    accelerator.init_trackers(project, config=scalars)
+                except Exception as e:  # wandb without a login, offline...: one line
+                    raise ConfigError(f"the trackers could not start ({type(e).__name__}: {str(e)[:200]}): "
+                                      "for wandb run `wandb login` or set WANDB_MODE=offline; or drop "
+                                      "--use_wandb / --use_tensorboard") from e
+            on_main(accelerator, lambda: self._start(output_dir, config, keep_until))
+        except BaseException:
+            if self.enabled:
+                release_lock(output_dir)
+            raise
+
+    def _start(self, output_dir, config, keep_until):
+        config_path = os.path.join(output_dir, "config.json")
+        samples_path = os.path.join(output_dir, "samples.jsonl")
+        rows, lines = read_rows(self.path, tqdm.write if keep_until is not None else None)
+        files = {self.path: []}  # what each record file starts with (lines)
+        if keep_until is None:
+            found = previous_run(output_dir, rows)
+            if found and not (config or {}).get("no_resume"):
+                refuse_overwrite(output_dir, found)
+            if found:
+                move_previous(output_dir, found, tqdm.write)
+        else:  # the rows logged after the checkpoint by the run that died are logged again: dropped
+            files[self.path] = [line for row, line in zip(rows, lines) if row["step"] <= keep_until]
+            if os.path.exists(samples_path):
+                files[samples_path] = [line for row, line in zip(*read_rows(samples_path))
+                                       if row["step"] <= keep_until]
             if config is not None:
-                with open(os.path.join(output_dir, "config.json"), "w") as f:
+                config = with_segments(config_path, config, keep_until, tqdm.write)
+        try:
+            if config is not None:
+                with open(config_path + ".tmp", "w") as f:
                     json.dump(config, f, indent=2)
-            kept = []
-            if keep_until is not None and os.path.exists(self.path):
-                with open(self.path) as f:
-                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+                os.replace(config_path + ".tmp", config_path)
+            for path, kept in files.items():
+                with open(path, "wb") as f:
+                    f.writelines(kept)
+        except OSError as e:
+            said = write_error(e, output_dir)
+            raise ConfigError(f"{said}: the run's record (config.json, metrics.jsonl) could not be written; "
+                              "free space there or use another --output_dir") from e
 
     def write(self, step, metrics, print_line=False):
         """Append a row (and with print_line, print its step line on the main process). The first step whose
         actor gradient is exactly 0 (it trained nothing), and the first whose responses were all cut at the
         length limit, are said, with their likely causes."""
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+            append(self.path, json.dumps({"step": step, **metrics}) + "\n", f"the row of step {step}")
             if print_line:
                 tqdm.write(self.line(step, metrics))
             if metrics.get("train/grad_norm") == 0:
@@ -216,8 +248,8 @@ class MetricsLog:
         on."""
         if not self.enabled or not rows:
             return
-        with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "a") as f:
-            f.writelines(json.dumps({"step": step, **x}) + "\n" for x in rows)
+        append(os.path.join(os.path.dirname(self.path), "samples.jsonl"),
+               "".join(json.dumps({"step": step, **x}) + "\n" for x in rows), f"the samples of step {step}")
         for x in rows[:2]:
             tqdm.write(f"[sample] reward {x['reward']:.3g} | label {x['label']!r} | "
                        f"{x['completion'][:200]!r}")

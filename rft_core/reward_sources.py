@@ -6,6 +6,9 @@ gives a run's list of them, which rewards.RewardScorer scores.
 import importlib.util
 import json
 import os
+import signal
+import sys
+import threading
 import time
 import traceback
 import urllib.error
@@ -13,7 +16,7 @@ import urllib.parse
 import urllib.request
 
 from rft_core.errors import ConfigError, MissingName, MissingPath
-from rft_core.rewards import BUILTIN_REWARDS, ServiceDown
+from rft_core.rewards import BUILTIN_REWARDS, ServerError, ServiceDown
 
 
 def load_reward_fn(spec):
@@ -28,53 +31,92 @@ def load_reward_fn(spec):
         raise MissingPath(f"--reward_fn {spec!r}: no such file {path!r}")
     module_spec = importlib.util.spec_from_file_location(f"reward_module_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
+    argv, handlers, raised = sys.argv, {}, []
+
+    def noted(signum, frame):  # what a signal's handler raises (a real Ctrl-C...) stays the signal's
+        try:
+            handlers[signum](signum, frame)
+        except BaseException as e:
+            raised.append(e)
+            raise
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(sig)) and threading.current_thread() is threading.main_thread():
+            handlers[sig] = signal.signal(sig, noted)
+    sys.argv = [path]  # a file that parses arguments at import sees none of the trainer's flags
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: where in it, in one line (--debug shows the traceback)
+    except BaseException as e:  # the user's file, whatever it raised: where in it, in one line (--debug: all)
+        if any(e is r for r in raised):
+            raise
         frames = [f for f in traceback.extract_tb(e.__traceback__)
                   if os.path.abspath(f.filename) == os.path.abspath(path)]
         line = e.lineno if isinstance(e, SyntaxError) else frames[-1].lineno if frames else None
         where = f" (line {line})" if line else ""
-        raise ConfigError(f"--reward_fn {spec!r}: loading {path} failed{where}: {type(e).__name__}: "
-                          f"{e.msg if isinstance(e, SyntaxError) else e}") from e
+        what = f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
+        if not isinstance(e, Exception):  # sys.exit, KeyboardInterrupt...
+            what = f"{e!r}: a reward file cannot end or interrupt the run (imported with sys.argv [{path!r}])"
+        raise ConfigError(f"--reward_fn {spec!r}: loading {path} failed{where}: {what}") from e
+    finally:
+        sys.argv = argv
+        for sig, handler in handlers.items():
+            if signal.getsignal(sig) is noted:  # unless the file installed its own
+                signal.signal(sig, handler)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise MissingName(f"--reward_fn {spec!r}: {path} defines no function {name!r}")
     return fn
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect comes back as its HTTPError: urllib would resend the POST as a GET without its body, to
+    wherever it points (another host or scheme too)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
 def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     """A reward function that POSTs {"prompts", "completions", "labels"} as JSON to `url` and reads
-    {"rewards": [...]} (or named components) back; retries with exponential backoff, then raises naming the
-    URL and the last failure (HTTP status, unreachable, invalid JSON)."""
+    {"rewards": [...]} (or named components) back. A server that cannot be reached, times out or is busy
+    (HTTP 429, 502-504) is retried with exponential backoff, then fails the batch (ServiceDown); one that
+    answers with another error status or a body that is not its JSON is not retried (ServerError); a redirect
+    is not followed (ServiceDown). Each names the URL and the failure."""
     if urllib.parse.urlparse(url).scheme not in ("http", "https"):
         raise ConfigError(f"--remote_rm_url {url!r}: not an http(s) URL (e.g. http://host:5000/reward)")
+    opener = urllib.request.build_opener(_NoRedirect)
 
     def fn(prompts, completions, labels, **kwargs):
         body = json.dumps({"prompts": prompts, "completions": completions, "labels": labels}).encode()
         request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         for attempt in range(retries):
-            down = False  # the server never answered (not the samples' doing)
             try:
-                with urllib.request.urlopen(request, timeout=timeout) as response:
+                with opener.open(request, timeout=timeout) as response:
                     out = json.loads(response.read())
                 if not isinstance(out, dict):
                     raise ValueError(f"expected a JSON object, got {type(out).__name__}")
                 return out["rewards"] if "rewards" in out else out
             except urllib.error.HTTPError as e:
+                if 300 <= e.code < 400:
+                    raise ServiceDown(f"--remote_rm_url {url}: HTTP {e.code} redirect to "
+                                      f"{e.headers.get('Location')} not followed (the POST would lose its "
+                                      "body): give the URL that serves the rewards") from e
+                if e.code not in (429, 502, 503, 504):
+                    raise ServerError(f"--remote_rm_url {url}: HTTP {e.code} {e.reason} (an answer: not "
+                                      "retried)") from e
                 error = f"HTTP {e.code} {e.reason}"
             except urllib.error.URLError as e:
-                error, down = f"unreachable ({e.reason})", True
+                error = f"unreachable ({e.reason})"
             except (OSError, TimeoutError) as e:
-                error, down = f"no answer ({e!r})", True
+                error = f"no answer ({e!r})"
             except ValueError as e:
-                error = f"not a valid answer ({e})"
+                raise ServerError(f"--remote_rm_url {url}: not a valid answer ({e}; not retried)") from e
             if attempt + 1 < retries:
                 time.sleep(backoff * 2**attempt)
         # a server that never answered fails the batch: its samples are not retried one by one
-        raise (ServiceDown if down else ConnectionError)(f"--remote_rm_url {url}: no valid answer after "
-                                                         f"{retries} tries: {error}")
+        raise ServiceDown(f"--remote_rm_url {url}: no valid answer after {retries} tries: {error}")
 
+    fn.__qualname__ = f"--remote_rm_url {url}"  # how reward messages name it
     return fn
 
 

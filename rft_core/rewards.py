@@ -6,14 +6,16 @@ function has the signature
 and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>).
 Built in: `answer_reward` (exact match in <answer></answer> plus a format term), `math_reward`, and the
 shapes task's `first_word_reward`; yours (--reward_fn, --remote_rm_url, reward models) come from
-rft_core/reward_sources.py. `score` contains failures: a sample whose reward raises, is not finite or is
-missing gets the fallback and is counted; `RewardScorer` sums a run's sources. Shaping: DAPO's
-`overlong_penalty`, and `RunningMoments` for running reward normalisation.
+rft_core/reward_sources.py. `score` contains failures: a sample whose reward raises (anything: sys.exit
+too), is not finite or is missing gets the fallback and is counted; `RewardScorer` sums a run's sources.
+Shaping: DAPO's `overlong_penalty`, and `RunningMoments` for running reward normalisation.
 """
 
 import math
+import os
 import re
 import threading
+import traceback
 
 from rft_core.errors import ConfigError, RewardError
 
@@ -68,11 +70,15 @@ def math_reward(prompts, completions, labels, format_weight=0.1, **kwargs):
     or of the last answer in the completion when it has no tag, plus a format term."""
     from math_verify import parse, verify  # optional: pip install math-verify
 
+    # math-verify's timeouts use signal.alarm, which only the main thread may set: in the scorer's worker
+    # thread (rewards._call) --reward_timeout bounds the whole call instead
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
     correct, formatted = [], []
     for completion, label in zip(completions, labels):
         answer, well_formed = parse_answer(completion)
-        predicted = parse(f"${answer}$") if answer is not None else parse(completion)
-        correct.append(float(bool(predicted) and verify(parse(f"${math_label(label)}$"), predicted)))
+        predicted = parse(f"${answer}$" if answer is not None else completion, parsing_timeout=limit)
+        correct.append(float(bool(predicted) and verify(
+            parse(f"${math_label(label)}$", parsing_timeout=limit), predicted, timeout_seconds=limit)))
         formatted.append(format_weight * float(well_formed))
     return {"correct": correct, "format": formatted}
 
@@ -129,29 +135,53 @@ def shape_rewards(rewards, moments, clip, gather):
 
 
 class ServiceDown(ConnectionError):
-    """The reward server did not answer at all (refused, unreachable, timed out; raised by
+    """The reward server cannot score anything (unreachable, timed out, busy, redirecting elsewhere; raised by
     reward_sources.remote_reward_fn): every sample of the batch fails with it, and scoring them one by one
     would only wait as long again for each."""
 
 
+class ServerError(ConnectionError):
+    """The reward server answered the batch with an error status or a body that is not its JSON: not retried,
+    and scored one by one only until the first two samples alone fail alike (then it fails whatever it is
+    sent)."""
+
+
+def describe(fn, error=None):
+    """How messages name a reward function: 'name in path/to/file.py' (and the line that raised `error`),
+    or the name alone for rft_core's own (a built-in rule, the --remote_rm_url client)."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    path = getattr(getattr(fn, "__code__", None), "co_filename", "")
+    if not path or os.path.dirname(os.path.abspath(path)) == os.path.dirname(os.path.abspath(__file__)):
+        return name
+    frames = traceback.extract_tb(getattr(error, "__traceback__", None))
+    lines = [f.lineno for f in frames if f.filename == path]
+    return f"{name} in {path}" + (f" line {lines[-1]}" if lines else "")
+
+
 def _rows(reward_fn, prompts, completions, labels, timeout=None):
     """One {component: value} dict per sample; raises if the call fails, takes longer than timeout seconds or
-    returns something malformed."""
-    out = _call(reward_fn, (prompts, completions, labels), timeout)
+    returns something malformed. The reward gets copies of the lists: one that pops from them cannot change
+    the samples, nor the count its values are checked against."""
+    n = len(completions)
+    out = _call(reward_fn, (list(prompts), list(completions), list(labels)), timeout)
     components = out if isinstance(out, dict) else {"reward": out}
     for name, values in components.items():
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
             raise ValueError(f"component {name!r} is {type(values).__name__}, not a list of numbers")
-        if len(values) != len(completions):
-            raise ValueError(f"component {name!r} has {len(values)} values for {len(completions)} samples")
-    return [{name: float(values[i]) for name, values in components.items()} for i in range(len(completions))]
+        if len(values) != n:
+            raise ValueError(f"{describe(reward_fn)} returned {len(values)} values, expected {n} (one per "
+                             "sample)" + (f" in component {name!r}" if isinstance(out, dict) else ""))
+    return [{name: float(values[i]) for name, values in components.items()} for i in range(n)]
+
+
+_left_running = []  # reward calls that timed out: they go on in their daemon threads
 
 
 def _call(fn, args, timeout):
-    """fn(*args), or TimeoutError after timeout seconds (the call is left to finish in a daemon thread: Python
-    cannot kill it)."""
-    if timeout is None:
-        return fn(*args)
+    """fn(*args) in a worker thread, waited for up to timeout seconds (None: no limit). What the reward raises
+    stays its own: a BaseException (sys.exit, KeyboardInterrupt...) becomes a RewardError naming it, while a
+    real Ctrl-C interrupts this wait in the main thread as it would anywhere. After timeout seconds,
+    TimeoutError: the call goes on in the background (Python cannot stop a thread), as its message says."""
     result = {}
 
     def target():
@@ -164,10 +194,21 @@ def _call(fn, args, timeout):
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise TimeoutError(f"no result within --reward_timeout {timeout} s")
-    if "error" in result:
-        raise result["error"]
+        _left_running[:] = [t for t in _left_running if t.is_alive()] + [thread]
+        raise TimeoutError(f"no result within --reward_timeout {timeout} s; the call goes on in the "
+                           f"background (Python cannot stop a thread): {len(_left_running)} such call(s) "
+                           "running")
+    error = result.get("error")
+    if error is not None and not isinstance(error, Exception):  # the reward's, not a signal to this process
+        raise RewardError(f"{error!r} raised by {describe(fn, error)}: a reward function returns its values "
+                          "or raises an Exception, it cannot end or interrupt the run") from error
+    if error is not None:
+        raise error
     return result["out"]
+
+
+def _why(e):  # a RewardError's message reads as it is; any other exception as its repr, its type first
+    return str(e) if isinstance(e, RewardError) else repr(e)
 
 
 def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, timeout=None):
@@ -176,7 +217,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, t
 
     The batch is scored in one call; if that call fails (raises, wrong length), each sample is scored
     alone so one bad sample costs only itself (a batch that timed out, or whose reward server did not answer,
-    is not retried: every sample fails).
+    is not retried: every sample fails; nor are the rest once the server failed the first two alone alike).
     Non-finite values count as failures. strict=True raises on the first failure instead, showing the sample.
     """
     failures = []
@@ -191,14 +232,18 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, t
     try:
         rows = _rows(reward_fn, prompts, completions, labels, timeout)
     except (TimeoutError, ServiceDown) as e:
-        rows = [fail(i, repr(e)) for i in range(len(completions))]
-    except Exception:  # find the culprit(s): score one by one
-        rows = []
+        rows = [fail(i, _why(e)) for i in range(len(completions))]
+    except Exception as batch_error:  # find the culprit(s): score one by one
+        rows, alike = [], 0  # alike: the first samples alone that the server failed as it failed the batch
         for i in range(len(completions)):
+            if alike == 2:  # it fails whatever it is sent: the rest are not sent
+                rows.append(fail(i, _why(batch_error)))
+                continue
             try:
                 rows += _rows(reward_fn, prompts[i:i + 1], completions[i:i + 1], labels[i:i + 1], timeout)
             except Exception as e:
-                rows.append(fail(i, repr(e)))
+                rows.append(fail(i, _why(e)))
+                alike += i == alike and isinstance(e, ServerError) and str(e) == str(batch_error)
     names = sorted({k for r in rows if r for k in r})
     for i, r in enumerate(rows):
         if r is not None and (set(r) != set(names) or not all(math.isfinite(v) for v in r.values())):
@@ -256,10 +301,3 @@ class RewardScorer:
                               f"{step} (last: {self.last_failure}): training on fallback rewards learns "
                               "nothing; fix the reward, or raise --reward_failure_limit (above 1: never "
                               "stop)")
-
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

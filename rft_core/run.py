@@ -1,6 +1,6 @@
 """How a training script's process ends: `run_main` turns a user's error into one line and an exit status,
-`StopSignals` lets SIGINT / SIGTERM stop the loop at a step's end, and `stop_error` says where that left the
-run."""
+`StopSignals` lets SIGINT / SIGTERM stop the start-up at once and the loop at a step's end, and `stop_error`
+says where that left the run."""
 
 import faulthandler
 import os
@@ -10,7 +10,7 @@ import sys
 import torch
 
 from rft_core.checkpoint import latest_checkpoint
-from rft_core.errors import Stopped, UserError
+from rft_core.errors import CheckpointError, Stopped, UserError
 
 
 def run_main(main):
@@ -24,6 +24,11 @@ def run_main(main):
     debug = flag or os.environ.get("RFT_DEBUG", "0") not in ("", "0")
     try:
         main()
+    except StopNow as e:
+        if debug:
+            raise
+        print(f"stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except UserError as e:
         if debug:
             raise
@@ -38,32 +43,47 @@ def run_main(main):
               "*_offload.yaml config, more GPUs); checkpoints are written atomically, so the last complete "
               "one is intact (RFT_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before main's handlers were installed
         if debug:
             raise
-        print("interrupted: checkpoints are written atomically, so the last complete one is intact; rerun "
-              "the same command to resume from it", file=sys.stderr, flush=True)
+        print("interrupted: checkpoints are written atomically: rerun the same command to resume from the "
+              "last complete one, if there is one", file=sys.stderr, flush=True)
         sys.exit(130)
 
 
-class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption) ask the loop to stop at the end of the current
-    step, after its checkpoint if one is due; a second SIGINT stops at once. `requested(reduce_sum, device)`
-    is the signal any rank got (None, "SIGINT" or "SIGTERM"): every rank calls it at the same point, so that
-    they stop together. SIGUSR1 prints every thread's stack and goes on (where a stuck run waits)."""
+class StopNow(KeyboardInterrupt):
+    """A signal that stops the run at once: during start-up (the step-0 eval included), or Ctrl-C twice. A
+    KeyboardInterrupt, so that no `except Exception` on its way reports it as another error; run_main prints
+    its line, which names the checkpoint a rerun resumes from, if any."""
 
-    def __init__(self):
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption). With at_once (installed as main starts), they
+    stop the start-up at once, with one line. Then (installed before the loop) they ask the loop to stop at
+    the end of the current step, after its checkpoint if one is due; a second SIGINT stops at once.
+    `requested(reduce_sum, device)` is the signal any rank got (None, "SIGINT" or "SIGTERM"): every rank calls
+    it at the same point, so that they stop together. SIGUSR1 prints every thread's stack and goes on (where a
+    stuck run waits). args: the script's flags (--output_dir, where the checkpoints are)."""
+
+    def __init__(self, args, at_once=False):
+        self.args, self.at_once = args, at_once
         self.received = 0  # 1: SIGINT, 100: SIGTERM (summed over ranks, SIGTERM wins)
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.received:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.at_once or signum == signal.SIGINT and self.received:
+            when = "during start-up, before any step ran" if self.at_once else "twice: stopped inside a step"
+            where = _resumes_from(self.args, 0 if self.at_once else None)
+            raise StopNow(f"{name} {when}; {where}", 130 if name == "SIGINT" else 143)
         self.received = 100 if signum == signal.SIGTERM else 1
-        print(f"[stop] {signal.Signals(signum).name}: stopping after this step (Ctrl-C again: at once)",
-              file=sys.stderr, flush=True)
+        print(f"[stop] {name}: stopping after this step (Ctrl-C again: at once)", file=sys.stderr, flush=True)
 
     def requested(self, reduce_sum=None, device="cpu"):
         import torch
@@ -74,11 +94,30 @@ class StopSignals:
         return None if not total else "SIGTERM" if total >= 100 else "SIGINT"
 
 
-def stop_error(signal_name, step, output_dir):
+def stop_error(signal_name, step, args):
     """The Stopped error that ends a run on signal_name ("SIGINT" / "SIGTERM") after `step`, naming the
-    newest intact checkpoint in output_dir (if there is one)."""
-    checkpoint = latest_checkpoint(output_dir)
-    where = "no checkpoint was written (--save_steps 0): a rerun starts afresh"
-    if checkpoint:
-        where = f"{os.path.basename(checkpoint)} is intact; rerun the same command to resume from it"
+    newest intact checkpoint in --output_dir (if there is one)."""
+    where = _resumes_from(args, step)
+    if signal_name == "SIGTERM" and "no checkpoint" in where and not args.save_on_sigterm:
+        where += " (--save_on_sigterm saves one on SIGTERM)"
     return Stopped(f"{signal_name} after step {step}: {where}", 130 if signal_name == "SIGINT" else 143)
+
+
+def _resumes_from(args, step):
+    """Where a rerun of the same command starts: the newest intact checkpoint, or afresh, and why (step: the
+    last step done; None: unknown)."""
+    try:
+        checkpoint = latest_checkpoint(args.output_dir)
+    except (CheckpointError, OSError, ValueError):  # none intact, or unreadable: said at the next start
+        checkpoint = None
+    if checkpoint and not args.no_resume:
+        return f"{os.path.basename(checkpoint)} is intact; rerun the same command to resume from it"
+    if checkpoint:
+        return f"{os.path.basename(checkpoint)} is intact; rerun without --no_resume to resume from it"
+    if not args.save_steps:
+        why = "--save_steps 0"
+    elif step is not None and step < args.save_steps:
+        why = f"--save_steps {args.save_steps}: the first comes after step {args.save_steps}"
+    else:
+        why = f"none complete in {args.output_dir}"
+    return f"no checkpoint ({why}): a rerun starts afresh"

@@ -19,7 +19,8 @@ def test_loop_table_matches_the_script():
     assert len(rows) >= 10, "the loop table lost its rows"
     for (phase, first, last), following in zip(rows, rows[1:] + [None]):
         first, last = int(first), int(last)
-        assert script[first - 1].strip().startswith(f"# ---- {phase}"), (phase, first, script[first - 1])
+        banner = re.match(rf"# ---- {re.escape(phase)}( ----|:| \()", script[first - 1].strip())
+        assert banner, (phase, first, script[first - 1])
         end = int(following[1]) - 1 if following else len(script)
         assert last == end, f"{phase}: the table says it ends at line {last}, the script at {end}"
 

@@ -1,0 +1,224 @@
+"""Files of the output directory written whole and read back checked.
+
+- A checkpoint's `manifest.json` holds the size and SHA-256 of every file it holds, weights included
+  (SHA-256 runs at about 750 MB/s a core; a checkpoint's files are hashed in parallel): `verify_checkpoint`
+  finds a truncated, missing or bit-flipped file. The hashes are integrity, not authenticity: whoever can
+  write a checkpoint can rewrite its manifest.
+- Pickles from the output directory (tensors.pt, the RNG states) are read with torch.load's weights_only=True,
+  whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says: a file holding anything but tensors and plain data is one
+  line naming it (`load_plain`); after a resume the RNG states are checked to be the saved ones.
+- metrics.jsonl (and samples.jsonl) rows are appended whole or cut back (`append`), and a line cut all the
+  same (a kill mid-write) is dropped and said when the file is read (`read_rows`); a full disk is said as
+  such (`write_error`: torch's writer reports only `iostream error`).
+"""
+
+import errno
+import hashlib
+import json
+import os
+import pickle
+import random
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from rft_core.errors import CheckpointError, ConfigError
+
+MANIFEST = "manifest.json"
+_written = {}  # checkpoint -> its manifest's mtime: written whole by this process, not hashed again
+
+
+def size_text(size):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            return f"{size / 2**shift:.1f} {unit}"
+    return f"{size} bytes"
+
+
+def is_full(error, directory):
+    """Whether error (raised writing into directory; torch's writer says only `iostream error`) came from a
+    full disk or quota: ENOSPC / EDQUOT in its chain, or under 64 MiB left there."""
+    for _ in range(8):  # the error and what caused it
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error and (error.__cause__ or error.__context__)
+    try:
+        return shutil.disk_usage(directory).free < 64 << 20
+    except OSError:
+        return False
+
+
+def write_error(error, directory):
+    """What went wrong writing into directory, in words: `no space left on <dir> (N free)`, or the error."""
+    if is_full(error, directory):
+        try:
+            return f"no space left on {directory} ({size_text(shutil.disk_usage(directory).free)} free)"
+        except OSError:
+            return f"no space left on {directory}"
+    return f"{type(error).__name__}: {error}"
+
+
+def _write(path, text):
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def append(path, text, what):
+    """Append text to path whole or not at all: a failed write (a full disk) is cut back and said in one
+    line."""
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    try:
+        _write(path, text)
+    except OSError as e:
+        try:
+            os.truncate(path, size)
+        except OSError:
+            pass
+        raise ConfigError(f"{write_error(e, os.path.dirname(path))}: {what} could not be appended to {path} "
+                          "(cut back to its last whole row); free space there and rerun the same command to "
+                          "resume from the newest checkpoint") from e
+
+
+def read_rows(path, log=None):
+    """(rows, their lines as bytes) of a metrics.jsonl (none if absent). A line that does not parse, such as
+    a last one cut by a full disk or a kill mid-write, is dropped and said (log)."""
+    rows, lines, bad = [], [], []
+    if not os.path.exists(path):
+        return rows, lines
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+                step = row["step"] if line.strip() else None
+            except (ValueError, KeyError, TypeError):
+                bad.append(number)
+                continue
+            if isinstance(step, int):
+                rows.append(row)
+                lines.append(line if line.endswith(b"\n") else line + b"\n")
+    if bad and log:
+        last = "its last line is cut" if bad == [number] else f"lines {bad} are unreadable"
+        log(f"[resume] {path}: {last} (a write interrupted, e.g. by a full disk): dropped")
+    return rows, lines
+
+
+def _files(ckpt):
+    for root, _, names in os.walk(ckpt):
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.relpath(path, ckpt) != MANIFEST:
+                yield os.path.relpath(path, ckpt), path
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sha256_all(paths):
+    """The SHA-256 of each file, several at once (hashlib lets go of the GIL: sharded states hash in
+    parallel)."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def mark_written(ckpt):
+    """ckpt was just written whole by this run: it is not hashed again."""
+    path = os.path.join(ckpt, MANIFEST)
+    if os.path.exists(path):  # (a rank on another node may not see it)
+        _written[ckpt] = os.stat(path).st_mtime_ns
+
+
+def manifest(ckpt):
+    """{file: {"bytes": size, "sha256": digest}} of a checkpoint directory."""
+    files = sorted(_files(ckpt))
+    digests = _sha256_all([path for _, path in files])
+    return {rel: {"bytes": os.path.getsize(path), "sha256": digest}
+            for (rel, path), digest in zip(files, digests)}
+
+
+def verify_checkpoint(ckpt):
+    """None if the checkpoint is whole, else what is wrong with it: missing, a file missing or of another size
+    or SHA-256 than when it was written (manifests from before every file was hashed: its size). A checkpoint
+    from before manifests is taken as whole if its trainer_state.json reads. One this process wrote is not
+    hashed again."""
+    if not os.path.isdir(ckpt):
+        return "missing"
+    path = os.path.join(ckpt, MANIFEST)
+    if not os.path.exists(path):
+        try:
+            with open(os.path.join(ckpt, "trainer_state.json")) as f:
+                json.load(f)
+            return None
+        except (OSError, ValueError) as e:
+            return f"trainer_state.json unreadable ({e})"
+    if _written.get(ckpt) == os.stat(path).st_mtime_ns:
+        return None
+    try:
+        with open(path) as f:
+            files = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} unreadable ({e})"
+    for rel, want in files.items():
+        file = os.path.join(ckpt, rel)
+        if not os.path.isfile(file):
+            return f"{rel} is missing"
+        if os.path.getsize(file) != want["bytes"]:
+            return f"{rel} has {os.path.getsize(file)} bytes, {want['bytes']} when written"
+    hashed = [rel for rel, want in files.items() if "sha256" in want]
+    for rel, digest in zip(hashed, _sha256_all([os.path.join(ckpt, rel) for rel in hashed])):
+        if digest != files[rel]["sha256"]:
+            return f"{rel} changed since it was written (SHA-256)"
+    return None
+
+
+def load_plain(path, **kwargs):
+    """torch.load(path, weights_only=True): tensors and plain containers only, whatever
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says (accelerate's load adds the numpy types of an RNG state). A file
+    holding anything else, or that does not read, is one line naming it."""
+    from accelerate.utils import load
+
+    try:
+        return load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:  # weights_only's refusal
+        said = f"it holds more than tensors and plain data: {str(e).splitlines()[0][:150]}"
+    except (RuntimeError, EOFError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        said = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+    raise CheckpointError(f"{path} was refused by torch.load(weights_only=True) ({said}): this trainer does "
+                          "not write such a file; delete its checkpoint to resume from an older one, or pass "
+                          "--no_resume")
+
+
+def check_rng_restored(ckpt, accelerator):
+    """Refuse a checkpoint whose RNG states load_state did not restore (accelerate skips one that fails at
+    info level, and the resumed run would not repeat the uninterrupted one): the process's python, numpy,
+    torch (and CUDA) generators are compared with its random_states file."""
+    path = os.path.join(ckpt, f"random_states_{accelerator.process_index}.pkl")
+    if not os.path.exists(path):
+        problem = "its file is missing"
+    else:
+        saved = load_plain(path)
+        now = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+               "torch_manual_seed": torch.get_rng_state()}
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in saved:
+            now["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+        problem = next((f"{key} differs" for key in now if not _same(saved.get(key), now[key])), None)
+    if problem:
+        raise CheckpointError(f"{path}: the RNG state was not restored ({problem}), so the resumed run "
+                              "would not repeat the uninterrupted one: delete that checkpoint to resume from "
+                              "an older one, or pass --no_resume")
+
+
+def _same(a, b):
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (torch.Tensor, np.ndarray)) or isinstance(b, (torch.Tensor, np.ndarray)):
+        return a is not None and b is not None and np.array_equal(np.asarray(a), np.asarray(b))
+    return a == b

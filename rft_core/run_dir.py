@@ -1,0 +1,270 @@
+"""The output directory: one run writes there at a time, and a new run never overwrites a previous one.
+
+The lock: `run.lock` names the process writing there (pid, host, its start, the command). Only the main
+process takes it, when the run's record starts (MetricsLog), and it is removed at exit; the other ranks wait
+for the main one's answer. A run that finds it held by a live process is refused in one line, before anything
+loads (`check_free`, from resume_point) and again before anything is written. A lock left by a process that
+died without removing it (SIGKILL, a lost node) is said and taken over: on the same host its pid is gone (or
+is another process's now), on another host it has not been touched for STALE_S (its holder touches it every
+HEARTBEAT_S).
+
+A previous run: a new run (nothing to resume) into a directory holding a previous run's steps (metrics.jsonl
+rows, model/, checkpoints) is refused naming --no_resume; with --no_resume the previous run's files move into
+previous-N/ when the new record starts (a failed start leaves them where they were). A rename costs no space
+and loses nothing, and the top level then holds one run, so `latest`, checkpoint pruning and metrics.jsonl
+cannot mix two.
+"""
+
+import atexit
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+
+from rft_core.errors import ConfigError, UserError
+
+LOCK = "run.lock"
+HEARTBEAT_S, STALE_S = 60, 600
+# what a run writes at the top of its output directory, moved together into previous-N/
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "curves.png", "gen_len.png", "latest", "model",
+             "ema_model")
+RUN_DIRS = re.compile(r"(checkpoint|hf-step)-\d+(\.tmp)?")
+_held = set()  # output directories (absolute) whose lock this process holds
+
+
+def on_main(accelerator, fn):
+    """fn() on the main process alone, its result shared with every rank (the others wait for it); a UserError
+    it raises is raised on every rank."""
+    error, result = None, None
+    if accelerator is None or accelerator.is_main_process:
+        try:
+            result = fn()
+        except UserError as e:
+            error = e
+    if getattr(accelerator, "num_processes", 1) > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [(result, None if error is None else (type(error), str(error)))]
+        broadcast_object_list(box)
+        result, said = box[0]
+        error = error or (said and said[0](said[1]))
+    if error:
+        raise error
+    return result
+
+
+def _start_ticks(pid):
+    """When the process started (clock ticks after boot; None without /proc): tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _read_lock(path):
+    """(the holder's record, seconds since the lock was last touched), or None where there is no lock. A lock
+    being written (or damaged) reads as an empty record."""
+    try:
+        age = time.time() - os.path.getmtime(path)
+        with open(path) as f:
+            holder = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        holder = {}
+    return (holder if isinstance(holder, dict) else {}), age
+
+
+def _mine(holder):
+    return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+
+
+def _alive(holder, age):
+    """Whether the holder may still run: on this host, its pid lives and started when the lock says; on
+    another host (or unreadable), the lock was touched within STALE_S."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return age < STALE_S
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    start = _start_ticks(holder["pid"])
+    return None in (start, holder.get("start")) or start == holder["start"]
+
+
+def _who(holder):
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}: "
+            f"{str(holder.get('command', '?'))[:120]}")
+
+
+def _busy(output_dir, found):
+    """The line refusing this run if `found` (_read_lock's) is a live process other than this one."""
+    if found is None or _mine(found[0]) or not _alive(*found):
+        return None
+    return (f"--output_dir {output_dir} is in use by another run ({_who(found[0])}): wait for it to end or "
+            f"use another --output_dir (if that run is gone, delete {os.path.join(output_dir, LOCK)})")
+
+
+def check_free(output_dir):
+    """Refuse in one line an output directory that another live run holds (read only: nothing is written)."""
+    busy = _busy(output_dir, _read_lock(os.path.join(output_dir, LOCK)))
+    if busy:
+        raise ConfigError(busy)
+
+
+def take_lock(output_dir, log=print):
+    """Hold output_dir's lock until this process exits (again: nothing to do). A second live run is refused
+    in one line; a dead one's lock is said (log) and taken over."""
+    path = os.path.join(output_dir, LOCK)
+    os.makedirs(output_dir, exist_ok=True)
+    for _ in range(5):
+        if _acquire(path, output_dir, log):
+            break
+    else:
+        raise ConfigError(f"--output_dir {output_dir}: its lock {path} keeps changing hands; use another "
+                          "--output_dir")
+    if not _held:
+        atexit.register(release_all)
+        threading.Thread(target=_heartbeat, daemon=True, name="run.lock heartbeat").start()
+    _held.add(os.path.abspath(output_dir))
+
+
+def _acquire(path, output_dir, log):
+    """One try at the lock: True if this process holds it now, False to try again; a live holder: refused."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        found = _read_lock(path)
+        if found is None or _mine(found[0]):  # released meanwhile; or held already (a second record)
+            return found is not None
+        busy = _busy(output_dir, found)
+        if busy:
+            raise ConfigError(busy) from None
+        aside = f"{path}.stale-{os.getpid()}"  # taken over by a rename: only one taker gets the dead lock
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:
+            return False
+        if (_read_lock(aside) or ({},))[0] != found[0]:  # another taker's fresh lock: put it back
+            os.replace(aside, path)
+            return False
+        os.remove(aside)
+        log(f"[output] {path}: its run ({_who(found[0])}) is gone; this run takes it over")
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "start": _start_ticks(os.getpid()),
+                   "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}, f)
+    return True
+
+
+def _heartbeat():
+    while True:
+        time.sleep(HEARTBEAT_S)
+        for output_dir in list(_held):
+            try:
+                os.utime(os.path.join(output_dir, LOCK))
+            except OSError:
+                pass
+
+
+def release_lock(output_dir):
+    """Remove output_dir's lock if this process holds it."""
+    output_dir = os.path.abspath(output_dir)
+    _held.discard(output_dir)
+    path = os.path.join(output_dir, LOCK)
+    found = _read_lock(path)
+    if found is not None and _mine(found[0]):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def release_all():
+    for output_dir in list(_held):
+        release_lock(output_dir)
+
+
+def last_step(rows):
+    """The last training step among metrics rows (0: none)."""
+    return max((row["step"] for row in rows if "train/policy_loss" in row or "rollout/reward_mean" in row),
+               default=0)
+
+
+def previous_run(output_dir, rows):
+    """(what a previous run left at the top of output_dir worth keeping, in words; its entries; whether it
+    finished: model/ is there), or None where it trained no step there (config.json and a step-0 eval alone
+    are written again). rows: its metrics.jsonl's."""
+    if not os.path.isdir(output_dir):
+        return None
+    names = sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or RUN_DIRS.fullmatch(n))
+    kept = [n for n in names if os.path.isdir(os.path.join(output_dir, n))]
+    step = last_step(rows)
+    if not step and not kept:
+        return None
+    parts = ([f"metrics.jsonl to step {step}"] if step else []) + [f"{n}/" for n in kept[:4]]
+    parts += [f"{len(kept) - 4} more directories"] if len(kept) > 4 else []
+    return ", ".join(parts), names, "model" in names
+
+
+def _previous_dir(output_dir):
+    numbers = [int(m.group(1)) for n in os.listdir(output_dir) if (m := re.fullmatch(r"previous-(\d+)", n))]
+    return os.path.join(output_dir, f"previous-{max(numbers, default=0) + 1}")
+
+
+def refuse_overwrite(output_dir, found):
+    """The one line refusing a new run over previous_run's find (without --no_resume)."""
+    what = "a finished run" if found[2] else "a run that left no checkpoint to resume"
+    raise ConfigError(f"--output_dir {output_dir} holds {what} ({found[0]}): pass --no_resume to start a "
+                      f"new run there (that one moves to {_previous_dir(output_dir)}/), or use another "
+                      "--output_dir")
+
+
+def move_previous(output_dir, found, log=print):
+    """Move previous_run's entries into output_dir/previous-N/ (--no_resume: the new run starts beside)."""
+    target = _previous_dir(output_dir)
+    os.makedirs(target)
+    for name in found[1]:
+        os.rename(os.path.join(output_dir, name), os.path.join(target, name))
+    log(f"[output] --no_resume: the previous run ({found[0]}) moved from {output_dir} to {target}/")
+    return target
+
+
+def _flat(config, prefix=""):
+    out = {}
+    for key, value in config.items():
+        nested = isinstance(value, dict) and value
+        out.update(_flat(value, f"{prefix}{key}.") if nested else {prefix + key: value})
+    return out
+
+
+def with_segments(path, config, step, log):
+    """config, resumed after `step`, with "resumed": config.json's list (at path, before it is rewritten) and
+    this resume's {"step", "changed": {flag or plan.value: [before, now]}}; the flags that changed are said
+    (log). An attempt that trained nothing (the last entry at the same step) gives way to this one."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = None
+    if not isinstance(old, dict):
+        return {**config, "resumed": [{"step": step, "changed": None}]}  # (config.json lost: unknown)
+    resumed, before = old.pop("resumed", []), _flat(old)
+    if resumed and resumed[-1]["step"] == step:  # the last segment is what ran before that attempt
+        before.update({k: v[0] for k, v in (resumed.pop()["changed"] or {}).items()})
+    now = _flat(json.loads(json.dumps(config)))  # as JSON holds it (tuples as lists)
+    changed = {k: [before.get(k), now.get(k)] for k in sorted(before.keys() | now.keys())
+               if before.get(k) != now.get(k) and k != "no_resume"}  # (how a segment starts, no setting)
+    flags = [f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items() if "." not in k]
+    plan = len(changed) - len(flags)
+    if changed:
+        log(f"[resume] changed since step {step}: {'; '.join(flags) or 'no flag'}"
+            f"{f' (and {plan} plan values)' if plan else ''}; config.json keeps the earlier values under "
+            "\"resumed\"")
+    return {**config, "resumed": [*resumed, {"step": step, "changed": changed}]}
