@@ -52,6 +52,12 @@ AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps
                  "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
 
 
+def kl_in_reward(args):
+    """Whether the per-token reward carries a k1 KL penalty: a token-level estimator (gae, reinforce,
+    reinforce_baseline), --init_kl_coef > 0 and no --use_kl_loss (the plan and the inert-flag check ask)."""
+    return args.advantage_estimator in TOKEN_LEVEL and not args.use_kl_loss and args.init_kl_coef > 0
+
+
 def check(ok, message):
     if not ok:
         raise ConfigError(message)
@@ -204,7 +210,6 @@ def check_inert(args, engine_type):
     """Flags set away from their default where they do nothing in this run are refused, saying why."""
     estimator = args.advantage_estimator
     token_level = estimator in TOKEN_LEVEL
-    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0
     inert = [  # (whether they act here, the flags, why they do not)
         (engine_type != "hf", ("engine_tp_size", "engine_mem_util", "enable_engine_sleep",
                                "disable_engine_sleep", "engine_sleep_level", "engine_enforce_eager"),
@@ -215,8 +220,8 @@ def check_inert(args, engine_type):
          f"it is the critic's (gae), but --advantage_estimator is {estimator}"),
         (token_level, ("gamma",), "it discounts the token-level estimators (gae, reinforce, "
          f"reinforce_baseline), but --advantage_estimator is {estimator}"),
-        (kl_in_reward, ("kl_target", "kl_horizon"), "it adapts the KL penalty in the reward, which needs "
-         "gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss"),
+        (kl_in_reward(args), ("kl_target", "kl_horizon"), "it adapts the KL penalty in the reward, which "
+         "needs gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss"),
         (args.use_kl_loss, ("kl_estimator",), "it is the KL loss's estimator, but --use_kl_loss is off"),
         (args.dynamic_sampling or args.partial_rollout, ("max_num_gen_batches",),
          "it bounds the rounds of --dynamic_sampling and --partial_rollout, which are off"),

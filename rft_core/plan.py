@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from rft_core.advantages import TOKEN_LEVEL
-from rft_core.checks import check_args
+from rft_core.checks import check_args, kl_in_reward
 from rft_core.engines import resolve_engine_type
 from rft_core.losses import LossSettings
 from rft_core.memory import plan_update_memory
@@ -98,8 +98,7 @@ def resolve(args, accelerator, default_lr=None):
         why.append(f"torch_compile {torch_compile}: auto, on with a GPU, vLLM or SGLang, and neither "
                    "DeepSpeed nor FSDP2")
     sp_size = group_size(parallelism)
-    token_level = args.advantage_estimator in TOKEN_LEVEL
-    kl_in_reward = token_level and not args.use_kl_loss and args.init_kl_coef > 0
+    token_level, kl_penalty = args.advantage_estimator in TOKEN_LEVEL, kl_in_reward(args)
     # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
     one_update = args.max_epochs == 1 and train_batch_size == samples_per_step
     tis_cap, tis_level = importance_weights(args)
@@ -115,7 +114,7 @@ def resolve(args, accelerator, default_lr=None):
     return Plan(
         world, sp_size, sharded, samples_per_step, train_batch_size, train_batch_size * sp_size // world,
         engine_type, bf16, torch_compile, args.chunk_size if args.fused_linear_logprob else None,
-        args.actor_learning_rate or default_lr, token_level, kl_in_reward, one_update and not kl_in_reward,
+        args.actor_learning_rate or default_lr, token_level, kl_penalty, one_update and not kl_penalty,
         loss_settings(args, train_batch_size, tis_cap, tis_level), rollout_settings(args, tis_cap),
         engine_options(args, bf16, sleep, samples_per_step // world, sp_size), args.optimizer_offload,
         None if by_rows else args.max_tokens_per_micro_batch or TOKENS_PER_MICRO_BATCH,
