@@ -202,12 +202,21 @@ def test_a_stop_says_why_there_is_no_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_in_the_step0_eval_of_a_run_is_one_line(tiny_model_dir, chars_reward, tmp_path):
+def test_sigterm_in_the_step0_eval_of_a_run_is_one_line(tiny_model_dir, tmp_path):
     """The script itself: SIGTERM once start-up is done, during the step-0 eval (it used to kill the process
-    without a word)."""
-    out = tmp_path / "out"
+    without a word). The reward's first call is the eval's: it leaves a mark and waits there, so the signal
+    lands inside the eval however fast the machine is."""
+    out, mark = tmp_path / "out", tmp_path / "in_eval"
+    reward = tmp_path / "slow_first.py"
+    reward.write_text(
+        "import os, time\n"
+        "def chars(p, completions, l, **kw):\n"
+        f"    if not os.path.exists({str(mark)!r}):\n"
+        f"        open({str(mark)!r}, 'w').close()\n"
+        "        time.sleep(5)\n"
+        "    return [len(c) / 10 for c in completions]\n")
     args = ["--pretrain", tiny_model_dir, "--max_steps", "2", "--rollout_batch_size", "2",
-            "--n_samples_per_prompt", "2", "--generate_max_len", "8", "--reward_fn", chars_reward,
+            "--n_samples_per_prompt", "2", "--generate_max_len", "8", "--reward_fn", f"{reward}:chars",
             "--output_dir", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ppo.py"), *args], cwd=ROOT, env=env,
@@ -217,7 +226,9 @@ def test_sigterm_in_the_step0_eval_of_a_run_is_one_line(tiny_model_dir, chars_re
         assert time.time() < deadline, "no [setup] line"
         if line.startswith("[setup]"):  # printed just before the step-0 eval
             break
-    time.sleep(0.5)
+    while not mark.exists():
+        assert time.time() < deadline and proc.poll() is None, "the step-0 eval never called the reward"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     output = proc.stdout.read()
     assert proc.wait(timeout=120) == 143, output[-2000:]
