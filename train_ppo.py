@@ -42,11 +42,13 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from rft_core.advantages import adaptive_kl_coef, outcome_scores, token_level_advantages
+from rft_core.calculator import multiply_task  # VL
 from rft_core.checkpoint import checkpoint_step, finished_run, load_checkpoint, resume_point, save_checkpoint
 from rft_core.cli import parse_args
 from rft_core.data import arithmetic_task, encode_rows, load_prompt_rows, text_batches  # VL
 from rft_core.distributed import configure_deepspeed, end_run, prepare_frozen, process_group_kwargs
 from rft_core.engines import create_engine
+from rft_core.episodes import EpisodeRunner, load_env
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
 from rft_core.health import HealthGuard, check_resumed_weights
@@ -76,7 +78,8 @@ class Args:
     pretrain: Optional[str] = None
     """HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"""
     prompt_data: str = "arithmetic"
-    """built-in task name (arithmetic) or a local JSONL / JSON / parquet file or directory"""
+    """built-in task name (arithmetic; multiply, the calculator's: rft_core/calculator.py) or a local JSONL /
+    JSON / parquet file or directory"""
     reward_fn: Optional[str] = None
     """answer (exact match in <answer> tags, the default) | math (math-verify equivalence; GSM8K/MATH
     labels) | path/to/file.py:function, called as fn(prompts, completions, labels) -> list of floats or dict
@@ -199,6 +202,16 @@ class Args:
     fresh prompts fill it, so every round generates a full batch (1: draw only the groups still needed)"""
     partial_order: str = "finish"
     """with --partial_rollout: train groups as they finish (finish), or K steps after they started (start)"""
+    env: Optional[str] = None
+    """multi-turn episodes: an environment answers each assistant turn: calculator (built-in, with
+    --prompt_data multiply) or path/to/file.py:NAME, with step(state, text) and optionally reset(sample)
+    (docs/multi_turn.md); the reward sources score an episode's last assistant turn"""
+    max_turns: int = 4
+    """with --env: assistant turns per episode at most (each of --generate_max_len tokens at most)"""
+    max_episode_tokens: int = 1024
+    """with --env: response tokens per episode at most, the policy's and the environment's"""
+    env_timeout: float = 30.0
+    """with --env: seconds a reset or step call may take; then its episode fails (rollout/env_errors)"""
     ema_beta: Optional[float] = None
     """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
     pretrain_data: Optional[str] = None
@@ -332,6 +345,8 @@ def load_rows(args, log):
 
     if args.prompt_data == "arithmetic":
         train_rows, eval_rows = arithmetic_task(seed=args.seed)
+    elif args.prompt_data == "multiply":
+        train_rows, eval_rows = multiply_task(seed=args.seed)
     else:
         train_rows, eval_rows = load(args.prompt_data, "--prompt_data"), []
     return {"train": train_rows, "eval": load(args.eval_data, "--eval_data") if args.eval_data else eval_rows}
@@ -400,6 +415,7 @@ def main():
     score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_timeout,
                              args.reward_failure_limit, log=tqdm.write)  # score_all(samples)
     moments = RunningMoments() if args.normalize_reward else None
+    env = load_env(args.env) if args.env else None  # multi-turn: the environment (rft_core/episodes.py)
     model, tokenizer, processor, ref_model, critic = load_models(args, plan, accelerator)
     for net in [net for net in (model, critic) if net is not None and plan.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
@@ -429,10 +445,11 @@ def main():
     optimizers = [opt for _, opt, _ in trained.values()]
     engine = create_engine(plan.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
                            **plan.engine)
+    episodes = EpisodeRunner(env, tokenizer, plan.episodes, args.env, tqdm.write) if env else None
 
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,
-                           args.eval_n_samples, args.temperature, args.eval_reward_threshold)
+                           args.eval_n_samples, args.temperature, args.eval_reward_threshold, episodes)
         log.write(step, metrics)
         accelerator.print(eval_line(step, metrics, args.eval_n_samples))
         return metrics
@@ -452,7 +469,8 @@ def main():
 
     # ---- resume ----
     settings = replace(plan.rollout, eos_token_id=tokenizer.eos_token_id)
-    rollouts = Rollouts(prompts["train"], args.rollout_batch_size, args.seed, rank, world, settings, device)
+    rollouts = Rollouts(prompts["train"], args.rollout_batch_size, args.seed, rank, world, settings, device,
+                        episodes)
     start, first_eval = 0, None  # the last step done, the step-0 eval
     if resume_from:
         state, tensors = load_checkpoint(accelerator, resume_from)  # models, optimizers, schedulers, RNG

@@ -17,7 +17,9 @@ rewards are all equal scores exactly 0 under every baseline (its mean is not alw
 and dividing a one-ulp residue by a one-ulp std would give it a large advantage).
 The last three are TOKEN_LEVEL: the score becomes the reward of the last response token, a
 per-token KL penalty can join it (`token_rewards`), and the advantages are discounted returns
-(REINFORCE++) or GAE, whitened over the whole global batch at token level (`whiten`).
+(REINFORCE++) or GAE, whitened over the whole global batch at token level (`whiten`). A multi-turn response
+has the environment's tokens between the policy's (action_mask 0): returns and GAE pass over them, so each
+policy token is followed by the next policy token, as if they were absent (the discount counts actions).
 """
 
 import torch
@@ -58,7 +60,8 @@ def token_rewards(scores, action_mask, kl=None, kl_coef=0.0):
     its last token (the InstructGPT / PPO-RLHF reward shaping)."""
     mask = action_mask.to(torch.float32)
     rewards = torch.zeros_like(mask)  # (B, T)
-    last = (mask.sum(-1).long() - 1).clamp(min=0)  # (B,): index of the last response token
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    last = (mask * columns).argmax(-1)  # (B,): index of the last response token (0 if none)
     rewards.scatter_(1, last.unsqueeze(-1), scores.float().unsqueeze(-1))
     if kl is not None:
         rewards = rewards - kl_coef * kl.float() * mask
@@ -66,29 +69,32 @@ def token_rewards(scores, action_mask, kl=None, kl_coef=0.0):
 
 
 def discounted_returns(rewards, action_mask, gamma=1.0):
-    """G_t = r_t + gamma * G_{t+1} over the response tokens (B, T); 0 on padding."""
-    mask = action_mask.to(torch.float32)
-    returns, running = torch.zeros_like(mask), torch.zeros_like(mask[:, 0])
+    """G_t = r_t + gamma * G_{t'} over the response tokens (B, T), t' the next one in action_mask; 0 off
+    the mask."""
+    mask = action_mask.bool()
+    returns = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # (B, T)
+    running = torch.zeros_like(returns[:, 0])  # (B,)
     for t in reversed(range(mask.shape[1])):
-        running = rewards[:, t] * mask[:, t] + gamma * running * mask[:, t]
-        returns[:, t] = running
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
     return returns
 
 
 def gae(rewards, values, action_mask, gamma=1.0, lambd=0.95):
     """Generalised advantage estimation (Schulman et al. 2016): (advantages, returns), each (B, T).
 
-    delta_t = r_t + gamma V_{t+1} - V_t with V = 0 past the last response token;
-    A_t = delta_t + gamma lambd A_{t+1};  returns_t = A_t + V_t (the critic's regression target).
+    delta_t = r_t + gamma V_{t'} - V_t, t' the next response token in action_mask (V = 0 past the last);
+    A_t = delta_t + gamma lambd A_{t'};  returns_t = A_t + V_t (the critic's regression target).
     """
-    mask = action_mask.to(torch.float32)
+    mask = action_mask.bool()
     values = values.float() * mask  # (B, T)
-    advantages, running = torch.zeros_like(mask), torch.zeros_like(mask[:, 0])
+    advantages = torch.zeros_like(values)
+    running, next_value = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])  # (B,) each
     for t in reversed(range(mask.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < mask.shape[1] else torch.zeros_like(running)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lambd * running) * mask[:, t]
-        advantages[:, t] = running
+        running = torch.where(mask[:, t], delta + gamma * lambd * running, running)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        advantages[:, t] = running * mask[:, t]
     return advantages, advantages + values
 
 

@@ -35,6 +35,7 @@ RANGES = {
     "engine_mem_util": (lambda v: 0 < v < 1, "in (0, 1)"),
     "engine_sleep_level": (lambda v: v in (1, 2), "1 or 2"),
     "reward_timeout": (lambda v: v > 0, "> 0 seconds"),
+    "env_timeout": (lambda v: v > 0, "> 0 seconds"),
     "reward_failure_limit": (lambda v: v > 0, "> 0 (above 1: never stop)"),
     "ptx_coef": (lambda v: v >= 0, ">= 0"),
     "overlong_penalty_factor": (lambda v: v >= 0, ">= 0"),
@@ -46,8 +47,8 @@ RANGES = {
 AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size",
                 "n_samples_per_prompt", "micro_rollout_batch_size", "chunk_size", "max_epochs",
                 "num_episodes", "engine_tp_size", "kl_horizon", "max_num_gen_batches", "eval_n_samples",
-                "logging_steps", "max_ckpt_num", "limit_mm_image_per_prompt", "max_token_budget",
-                "train_batch_size")
+                "logging_steps", "max_ckpt_num", "limit_mm_image_per_prompt", "max_token_budget", "max_turns",
+                "max_episode_tokens", "train_batch_size")
 AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every", "lora_rank",
                  "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
 
@@ -169,12 +170,29 @@ def check_setup(args, world, deepspeed, sharded, engine_type):
     check(not (args.partial_rollout and engine_type == "hf" and sharded), "--partial_rollout with the "
           "transformers engine under ZeRO-3 / FSDP2: ranks continue different numbers of samples, which its "
           "sharded generate cannot; use vLLM (--engine_type vllm) or the multi_gpu config")
+    check_env(args, engine_type, sharded)
     tp = args.engine_tp_size
     check(engine_type == "hf" or world % tp == 0, f"--engine_tp_size {tp}: must divide the {world} processes "
           "(groups of consecutive ranks share an engine)")
     check_output_dir(args.output_dir)
     check(not (args.enable_engine_sleep and args.disable_engine_sleep),
           "--enable_engine_sleep or --disable_engine_sleep: pick one")
+
+
+def check_env(args, engine_type, sharded):
+    """What multi-turn episodes (--env) cannot be combined with."""
+    if args.env is None:
+        return
+    check(not args.partial_rollout, "--partial_rollout with --env: an episode's turns wait for the "
+          "environment, so its samples cannot be cut and continued in a later step; drop one of them")
+    check(not (engine_type == "hf" and sharded), "--env with the transformers engine under ZeRO-3 / FSDP2: "
+          "ranks generate different numbers of episode turns, which its sharded generate cannot; use vLLM "
+          "(--engine_type vllm) or the multi_gpu config")
+    check(not args.overlong_buffer_len, "--overlong_buffer_len with --env: DAPO's overlong shaping is for "
+          "one response of --generate_max_len tokens, not for episodes; drop it")
+    check(args.max_episode_tokens > args.generate_max_len or args.max_turns == 1,
+          f"--max_episode_tokens {args.max_episode_tokens}: one turn of --generate_max_len "
+          f"{args.generate_max_len} tokens would fill it; raise it (or lower --generate_max_len)")
 
 
 def check_output_dir(path):
@@ -230,6 +248,8 @@ def check_inert(args, engine_type):
         (args.partial_order != "start", ("inflight_ratio",),
          "--partial_order start holds --max_staleness + 1 steps' worth of groups"),
         (args.tis_cap is not None or args.partial_rollout, ("tis_mode", "tis_level"), "--tis_cap is off"),
+        (args.env is not None, ("max_turns", "max_episode_tokens", "env_timeout"),
+         "it limits the episodes of --env, which is not given"),
         (args.overlong_buffer_len > 0, ("overlong_penalty_factor",), "it scales the overlong penalty, but "
          "--overlong_buffer_len is 0"),
         (args.pretrain_data is not None, ("ptx_coef", "pretrain_key"),

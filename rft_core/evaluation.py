@@ -5,17 +5,19 @@ from dataclasses import replace
 
 import torch
 
+from rft_core.episodes import score as score_episodes
 
 
 def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_samples=1, temperature=1.0,
-             reward_threshold=None):
+             reward_threshold=None, episodes=None):
     """eval/reward_mean of greedy responses to `prompts` (Samples), and where correctness is defined,
     eval/accuracy and, with n_samples > 1, pass@1 / pass@n of n samples at `temperature`. Each rank generates
     for its shard and the sums are reduced.
 
     A response is correct by its reward's "correct" component, or with reward_threshold set, when its reward
     is at least that. Without either there is no accuracy: a reward > 0 is not a right answer.
-    score_fn(samples): a rewards.RewardScorer (sets each sample's reward and components).
+    score_fn(samples): a rewards.RewardScorer (sets each sample's reward and components). episodes: an
+    episodes.EpisodeRunner (--env): each response is a multi-turn episode, scored as in training.
     """
     rank, world, n = accelerator.process_index, accelerator.num_processes, n_samples
     # every rank generates for the same number of rows (with sharded weights a forward is a collective);
@@ -23,15 +25,26 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
     local = prompts[rank::world]
     count, local = len(local), (local + prompts[:1] * (-(-len(prompts) // world) - len(local)))
     engine.wake_up()
-    failed = 0  # rewards that failed (scored as the fallback), on this rank
+    failed = env_failed = 0  # rewards (scored as the fallback) and environments that failed, on this rank
+
+    def generate(prompts, limits, mm, temperature):
+        return engine.generate(prompts, limits, temperature=temperature, mm=mm, logprob_every=0)
+
+    def any_active(count):
+        return bool(accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum").item())
 
     def rollout(prompts, temperature, real):
         """The first `real` samples (the rest pad the ranks' generate calls alike), scored."""
-        nonlocal failed
+        nonlocal failed, env_failed
+        if episodes is not None:  # (every rank takes part in each turn, with or without prompts)
+            samples = episodes.run(lambda p, limits, mm: generate(p, limits, mm, temperature), prompts,
+                                   any_active)[:real]
+            failed += score_episodes(samples, score_fn)
+            env_failed += sum(s.episode.failure is not None for s in samples)
+            return samples
         if not prompts:
             return []
-        gens = engine.generate([p.prompt_ids for p in prompts], max_len, temperature=temperature,
-                               mm=[p.mm for p in prompts], logprob_every=0)
+        gens = generate([p.prompt_ids for p in prompts], max_len, [p.mm for p in prompts], temperature)
         completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
         samples = [replace(p, generation=g, completion=c) for p, g, c in zip(prompts, gens, completions)]
         failed += score_fn(samples[:real]) or 0
@@ -47,16 +60,18 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
     defined = reward_threshold is not None or any("correct" in s.components for s in greedy) or not count
     flag = torch.tensor(float(defined), device=accelerator.device)
     defined = accelerator.reduce(flag, "mean").item() == 1.0  # on every rank
-    sums = [sum(s.reward for s in greedy), count, sum(correct(s) for s in greedy), 0.0, 0.0, 0.0]
+    sums = [sum(s.reward for s in greedy), count, sum(correct(s) for s in greedy), 0.0, 0.0]
     if n > 1 and defined:
         sampled = rollout([p for p in local for _ in range(n)], temperature, count * n)
         hits = [int(sum(correct(s) for s in sampled[i * n:(i + 1) * n])) for i in range(count)]
         sums[3:5] = [sum(pass_at_k(n, c, 1) for c in hits), sum(pass_at_k(n, c, n) for c in hits)]
-    sums[5] = failed
+    sums += [failed, env_failed]
     totals = accelerator.reduce(torch.tensor(sums, device=accelerator.device, dtype=torch.float64),
                                 "sum").tolist()
     metrics = {"eval/reward_mean": totals[0] / totals[1], "eval/num_problems": int(totals[1]),
                "eval/reward_errors": int(totals[5])}
+    if episodes is not None:
+        metrics["eval/env_errors"] = int(totals[6])
     if defined:
         metrics["eval/accuracy"] = totals[2] / totals[1]
         if n > 1:

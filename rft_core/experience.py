@@ -2,7 +2,9 @@
 and micro-batches of it.
 
 Layout of one Experience row: [pad ... prompt | response ... pad], prompts left-padded to P and responses
-right-padded to T, so the response always occupies the last T columns.
+right-padded to T, so the response always occupies the last T columns. A multi-turn response holds the
+environment's tokens too: attention_mask covers them, action_mask (what every loss and statistic reads) does
+not, so a response's length in the layout is its attention over the last T columns (`response_lengths`).
 """
 
 import math
@@ -27,13 +29,14 @@ class Sample:
     completion: str = None  # the response decoded
     reward: float = None  # as scored: the weighted sum of the reward sources, plus shaping
     components: dict = None  # name -> value, each logged as rollout/reward/<name>
+    episode: object = None  # episodes.Episode: a multi-turn rollout's turns and how it ended (--env)
 
 
 @dataclass
 class Experience:
     input_ids: torch.Tensor  # (B, P + T)
     attention_mask: torch.Tensor  # (B, P + T)
-    action_mask: torch.Tensor  # (B, T): 1 on response tokens
+    action_mask: torch.Tensor  # (B, T): 1 on the response tokens the policy sampled (not the environment's)
     rollout_logprobs: torch.Tensor  # (B, T): the engine's sampling logprobs (NaN on rows it did not return)
     old_logprobs: torch.Tensor = None  # (B, T): trainer logprobs before the update
     ref_logprobs: torch.Tensor = None  # (B, T): frozen reference model
@@ -43,7 +46,7 @@ class Experience:
     mm: list = None  # per row, for vision-language models: image inputs (multimodal.py) or None
     # (B,) per sequence, broadcast over tokens by the loss, or (B, T) per token
     advantages: torch.Tensor = None
-    # (B,) each row's whole response length, where action_mask holds only a sequence-parallel slice's tokens
+    # (B,) each row's whole count of action tokens, where action_mask holds only a sequence-parallel slice's
     response_lens: torch.Tensor = None
 
     def __len__(self):
@@ -61,6 +64,10 @@ class Experience:
     def rollout_known(self):
         """(B, T) bool: the response tokens whose engine logprob the engine returned (not NaN)."""
         return self.action_mask.bool() & ~self.rollout_logprobs.isnan()
+
+    def response_lengths(self):
+        """(B,) each row's response tokens in the layout, the environment's included."""
+        return self.attention_mask[:, -self.action_mask.shape[1]:].sum(-1)
 
     def mm_inputs(self):
         """The model's image inputs for these rows (None for a text-only batch)."""
@@ -85,7 +92,7 @@ class Experience:
                     for i in range(0, len(self), micro_batch_size)]
         num_actions = self.action_mask.shape[1]
         prompt_lens = self.attention_mask[:, :-num_actions].sum(-1).tolist()
-        response_lens = self.action_mask.sum(-1).tolist()
+        response_lens = self.response_lengths().tolist()
 
         def cost(rows):  # padded: rows x the longest prompt + response, up to a multiple of 8 (_trim)
             if packed:
@@ -114,7 +121,7 @@ class Experience:
         response tokens, and (rows, cols) (K,) each, where those tokens sit in the (B, T) layout."""
         num_actions = self.action_mask.shape[1]
         lengths = self.attention_mask.sum(-1).tolist()
-        response_lens = self.action_mask.sum(-1).tolist()
+        response_lens = self.response_lengths().tolist()
         device = self.input_ids.device
         input_ids = self.input_ids[self.attention_mask.bool()].unsqueeze(0)  # (1, N): rows in order
         position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)  # (1, N)
@@ -123,14 +130,14 @@ class Experience:
                           for start, n, r in zip(starts, lengths, response_lens)])  # (K,)
         rows = torch.cat([torch.full((r,), b, device=device) for b, r in enumerate(response_lens)])
         cols = torch.cat([torch.arange(r, device=device) for r in response_lens])
-        assert int(rows.numel()) == int(self.action_mask.sum()) and max(response_lens) <= num_actions
+        assert int(rows.numel()) == sum(response_lens) and max(response_lens) <= num_actions
         return input_ids, position_ids, keep, (rows, cols)
 
     def _trim(self):
         """Drop the padding columns that no row of this batch uses, then widen to a multiple of 8 columns
         where there is padding for it (one shape class for a compiled model, --torch_compile)."""
         width, num_actions = self.input_ids.shape[1], self.action_mask.shape[1]
-        longest = int(self.action_mask.sum(-1).max().clamp(min=1))  # longest response here
+        longest = int(self.response_lengths().max().clamp(min=1))  # longest response here
         used = self.attention_mask[:, :-num_actions].any(0).nonzero()
         start = int(used[0]) if len(used) else 0  # first prompt column any row uses
         short = -(width - num_actions + longest - start) % 8  # columns to add for a multiple of 8
@@ -165,7 +172,7 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
         input_ids[i, P - len(p):P] = torch.tensor(p)
         input_ids[i, P:P + n] = torch.tensor(g.token_ids, dtype=torch.long)
         attention_mask[i, P - len(p):P + n] = 1
-        action_mask[i, :n] = 1
+        action_mask[i, :n] = 1 if g.mask is None else torch.tensor(g.mask, dtype=torch.long)
         known = g.logprobs is not None  # (the engine returns them for some samples only)
         rollout_logprobs[i, :n] = torch.tensor(g.logprobs, dtype=torch.float32) if known else math.nan
     mm = mm if mm is not None and any(m is not None for m in mm) else None  # None: a text-only batch

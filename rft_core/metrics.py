@@ -93,16 +93,27 @@ def update_metrics(means):
             for key, v in means.result().items()}
 
 
+def sampled_tokens(generation):
+    """The tokens of a generation that the policy sampled (a multi-turn one holds the environment's too)."""
+    return len(generation.token_ids) if generation.mask is None else sum(generation.mask)
+
+
 def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=None):
     """rollout/ metrics of this rank's samples (rollout records with reward, components and generation), and
-    with reward shaping (normalisation, clipping) the shaped rewards' (B,) mean and the share clipped."""
+    with reward shaping (normalisation, clipping) the shaped rewards' (B,) mean and the share clipped. The
+    lengths count the tokens the policy sampled (a multi-turn episode's, not its environment's); an episode
+    is truncated when a turn reached its token limit."""
     rewards = torch.tensor([s.reward for s in samples])  # as scored, before normalisation and clipping
-    lengths = torch.tensor([float(len(s.generation.token_ids)) for s in samples])
+    lengths = torch.tensor([float(sampled_tokens(s.generation)) for s in samples])
+    if samples and samples[0].episode is not None:
+        truncated = sum(s.episode.cut == "tokens" for s in samples)
+    else:
+        truncated = float((lengths >= generate_max_len).sum())
     metrics = {"rollout/reward_mean": rewards.mean().item(),
                "rollout/reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
                "rollout/response_length": lengths.mean().item(),
                "rollout/response_length_max": lengths.max().item(),
-               "rollout/truncated": float((lengths >= generate_max_len).sum()) / len(samples)}
+               "rollout/truncated": truncated / len(samples)}
     names = dict.fromkeys(name for s in samples for name in s.components)
     for name in names:
         values = [s.components.get(name, float("nan")) for s in samples]
@@ -118,7 +129,8 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
 # how a metric merges over the ranks, by its name after the prefix: counts are summed, maxima (`is_maximum`)
 # are maxima; the rest are means
 SUMMED = ("reward_errors", "filled_groups", "tokens", "buffered", "resumed", "finished_from_buffer",
-          "dropped_stale", "tokens_generated")
+          "dropped_stale", "tokens_generated", "env_calls", "env_errors", "env_tokens", "cut_turns",
+          "cut_tokens")
 
 
 def gather_metrics(local):
@@ -139,7 +151,8 @@ def gather_metrics(local):
 # the step line's (label, metric)
 STEP_LINE = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"),
              ("acc", "rollout/reward/correct"), ("errors", "rollout/reward_errors"),
-             ("len", "rollout/response_length"),
+             ("len", "rollout/response_length"), ("turns", "rollout/turns_mean"),
+             ("env_err", "rollout/env_errors"),
              ("pg_loss", "train/policy_loss"), ("kl", "train/kl"), ("ppo_kl", "train/ppo_kl"),
              ("clip", "train/clip_frac"), ("ent", "train/entropy"), ("gnorm", "train/grad_norm"),
              ("vloss", "train/value_loss"), ("lp_diff", "rollout/logprob_diff_mean"),
@@ -259,11 +272,18 @@ class MetricsLog:
                                                             step=step)
 
     def samples_and_plots(self, step, samples, tokenizer, lengths, last=False):
-        """Every samples_every steps, the first 4 samples (rollout Samples) to samples.jsonl; every plot_every
-        steps and at the last, the plots (lengths: this step's response lengths)."""
+        """Every samples_every steps, the first 4 samples (rollout Samples) to samples.jsonl (a multi-turn
+        episode whole: its turns with their roles, how it ended); every plot_every steps and at the last, the
+        plots (lengths: this step's response lengths)."""
         if self.samples_every and step % self.samples_every == 0:
-            self.samples(step, [{"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion,
-                                 "label": s.label, "reward": s.reward} for s in samples[:4]])
+            rows = []
+            for s in samples[:4]:
+                row = {"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion, "label": s.label,
+                       "reward": s.reward}
+                if s.episode is not None:
+                    row.update(turns=s.episode.turns, cut=s.episode.cut, env_failure=s.episode.failure)
+                rows.append(row)
+            self.samples(step, rows)
         if self.plot_every and (step % self.plot_every == 0 or last):
             self.plots(lengths)
 

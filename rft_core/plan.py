@@ -21,6 +21,7 @@ import torch
 from rft_core.advantages import TOKEN_LEVEL
 from rft_core.checks import check_args, kl_in_reward
 from rft_core.engines import resolve_engine_type
+from rft_core.episodes import EpisodeSettings
 from rft_core.losses import LossSettings
 from rft_core.memory import plan_update_memory
 from rft_core.model_training import checkpointing_on
@@ -52,6 +53,7 @@ class Plan:
     optimizer_offload: Optional[bool]  # None: decided after the first update
     max_tokens_per_micro_batch: Optional[int]  # the update's budget; None: micro-batches by rows
     gradient_checkpointing: Optional[bool]  # None until with_memory_plan
+    episodes: Optional[EpisodeSettings] = None  # multi-turn (--env): the episodes' limits; None: one response
     why: tuple = ()  # what auto chose and why, a line each
 
     def record(self):
@@ -111,6 +113,9 @@ def resolve(args, accelerator, default_lr=None):
         why.append("optimizer offload auto: decided after the first update (on if the engine cannot wake "
                    "beside the AdamW state)")
     by_rows = args.micro_train_batch_size is not None
+    episodes = None if args.env is None else EpisodeSettings(
+        args.max_turns, args.max_episode_tokens, args.generate_max_len, args.env_timeout, args.prompt_max_len,
+        args.apply_chat_template, args.system_prompt)
     return Plan(
         world, sp_size, sharded, samples_per_step, train_batch_size, train_batch_size * sp_size // world,
         engine_type, bf16, torch_compile, args.chunk_size if args.fused_linear_logprob else None,
@@ -118,7 +123,7 @@ def resolve(args, accelerator, default_lr=None):
         loss_settings(args, train_batch_size, tis_cap, tis_level), rollout_settings(args, tis_cap),
         engine_options(args, bf16, sleep, samples_per_step // world, sp_size), args.optimizer_offload,
         None if by_rows else args.max_tokens_per_micro_batch or TOKENS_PER_MICRO_BATCH,
-        args.gradient_checkpointing, tuple(line for line in why if line))
+        args.gradient_checkpointing, episodes, tuple(line for line in why if line))
 
 
 def importance_weights(args):
@@ -137,8 +142,13 @@ def loss_settings(args, train_batch_size, tis_cap, tis_level):
     return LossSettings(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
                         args.use_cpg_loss or cpgd, tis_cap, args.tis_mode, tis_level,
                         args.high_entropy_token_ratio, args.entropy_coef, drift, args.use_kl_loss,
-                        kl_estimator=args.kl_estimator, max_len=args.generate_max_len,
+                        kl_estimator=args.kl_estimator, max_len=response_limit(args),
                         num_seqs=train_batch_size)
+
+
+def response_limit(args):
+    """Response tokens per sample at most: --generate_max_len, or --max_episode_tokens with --env."""
+    return args.generate_max_len if args.env is None else args.max_episode_tokens
 
 
 def rollout_settings(args, tis_cap):
@@ -168,7 +178,7 @@ def engine_options(args, bf16, sleep, requests, sp_size=1):
     return dict(micro_batch_size=micro_batch_size, bf16=bf16, tp_size=args.engine_tp_size,
                 mem_util=args.engine_mem_util, sleep=sleep, sleep_level=args.engine_sleep_level,
                 enforce_eager=args.engine_enforce_eager, requests=requests, seed=args.seed,
-                max_model_len=args.prompt_max_len + args.generate_max_len)
+                max_model_len=args.prompt_max_len + response_limit(args))
 
 
 def with_memory_plan(plan, args, accelerator, model, nets):

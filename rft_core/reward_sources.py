@@ -23,13 +23,25 @@ def load_reward_fn(spec):
     """A built-in reward by name (answer, math) or the function named by 'path/to/file.py:function'."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    fn = load_from_file(spec, "--reward_fn", "function", sorted(BUILTIN_REWARDS), "a reward file")
+    if not callable(fn):
+        raise MissingName(f"--reward_fn {spec!r}: {spec.rpartition(':')[0]} defines no function "
+                          f"{spec.rpartition(':')[2]!r}")
+    return fn
+
+
+def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
+    """What 'path/to/file.py:NAME' names (None if the file defines no NAME), the file imported as a module
+    of its own; a file that fails to import, exits or is interrupted at import is one line naming the flag
+    and the line. kind: what NAME should be; builtins: the names the flag also takes; owner: "a reward
+    file"... (for the messages)."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ConfigError(f"--reward_fn {spec!r}: expected path/to/file.py:function "
-                         f"or one of {sorted(BUILTIN_REWARDS)}")
+        raise ConfigError(f"{flag} {spec!r}: expected path/to/file.py:{kind}"
+                          + (f" or one of {builtins}" if builtins else ""))
     if not os.path.isfile(path):
-        raise MissingPath(f"--reward_fn {spec!r}: no such file {path!r}")
-    module_spec = importlib.util.spec_from_file_location(f"reward_module_{abs(hash(path))}", path)
+        raise MissingPath(f"{flag} {spec!r}: no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(f"user_module_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
     argv, handlers, raised = sys.argv, {}, []
 
@@ -55,17 +67,14 @@ def load_reward_fn(spec):
         where = f" (line {line})" if line else ""
         what = f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
         if not isinstance(e, Exception):  # sys.exit, KeyboardInterrupt...
-            what = f"{e!r}: a reward file cannot end or interrupt the run (imported with sys.argv [{path!r}])"
-        raise ConfigError(f"--reward_fn {spec!r}: loading {path} failed{where}: {what}") from e
+            what = f"{e!r}: {owner} cannot end or interrupt the run (imported with sys.argv [{path!r}])"
+        raise ConfigError(f"{flag} {spec!r}: loading {path} failed{where}: {what}") from e
     finally:
         sys.argv = argv
         for sig, handler in handlers.items():
             if signal.getsignal(sig) is noted:  # unless the file installed its own
                 signal.signal(sig, handler)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise MissingName(f"--reward_fn {spec!r}: {path} defines no function {name!r}")
-    return fn
+    return getattr(module, name, None)
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

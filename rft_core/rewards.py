@@ -295,9 +295,15 @@ class RewardScorer:
                      f"{label!r}): {why}; it gets --reward_fallback {self.fallback}, counted in "
                      "rollout/reward_errors (shown once per kind)")
 
-    def check(self, failed, total, step):
+    def check(self, failed, total, step, env_failed=0):
+        """Stop (RewardError) when `failed` of `total` samples got the fallback: their reward failed or, for
+        env_failed of them, their episode's environment."""
         if total and failed / total >= self.failure_limit:
-            raise RewardError(f"the rewards of {int(failed)} of {int(total)} samples failed at step "
-                              f"{step} (last: {self.last_failure}): training on fallback rewards learns "
-                              "nothing; fix the reward, or raise --reward_failure_limit (above 1: never "
-                              "stop)")
+            what, fix = f"the rewards of {int(failed)} of {int(total)} samples failed", "the reward"
+            if env_failed:
+                what = (f"{int(failed)} of {int(total)} samples failed ({int(env_failed)} in the "
+                        "environment, rollout/env_errors)")
+                fix = "the reward or the environment"
+            raise RewardError(f"{what} at step {step} (last: {self.last_failure}): training on fallback "
+                              f"rewards learns nothing; fix {fix}, or raise --reward_failure_limit (above 1: "
+                              "never stop)")

@@ -1,6 +1,8 @@
 """The rollout of one step: this rank's prompts drawn from the data stream, each sampled n times by the
 engine, decoded, scored, shaped (DAPO's overlong penalty), and kept by whole groups (DAPO's dynamic sampling
 drops the groups whose rewards are all equal and draws fresh prompts, for at most `max_rounds` rounds).
+With an environment (`--env`) each sample is a multi-turn episode (rft_core/episodes.py), scored on its last
+assistant turn plus the environment's rewards; a GRPO group is the episodes of one prompt.
 
 Partial rollout (`--partial_rollout`; Kimi k1.5's partial rollouts, AReaL's staleness bound): a generation
 round gives each unfinished sample at most `token_budget` new tokens. A sample that reaches the budget
@@ -31,7 +33,9 @@ from typing import Optional
 import torch
 
 from rft_core.data import batches
-from rft_core.engines.base import Generation
+from rft_core.engines.base import Generation, wants_logprobs
+from rft_core.episodes import episode_metrics
+from rft_core.episodes import score as score_episodes
 from rft_core.experience import Sample
 from rft_core.rewards import overlong_penalty
 
@@ -78,8 +82,9 @@ class Rollouts:
     prompt stream (the same on every rank, reshuffled every episode) hands them out. Its state (batches drawn;
     with partial rollout the buffer and the prompts in hand) is part of a checkpoint."""
 
-    def __init__(self, prompts, rollout_batch_size, seed, rank, world, settings, device):
+    def __init__(self, prompts, rollout_batch_size, seed, rank, world, settings, device, episodes=None):
         self.data = batches(prompts, rollout_batch_size, seed)
+        self.episodes = episodes  # an episodes.EpisodeRunner (--env), or None: one response per sample
         self.drawn = 0  # batches taken from the stream
         self.k = rollout_batch_size // world  # this rank's prompts per step
         self.rank, self.settings, self.device = rank, settings, device
@@ -120,22 +125,45 @@ class Rollouts:
         number of times on every rank); the step stops with RewardError when too many rewards failed."""
         self.generated = self.slots = 0  # counted by _generate
         self.score_s = 0.0  # the seconds of it spent scoring (by _score)
+        env_s = self.episodes.env_s if self.episodes else 0.0
         if self.settings.partial:
             return self._collect_partial(engine, tokenizer, score_all, reduce_sum, step)
         cfg, n = self.settings, self.settings.group_size
-        kept, dropped, counts = [], [], [0, 0]  # counts: reward errors, samples scored
+        kept, dropped, counts = [], [], [0, 0, 0]  # reward errors, samples scored, environment errors
         for rounds in range(1, cfg.max_rounds + 1):
             batch = self.draw()
-            generations = self._generate(engine, [p.prompt_ids for p in batch], cfg.max_new_tokens,
-                                         [p.mm for p in batch])
-            samples = [replace(p, generation=g) for p, g in zip(batch, generations)]
+            if self.episodes:
+                samples = self._episodes(engine, batch, reduce_sum)
+            else:
+                generations = self._generate(engine, [p.prompt_ids for p in batch], cfg.max_new_tokens,
+                                             [p.mm for p in batch])
+                samples = [replace(p, generation=g) for p, g in zip(batch, generations)]
             groups = [samples[i:i + n] for i in range(0, len(samples), n)]
             self._score(groups, tokenizer, score_all, kept, dropped, counts)
             short = torch.tensor(float(len(kept) < self.k), device=self.device)
             if not cfg.dynamic_sampling or not reduce_sum(short):
                 break  # every rank has its k groups
-        return self._finish(kept, dropped, counts, score_all, reduce_sum, step,
-                            {"rollout/generation_rounds": rounds})
+        metrics = {"rollout/generation_rounds": rounds}
+        if self.episodes:
+            metrics["perf/env_s"] = self.episodes.env_s - env_s
+        return self._finish(kept, dropped, counts, score_all, reduce_sum, step, metrics)
+
+    def _episodes(self, engine, batch, reduce_sum):
+        """The prompts of batch rolled out as episodes: every sample asks the engine for its logprobs (an
+        episode's turns come in different calls), and every logprob_every-th keeps them."""
+        every = self.settings.logprob_every
+
+        def generate(prompts, limits, mm):
+            return self._generate(engine, prompts, limits, mm, logprob_every=min(every, 1))
+
+        def any_active(count):
+            return bool(reduce_sum(torch.tensor(float(count), device=self.device)).item())
+
+        samples = self.episodes.run(generate, batch, any_active)
+        for i, s in enumerate(samples):
+            if not wants_logprobs(i, every):
+                s.generation.logprobs = None
+        return samples
 
     def _score(self, groups, tokenizer, score_all, kept, dropped, counts):
         """Decode and score whole groups (lists of samples), shape their rewards, and append each to kept or
@@ -144,12 +172,16 @@ class Rollouts:
         samples = [s for group in groups for s in group]
         if not samples:
             return
-        token_ids = [s.generation.token_ids for s in samples]
-        completions = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-        for s, c in zip(samples, completions):
-            s.completion = c
         start = time.perf_counter()
-        counts[0] += score_all(samples, cfg.strict_rewards)  # sets their reward and components
+        if self.episodes:  # the last assistant turns scored, the environment's rewards added
+            counts[0] += score_episodes(samples, score_all, cfg.strict_rewards)
+            counts[2] += sum(s.episode.failure is not None for s in samples)
+        else:
+            token_ids = [s.generation.token_ids for s in samples]
+            completions = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+            for s, c in zip(samples, completions):
+                s.completion = c
+            counts[0] += score_all(samples, cfg.strict_rewards)  # sets their reward and components
         self.score_s += time.perf_counter() - start
         counts[1] += len(samples)
         for s in samples if cfg.overlong_buffer_len else []:  # DAPO's soft overlong punishment
@@ -164,19 +196,22 @@ class Rollouts:
     def _finish(self, kept, dropped, counts, score_all, reduce_sum, step, metrics):
         num_filled = max(0, self.k - len(kept))  # the rounds ran out: zero-variance groups fill the batch
         samples = [s for group in kept[:self.k] + dropped[:num_filled] for s in group]
-        failed, total = reduce_sum(torch.tensor(counts, device=self.device)).tolist()
-        score_all.check(failed, total, step)
-        return samples, {"rollout/reward_errors": counts[0], "rollout/filled_groups": num_filled,
-                         "rollout/tokens_generated": self.generated,
-                         "rollout/slot_utilization": self.generated / max(1, self.slots),
-                         "perf/score_s": self.score_s, **metrics}
+        failed, total, env_failed = reduce_sum(torch.tensor(counts, device=self.device)).tolist()
+        score_all.check(failed + env_failed, total, step, env_failed)
+        metrics = {"rollout/reward_errors": counts[0], "rollout/filled_groups": num_filled,
+                   "rollout/tokens_generated": self.generated,
+                   "rollout/slot_utilization": self.generated / max(1, self.slots),
+                   "perf/score_s": self.score_s, **metrics}
+        if self.episodes:
+            metrics.update({"rollout/env_errors": counts[2], **episode_metrics(samples)})
+        return samples, metrics
 
-    def _generate(self, engine, prompts, limits, mm):
+    def _generate(self, engine, prompts, limits, mm, logprob_every=None):
         """engine.generate, counting the tokens generated and the decode slots the call held (its requests x
         its longest output): their ratio is the share of the batch still generating, the tail's idle rest."""
         cfg = self.settings
-        outputs = engine.generate(prompts, limits, cfg.temperature, cfg.top_p, mm=mm,
-                                  logprob_every=cfg.logprob_every)
+        every = cfg.logprob_every if logprob_every is None else logprob_every
+        outputs = engine.generate(prompts, limits, cfg.temperature, cfg.top_p, mm=mm, logprob_every=every)
         lengths = [len(g.token_ids) for g in outputs]
         self.generated += sum(lengths)
         self.slots += len(lengths) * max(lengths, default=0)
@@ -184,7 +219,7 @@ class Rollouts:
 
     def _collect_partial(self, engine, tokenizer, score_all, reduce_sum, step):
         cfg, n, version = self.settings, self.settings.group_size, step - 1  # version: weight syncs so far
-        dropped, counts = [], [0, 0]
+        dropped, counts = [], [0, 0, 0]
         # finished groups that waited too long (more were ready than a step takes): never trained
         stale = [g for g in self.buffer if version - g.version > cfg.max_staleness]
         for g in stale:  # their prompts are drawn again, first

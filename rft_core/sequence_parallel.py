@@ -167,8 +167,7 @@ class SequenceParallel:
         """mb with the action mask narrowed to the tokens this rank scores, and each row's whole response
         length kept (response_lens), for the loss."""
         owned = self.layout(mb).owned  # (B, T)
-        response = mb.attention_mask[:, -mb.action_mask.shape[1]:]  # (B, T): the response columns
-        return replace(mb, action_mask=owned.to(mb.action_mask.dtype), response_lens=response.sum(-1))
+        return replace(mb, action_mask=owned.to(mb.action_mask.dtype), response_lens=mb.action_mask.sum(-1))
 
     def logprobs(self, model, mb, temperature=1.0, with_entropy=False, chunk_size=None):
         """(logprobs, entropy or None) (B, T) of mb's response tokens this rank's slice predicts, zeros

@@ -1,4 +1,5 @@
 import importlib.util
+import math
 import os
 import sys
 
@@ -39,6 +40,52 @@ def save_tiny_model(path):
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def make_eos_prone(model, eos_token_id, p=0.2):
+    """Edit a random model so that, whatever the context, it samples eos with probability about p and every
+    other token alike: its turns end after a few tokens, as a trained chat model's do (multi-turn tests). A
+    residual-stream component held at 10 by every embedding is all the final norm passes on, so each logit
+    is that component times the token's weight on it, eos's raised."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    norm = [m for name, m in model.named_modules()
+            if name.split(".")[-1] == "norm" and "layers" not in name and "visual" not in name][-1]
+    with torch.no_grad():
+        emb[:, 0] = 10.0
+        head[:, 0] = 10.0
+        norm.weight.zero_()
+        norm.weight[0] = 1.0
+        model.eval()
+        logits = model(input_ids=torch.randint(0, emb.shape[0], (2, 16))).logits.float()  # (2, 16, V)
+        scale = (logits[..., eos_token_id] / 10.0).mean()  # the component after the norm: the same for all
+        head[eos_token_id, 0] += math.log(p / (1 - p) * (emb.shape[0] - 1)) / scale
+    return model
+
+
+def save_eos_model(path):
+    """The tiny Llama (save_tiny_model) whose turns end after a few tokens (make_eos_prone), at path."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    save_tiny_model(path)
+    model = LlamaForCausalLM.from_pretrained(path)
+    make_eos_prone(model, AutoTokenizer.from_pretrained(path).eos_token_id)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def save_eos_vl_model(path):
+    """The built-in tiny Qwen2-VL (rft_core/vision.py) whose turns end after a few tokens, at path."""
+    from rft_core.vision import tiny_qwen2_vl, word_tokenizer
+
+    tokenizer = word_tokenizer()
+    make_eos_prone(tiny_qwen2_vl(tokenizer), tokenizer.eos_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def eos_model_dir(tmp_path_factory):
+    return save_eos_model(tmp_path_factory.mktemp("eos_llama"))
 
 
 def save_tiny_rm(path, tokenizer_dir):

@@ -52,7 +52,7 @@ def score_all(samples, strict=False):
     return 0
 
 
-score_all.check = lambda failed, total, step: None
+score_all.check = lambda failed, total, step, env_failed=0: None
 N_PROMPTS, GROUP = 40, 2
 PROMPT_LEN = {i: 3 for i in range(N_PROMPTS)}
 # (prompt id, sample within the group) -> length; heavy-tailed: most short, some up to 24

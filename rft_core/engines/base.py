@@ -11,6 +11,7 @@ class Generation:
     token_ids: list
     logprobs: list  # the engine's sampling logprob of each token (None: not asked for)
     versions: list = None  # partial rollout: the policy version (weight syncs so far) that sampled each token
+    mask: list = None  # multi-turn: 1 on the tokens the engine sampled, 0 on the environment's (None: all 1)
 
 
 def wants_logprobs(index, every):

@@ -1,0 +1,103 @@
+"""The built-in multi-turn task: multiplications too large to do in one's head (3 digits x 2 digits), and a
+calculator environment that answers `<calc>expression</calc>`.
+
+    python train_ppo.py --prompt_data multiply                    # the model alone
+    python train_ppo.py --prompt_data multiply --env calculator   # the model with the calculator
+
+The data's prompts ask for the answer directly (two worked examples); the calculator's `reset` replaces
+them with the tool's instructions and two worked examples of a call, its result and the answer. Its `step`
+answers a turn that holds a call with the result (a "tool" message) and ends the episode on a turn that
+holds none: the reward (`answer`, exact match in <answer> tags) scores that last turn.
+"""
+
+import ast
+import operator
+import random
+import re
+
+MULTIPLY_SYSTEM = ("Solve the arithmetic problem. Write the equation, then the final answer in "
+                   "<answer></answer> tags.")
+CALCULATOR_SYSTEM = ("You have a calculator. To use it, write <calc>expression</calc> and stop; the result "
+                     "comes back. Then give the final answer in <answer></answer> tags.")
+SHOTS = ((123, 45), (208, 37))
+QUESTION = re.compile(r"What is (\d+) \* (\d+)\?")
+CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+
+
+def _direct_row(a, b):
+    messages = [{"role": "system", "content": MULTIPLY_SYSTEM}]
+    for x, y in SHOTS:
+        messages += [{"role": "user", "content": f"What is {x} * {y}?"},
+                     {"role": "assistant", "content": f"{x} * {y} = {x * y}\n<answer>{x * y}</answer>"}]
+    messages.append({"role": "user", "content": f"What is {a} * {b}?"})
+    return {"prompt": messages, "label": str(a * b)}
+
+
+def multiply_task(num_train=4096, num_eval=96, seed=0):
+    """Seeded train/eval rows of a x b, a in [100, 999], b in [10, 99]; the eval problems (fixed, whatever the
+    seed) never appear in train."""
+    eval_rng = random.Random(4321)
+    held = set()
+    while len(held) < num_eval:
+        problem = (eval_rng.randint(100, 999), eval_rng.randint(10, 99))
+        held.update([problem] if problem not in SHOTS else [])
+    rng, train = random.Random(seed), []
+    while len(train) < num_train:
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        if (a, b) not in held and (a, b) not in SHOTS:
+            train.append(_direct_row(a, b))
+    return train, [_direct_row(a, b) for a, b in sorted(held)]
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg,
+        ast.UAdd: operator.pos}
+
+
+def calculate(expression):
+    """The value of an arithmetic expression (numbers, + - * / // %, parentheses); ValueError otherwise."""
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.operand))
+        raise ValueError("only numbers, + - * / // % and parentheses")
+
+    try:
+        result = value(ast.parse(expression.strip(), mode="eval").body)
+    except (SyntaxError, ZeroDivisionError) as e:
+        raise ValueError(str(e)) from None
+    return int(result) if float(result).is_integer() else round(result, 6)
+
+
+class Calculator:
+    """The environment: reset gives the tool-use opening for a multiply_task prompt; step answers a
+    <calc> call with its result, or ends the episode (info: the calls made)."""
+
+    def reset(self, sample):
+        prompt = sample["prompt"]
+        question = QUESTION.search(prompt[-1]["content"] if isinstance(prompt, list) else prompt)
+        if question is None:
+            raise ValueError("the calculator environment takes the multiply task's prompts ('What is A * "
+                             "B?'): --prompt_data multiply")
+        a, b = question.groups()
+        messages = [{"role": "system", "content": CALCULATOR_SYSTEM}]
+        for x, y in SHOTS:
+            messages += [{"role": "user", "content": f"What is {x} * {y}?"},
+                         {"role": "assistant", "content": f"<calc>{x} * {y}</calc>"},
+                         {"role": "tool", "content": str(x * y)},
+                         {"role": "assistant", "content": f"{x} * {y} = {x * y}\n<answer>{x * y}</answer>"}]
+        return messages + [{"role": "user", "content": f"What is {a} * {b}?"}]
+
+    def step(self, state, text):
+        calls = CALL.findall(text)
+        if not calls:  # the answer: the reward scores this turn
+            return None, True, 0.0, {"calls": state.data.get("calls", 0)}
+        state.data["calls"] = state.data.get("calls", 0) + 1
+        try:
+            result = str(calculate(calls[-1]))
+        except ValueError as e:
+            result = f"error: {e}"
+        return {"role": "tool", "content": result}, False

@@ -1,0 +1,356 @@
+"""Multi-turn rollouts (`--env`): the policy acts, an environment answers, and the whole episode trains.
+
+An environment is an object (or a module) with two functions, written in a small file of the user's and
+named as `--env path/to/file.py:NAME` (docs/multi_turn.md):
+
+    reset(sample)      -> the episode's opening: chat messages or a string, or None for the data's prompt
+                          (optional; sample: {"prompt": ..., "label": ...})
+    step(state, text)  -> (observation, done) or (observation, done, reward) or (..., reward, info):
+                          the assistant's turn `text` answered; observation a string (a user message under
+                          the chat template), a {"role", "content"} message or a list of them
+
+Token in, token out: every turn continues from the episode's own token ids, so the ids that train are the
+engine's sampled ids (and logprobs) exactly, with the environment's turns between them. An environment turn
+is rendered once (its chat-template markers, then the next assistant header) and tokenized once; its tokens
+carry mask 0, so no loss, KL term, entropy, advantage or length statistic sees them (Generation.mask becomes
+the experience's action_mask). An episode ends when the environment says done, or cut by a limit: at
+`max_turns` assistant turns, or when a turn reaches its token limit unfinished (`turn_tokens` new tokens, or
+what is left of the episode's `max_tokens`). Every rank runs the same number of turns (`any_active`): with a
+tensor-parallel engine a generate call is a collective.
+
+Faults: a reset or step that raises (BaseException included), takes longer than `timeout` seconds, returns
+something malformed or an answer that would grow the episode past `max_tokens` ends that episode: counted,
+the first of each kind printed, and scored as a failed reward (`score`).
+"""
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from rft_core.data import prompt_text
+from rft_core.engines.base import Generation
+from rft_core.errors import MissingName
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    max_turns: int = 4  # assistant turns per episode at most
+    max_tokens: int = 1024  # response tokens per episode at most: the policy's and the environment's
+    turn_tokens: int = 32  # new tokens per assistant turn at most (--generate_max_len)
+    timeout: float = 30.0  # seconds a reset or step call may take
+    prompt_max_len: int = 1024  # tokens of an opening that reset returns, at most
+    apply_chat_template: bool = True
+    system_prompt: Optional[str] = None
+
+
+@dataclass
+class State:
+    """What step(state, text) sees of its episode."""
+    sample: dict  # {"prompt": the opening as the data or reset gave it, "label": ...}
+    turn: int = 0  # assistant turns so far, the one being answered included
+    messages: list = field(default_factory=list)  # the turns so far: {"role", "content"}, assistant first
+    data: dict = field(default_factory=dict)  # the environment's own, kept from one step to the next
+
+
+@dataclass
+class Episode:
+    """A rolled-out sample's episode (Sample.episode): its turns, how it ended, what the environment gave."""
+    turns: list  # {"role", "content"}: assistant turns and the environment's, in order
+    completion: str = ""  # the last assistant turn: what the reward sources score
+    env_reward: float = 0.0  # the environment's rewards, summed over its steps
+    env_calls: int = 0
+    env_tokens: int = 0  # response tokens the environment wrote (mask 0)
+    info: dict = field(default_factory=dict)  # the last info dict step returned
+    cut: Optional[str] = None  # "turns" or "tokens": ended by a limit, not by the environment
+    failure: Optional[str] = None  # why the environment failed, which ended the episode
+
+
+def call_all(calls, timeout):
+    """Each zero-argument call in its own daemon thread, all started at once and waited for together, at most
+    `timeout` seconds: per call ("ok", value), ("raised", exception) or ("timeout", None). A call that timed
+    out goes on in its thread (Python cannot stop one); its result is dropped."""
+    results = [("timeout", None)] * len(calls)
+
+    def run(i, fn):
+        try:
+            results[i] = ("ok", fn())
+        except BaseException as e:  # the environment's, whatever it is: its episode's failure
+            results[i] = ("raised", e)
+
+    threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [results[i] if not t.is_alive() else ("timeout", None) for i, t in enumerate(threads)]
+
+
+def _is_message(m):
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def parse_step(out):
+    """(messages, done, reward, info) from what step returned; ValueError naming what is wrong."""
+    if not isinstance(out, tuple) or not 2 <= len(out) <= 4:
+        raise ValueError(f"step returned {type(out).__name__}, not (observation, done[, reward[, info]])")
+    observation, done, reward, info = (*out, None, None)[:4]
+    if observation is None or isinstance(observation, str):
+        messages = [{"role": "user", "content": observation}] if observation else []
+    else:
+        messages = [observation] if isinstance(observation, dict) else observation
+        if not isinstance(messages, list) or not all(_is_message(m) for m in messages):
+            raise ValueError(f"observation is {type(observation).__name__}, not a string or "
+                             "{'role', 'content'} message(s) with string content")
+    if not done and not messages:
+        raise ValueError("no observation for an episode that goes on (done is false)")
+    if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+        raise ValueError(f"reward {reward!r} is not a finite number")
+    if info is not None and not isinstance(info, dict):
+        raise ValueError(f"info is {type(info).__name__}, not a dict")
+    return messages, bool(done), float(reward or 0.0), info or {}
+
+
+BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]  # what turns follow
+
+
+class EpisodeRunner:
+    """Runs batches of episodes through an engine and an environment (`run`), and renders the environment's
+    turns as token ids."""
+
+    def __init__(self, env, tokenizer, settings, name="env", log=print):
+        self.env, self.tokenizer, self.settings, self.name, self.log = env, tokenizer, settings, name, log
+        self.seen = set()  # failure kinds shown
+        self.env_s = 0.0  # seconds spent waiting for the environment
+        self.templated = bool(settings.apply_chat_template and getattr(tokenizer, "chat_template", None))
+        self.parts = False  # the template takes a message's content as a list of parts (vision-language)
+        if self.templated:  # what the template writes after an assistant turn's end token, before the next
+            self.base = tokenizer.apply_chat_template(self._messages(BASE), tokenize=False)
+            if "y" not in self.base:
+                self.parts = True
+                self.base = tokenizer.apply_chat_template(self._messages(BASE), tokenize=False)
+            tail = self.base[self.base.rindex("y") + 1:]
+            end = tail.find(tokenizer.eos_token) if tokenizer.eos_token else -1
+            self.after_eos = tail[end + len(tokenizer.eos_token):] if end >= 0 else tail
+
+    def _messages(self, messages):
+        if not self.parts:
+            return messages
+        return [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+
+    def render(self, messages):
+        """Token ids of an environment turn (messages) that follows an assistant turn: under the chat template
+        the rest of that turn's markup, the messages, and the next assistant header; else their text."""
+        if not self.templated:
+            text = "".join(m["content"] for m in messages)
+        else:
+            full = self.tokenizer.apply_chat_template(self._messages(BASE + messages),
+                                                      add_generation_prompt=True, tokenize=False)
+            if not full.startswith(self.base):
+                raise ValueError("the chat template renders a conversation differently once it goes on, so "
+                                 "turns cannot be appended: use --apply_chat_template false")
+            text = self.after_eos + full[len(self.base):]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def run(self, generate, samples, any_active):
+        """Roll out one episode per Sample (a prompt not yet rolled out): the samples with their generation
+        (token ids, engine logprobs (0 on the environment's tokens; None where generate gave none) and mask),
+        prompt (the opening), and episode. generate(prompts, limits, mm) -> [Generation]: the engine's, with
+        the sampling settings; any_active(n) -> whether any rank has episodes going on (n: this rank's; a
+        collective, called as often on every rank)."""
+        cfg, eos = self.settings, self.tokenizer.eos_token_id
+        samples = [replace(s, episode=Episode([])) for s in samples]
+        ids = [[] for _ in samples]  # response token ids so far
+        logprobs = [[] for _ in samples]  # None once a turn came without them
+        mask = [[] for _ in samples]
+        states = [State({"prompt": s.prompt, "label": s.label}) for s in samples]
+        active = self._reset(samples, states)
+        for turn in range(1, cfg.max_turns + 1):
+            if not any_active(len(active)):
+                break  # every rank's episodes have ended
+            limits = [min(cfg.turn_tokens, cfg.max_tokens - len(ids[i])) for i in active]
+            gens = generate([samples[i].prompt_ids + ids[i] for i in active], limits,
+                            [samples[i].mm for i in active])
+            stepping = []
+            for i, gen, limit in zip(active, gens, limits):
+                episode = samples[i].episode
+                text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+                ids[i] += gen.token_ids
+                mask[i] += [1] * len(gen.token_ids)
+                known = logprobs[i] is not None and gen.logprobs is not None
+                logprobs[i] = logprobs[i] + list(gen.logprobs) if known else None
+                episode.turns.append({"role": "assistant", "content": text})
+                episode.completion = text
+                states[i].turn = turn
+                states[i].messages.append({"role": "assistant", "content": text})
+                if not gen.token_ids or gen.token_ids[-1] != eos:  # the limit cut the turn
+                    episode.cut = "tokens"
+                else:
+                    stepping.append(i)
+            active = []
+            calls = [lambda i=i: self.env.step(states[i], samples[i].episode.completion)
+                     for i in stepping]
+            for i, (kind, out) in zip(stepping, self._call(calls)):
+                episode = samples[i].episode
+                episode.env_calls += 1
+                try:
+                    messages, done, reward, info = self._outcome(kind, out, "step")
+                except _Failed as failed:
+                    self._fail(samples[i], failed.kind, failed.why, f"turn {turn}")
+                    continue
+                episode.env_reward += reward
+                episode.info = info or episode.info
+                if done:
+                    continue
+                if turn == cfg.max_turns:
+                    episode.cut = "turns"
+                    continue
+                try:
+                    env_ids = self.render(messages)
+                except ValueError as e:
+                    self._fail(samples[i], "render", str(e), f"turn {turn}")
+                    continue
+                if len(ids[i]) + len(env_ids) >= cfg.max_tokens:  # no room for the next turn
+                    self._fail(samples[i], "context", f"its answer of {len(env_ids)} tokens does not fit the "
+                               f"episode's --max_episode_tokens {cfg.max_tokens} ({len(ids[i])} used)",
+                               f"turn {turn}")
+                    continue
+                ids[i] += env_ids
+                mask[i] += [0] * len(env_ids)
+                logprobs[i] = logprobs[i] + [0.0] * len(env_ids) if logprobs[i] is not None else None
+                episode.env_tokens += len(env_ids)
+                for m in messages:
+                    role = m["role"] if self.templated else "environment"
+                    episode.turns.append({"role": role, "content": m["content"]})
+                    states[i].messages.append(m)
+                active.append(i)
+        return [replace(s, generation=Generation(ids[i], logprobs[i], mask=mask[i]))
+                for i, s in enumerate(samples)]
+
+    def _reset(self, samples, states):
+        """Call reset (if the environment has one) for every sample: its opening becomes the sample's prompt
+        and prompt ids. The indices of the episodes that can start."""
+        reset = getattr(self.env, "reset", None)
+        if reset is None:
+            return list(range(len(samples)))
+        cfg, active = self.settings, []
+        results = self._call([lambda s=s: reset({"prompt": s.prompt, "label": s.label}) for s in samples])
+        for i, (kind, out) in enumerate(results):
+            try:
+                opening = self._outcome(kind, out, "reset")
+                if opening is None:
+                    active.append(i)
+                    continue
+                if not (isinstance(opening, str) or isinstance(opening, list)
+                        and all(_is_message(m) for m in opening)):
+                    raise _Failed("malformed", f"reset returned {type(opening).__name__}, not chat messages, "
+                                  "a string or None")
+                if samples[i].mm is not None:
+                    raise _Failed("malformed", "reset returned an opening for a prompt with images; return "
+                                  "None to keep the data's prompt and its images")
+                text = prompt_text(self.tokenizer, opening, cfg.apply_chat_template, cfg.system_prompt)
+                prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(prompt_ids) > cfg.prompt_max_len:
+                    raise _Failed("context", f"its opening of {len(prompt_ids)} tokens is longer than "
+                                  f"--prompt_max_len {cfg.prompt_max_len}")
+            except _Failed as failed:
+                self._fail(samples[i], failed.kind, failed.why, "reset")
+                continue
+            samples[i] = replace(samples[i], prompt=opening, prompt_ids=prompt_ids)
+            states[i].sample["prompt"] = opening
+            active.append(i)
+        return active
+
+    def _call(self, calls):
+        start = time.perf_counter()
+        results = call_all(calls, self.settings.timeout)
+        self.env_s += time.perf_counter() - start
+        return results
+
+    def _outcome(self, kind, out, what):
+        """A call's value (step's parsed); _Failed if it raised or timed out, or step's is malformed."""
+        if kind == "raised":
+            raise _Failed(f"raised {type(out).__name__}", f"{what} raised {out!r}")
+        if kind == "timeout":
+            raise _Failed("timeout", f"{what} took longer than --env_timeout {self.settings.timeout} s (the "
+                          "call goes on in its thread; Python cannot stop it)")
+        if what == "reset":
+            return out
+        try:
+            return parse_step(out)
+        except ValueError as e:
+            raise _Failed("malformed", str(e)) from None
+
+    def _fail(self, sample, kind, why, where):
+        sample.episode.failure = f"{kind}: {why}"
+        if kind not in self.seen:
+            self.seen.add(kind)
+            self.log(f"[env] {self.name} failed an episode at {where} (label {sample.label!r}): {why}; the "
+                     "episode ends and gets --reward_fallback, counted in rollout/env_errors (shown once per "
+                     "kind)")
+
+
+class _Failed(Exception):
+    def __init__(self, kind, why):
+        super().__init__(why)
+        self.kind, self.why = kind, why
+
+
+def score(samples, score_all, strict=False):
+    """Set each rolled-out episode's completion, reward and components: the reward sources' score of its last
+    assistant turn (score_all: a rewards.RewardScorer) plus the environment's rewards (component "env"); an
+    episode whose environment failed is not scored: it gets score_all's fallback, its components NaN.
+    Returns the number of rewards that failed."""
+    scored = [s for s in samples if s.episode.failure is None]
+    for s in samples:
+        s.completion = s.episode.completion
+    failed = score_all(scored, strict) if scored else 0
+    names = dict.fromkeys(name for s in scored for name in s.components)
+    for s in scored:
+        s.components["env"] = s.episode.env_reward
+        s.reward += s.episode.env_reward
+    for s in samples:
+        if s.episode.failure is not None:
+            s.reward, s.components = score_all.fallback, {name: math.nan for name in [*names, "env"]}
+            score_all.last_failure = f"environment: {s.episode.failure}"
+    return failed
+
+
+def episode_metrics(samples):
+    """rollout/ metrics of this rank's episodes: turns (mean, max), environment calls and tokens, episodes cut
+    by the turn or token limit (counts, summed over ranks), and the numbers in the environments' info."""
+    episodes = [s.episode for s in samples]
+    turns = [sum(t["role"] == "assistant" for t in e.turns) for e in episodes]
+    metrics = {"rollout/turns_mean": sum(turns) / max(1, len(turns)),
+               "rollout/turns_max": max(turns, default=0),
+               "rollout/env_calls": sum(e.env_calls for e in episodes),
+               "rollout/env_tokens": sum(e.env_tokens for e in episodes),
+               "rollout/cut_turns": sum(e.cut == "turns" for e in episodes),
+               "rollout/cut_tokens": sum(e.cut == "tokens" for e in episodes)}
+    numbers = {}
+    for e in episodes:
+        for key, value in e.info.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                numbers.setdefault(key, []).append(float(value))
+    metrics.update({f"rollout/env/{key}": sum(v) / len(v) for key, v in numbers.items()})
+    return metrics
+
+
+def load_env(spec):
+    """The environment --env names: "calculator" (rft_core/calculator.py), or 'path/to/file.py:NAME', an
+    object with step (and optionally reset), or a class of them (made with no arguments)."""
+    if spec == "calculator":
+        from rft_core.calculator import Calculator
+
+        return Calculator()
+    from rft_core.reward_sources import load_from_file
+
+    env = load_from_file(spec, "--env", "NAME", ["calculator"], "an environment file")
+    if isinstance(env, type):
+        env = env()
+    if not callable(getattr(env, "step", None)):
+        raise MissingName(f"--env {spec!r}: {spec.rpartition(':')[0]} defines no {spec.rpartition(':')[2]!r} "
+                          "with a step(state, text) function (docs/multi_turn.md)")
+    return env
