@@ -158,6 +158,38 @@ def test_sampling_logprobs_match_trainer(engine_and_model):
     assert all(len(g.logprobs) == len(g.token_ids) for g in some[::4])
 
 
+@gpu
+def test_episodes_through_vllm(engine_and_model):
+    """The calculator task's episodes through vLLM: greedy episodes reproduce token for token, the model calls
+    the calculator, and sampled episodes' policy tokens score alike in the engine and the trainer (the
+    environment's tokens between them)."""
+    from rft_core.calculator import Calculator, multiply_task
+    from rft_core.data import encode_rows
+    from rft_core.episodes import EpisodeRunner, EpisodeSettings
+    from rft_core.experience import batched_logprobs, build_experience
+
+    engine, model, tokenizer = engine_and_model
+    samples, _ = encode_rows(tokenizer, multiply_task(num_train=1)[1][:16], 512)
+    runner = EpisodeRunner(Calculator(), tokenizer, EpisodeSettings(turn_tokens=32, max_tokens=160))
+
+    def episodes(temperature):
+        return runner.run(lambda p, limits, mm: engine.generate(p, limits, temperature, mm=mm), samples,
+                          lambda n: n > 0)
+
+    greedy = episodes(0.0)
+    assert [s.generation.token_ids for s in greedy] == [s.generation.token_ids for s in episodes(0.0)]
+    assert sum(s.episode.env_calls for s in greedy) >= 8 and all(s.episode.failure is None for s in greedy)
+    sampled = episodes(1.0)
+    exp = build_experience([s.prompt_ids for s in sampled], [s.generation for s in sampled],
+                           tokenizer.pad_token_id, "cuda")
+    assert (exp.action_mask == 0).logical_and(exp.response_lengths()[:, None] > torch.arange(
+        exp.action_mask.shape[1], device="cuda")).any()  # environment tokens inside the responses
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        trainer = batched_logprobs(model, exp, temperature=1.0, micro_batch_size=16)
+    diff = ((trainer - exp.rollout_logprobs).abs() * exp.action_mask).sum() / exp.action_mask.sum()
+    assert diff.item() < 0.05, diff.item()
+
+
 def test_kv_cache_bytes():
     """The KV cache is capped to what one generate call can use (twice over) only when that is small next to
     the memory share: bf16 K and V of every layer, per token, for every request at full length."""
