@@ -48,7 +48,8 @@ from rft_core.cli import parse_args
 from rft_core.data import arithmetic_task, encode_rows, load_prompt_rows, text_batches  # VL
 from rft_core.distributed import configure_deepspeed, end_run, prepare_frozen, process_group_kwargs
 from rft_core.engines import create_engine
-from rft_core.episodes import EpisodeRunner, load_env
+from rft_core.environments import load_env
+from rft_core.episodes import EpisodeRunner
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
 from rft_core.health import HealthGuard, check_resumed_weights

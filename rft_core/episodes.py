@@ -1,37 +1,28 @@
 """Multi-turn rollouts (`--env`): the policy acts, an environment answers, and the whole episode trains.
 
-An environment is an object (or a module) with two functions, written in a small file of the user's and
-named as `--env path/to/file.py:NAME` (docs/multi_turn.md):
+An environment is an object with `step(state, text) -> (observation, done[, reward[, info]])` and optionally
+`reset(sample) -> opening` (chat messages, a string, or None for the data's prompt), in a user's file named
+as `--env path/to/file.py:NAME` (docs/multi_turn.md has the interface and an example).
 
-    reset(sample)      -> the episode's opening: chat messages or a string, or None for the data's prompt
-                          (optional; sample: {"prompt": ..., "label": ...})
-    step(state, text)  -> (observation, done) or (observation, done, reward) or (..., reward, info):
-                          the assistant's turn `text` answered; observation a string (a user message under
-                          the chat template), a {"role", "content"} message or a list of them
-
-Token in, token out: every turn continues from the episode's own token ids, so the ids that train are the
-engine's sampled ids (and logprobs) exactly, with the environment's turns between them. An environment turn
-is rendered once (its chat-template markers, then the next assistant header) and tokenized once; its tokens
-carry mask 0, so no loss, KL term, entropy, advantage or length statistic sees them (Generation.mask becomes
-the experience's action_mask). An episode ends when the environment says done, or cut by a limit: at
-`max_turns` assistant turns, or when a turn reaches its token limit unfinished (`turn_tokens` new tokens, or
-what is left of the episode's `max_tokens`). Every rank runs the same number of turns (`any_active`): with a
-tensor-parallel engine a generate call is a collective.
-
-Faults: a reset or step that raises (BaseException included), takes longer than `timeout` seconds, returns
-something malformed or an answer that would grow the episode past `max_tokens` ends that episode: counted,
-the first of each kind printed, and scored as a failed reward (`score`).
+Token in, token out: each turn continues from the episode's own token ids, so the ids that train are the
+engine's sampled ids (and logprobs) exactly. An environment turn is rendered once (the chat template's
+markers and the next assistant header) and tokenized once; its tokens carry mask 0 (Generation.mask, the
+experience's action_mask), so no loss, KL term, entropy, advantage or length statistic sees them. An
+episode ends when the environment says done, or is cut at `max_turns`, or when a turn reaches its token
+limit unfinished. Every rank runs the same number of turns (`any_active`): a tensor-parallel engine's call is
+a collective. A reset or step that raises, hangs, returns something malformed or overflows the episode ends
+that episode (counted, the first of each kind printed) and the episode scores as a failed reward.
 """
 
 import math
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from rft_core.data import prompt_text
 from rft_core.engines.base import Generation
-from rft_core.errors import MissingName
+from rft_core.environments import call_all, is_message, parse_step
+from rft_core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -67,52 +58,6 @@ class Episode:
     failure: Optional[str] = None  # why the environment failed, which ended the episode
 
 
-def call_all(calls, timeout):
-    """Each zero-argument call in its own daemon thread, all started at once and waited for together, at most
-    `timeout` seconds: per call ("ok", value), ("raised", exception) or ("timeout", None). A call that timed
-    out goes on in its thread (Python cannot stop one); its result is dropped."""
-    results = [("timeout", None)] * len(calls)
-
-    def run(i, fn):
-        try:
-            results[i] = ("ok", fn())
-        except BaseException as e:  # the environment's, whatever it is: its episode's failure
-            results[i] = ("raised", e)
-
-    threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return [results[i] if not t.is_alive() else ("timeout", None) for i, t in enumerate(threads)]
-
-
-def _is_message(m):
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-
-
-def parse_step(out):
-    """(messages, done, reward, info) from what step returned; ValueError naming what is wrong."""
-    if not isinstance(out, tuple) or not 2 <= len(out) <= 4:
-        raise ValueError(f"step returned {type(out).__name__}, not (observation, done[, reward[, info]])")
-    observation, done, reward, info = (*out, None, None)[:4]
-    if observation is None or isinstance(observation, str):
-        messages = [{"role": "user", "content": observation}] if observation else []
-    else:
-        messages = [observation] if isinstance(observation, dict) else observation
-        if not isinstance(messages, list) or not all(_is_message(m) for m in messages):
-            raise ValueError(f"observation is {type(observation).__name__}, not a string or "
-                             "{'role', 'content'} message(s) with string content")
-    if not done and not messages:
-        raise ValueError("no observation for an episode that goes on (done is false)")
-    if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
-        raise ValueError(f"reward {reward!r} is not a finite number")
-    if info is not None and not isinstance(info, dict):
-        raise ValueError(f"info is {type(info).__name__}, not a dict")
-    return messages, bool(done), float(reward or 0.0), info or {}
-
-
 BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]  # what turns follow
 
 
@@ -134,6 +79,12 @@ class EpisodeRunner:
             tail = self.base[self.base.rindex("y") + 1:]
             end = tail.find(tokenizer.eos_token) if tokenizer.eos_token else -1
             self.after_eos = tail[end + len(tokenizer.eos_token):] if end >= 0 else tail
+            full = tokenizer.apply_chat_template(self._messages(BASE * 2), add_generation_prompt=True,
+                                                 tokenize=False)
+            if not full.startswith(self.base):
+                raise ConfigError("--env: the tokenizer's chat template renders a conversation differently "
+                                  "once it goes on, so turns cannot be appended: use --apply_chat_template "
+                                  "false")
 
     def _messages(self, messages):
         if not self.parts:
@@ -148,9 +99,6 @@ class EpisodeRunner:
         else:
             full = self.tokenizer.apply_chat_template(self._messages(BASE + messages),
                                                       add_generation_prompt=True, tokenize=False)
-            if not full.startswith(self.base):
-                raise ValueError("the chat template renders a conversation differently once it goes on, so "
-                                 "turns cannot be appended: use --apply_chat_template false")
             text = self.after_eos + full[len(self.base):]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -174,7 +122,7 @@ class EpisodeRunner:
             gens = generate([samples[i].prompt_ids + ids[i] for i in active], limits,
                             [samples[i].mm for i in active])
             stepping = []
-            for i, gen, limit in zip(active, gens, limits):
+            for i, gen in zip(active, gens):
                 episode = samples[i].episode
                 text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
                 ids[i] += gen.token_ids
@@ -207,11 +155,7 @@ class EpisodeRunner:
                 if turn == cfg.max_turns:
                     episode.cut = "turns"
                     continue
-                try:
-                    env_ids = self.render(messages)
-                except ValueError as e:
-                    self._fail(samples[i], "render", str(e), f"turn {turn}")
-                    continue
+                env_ids = self.render(messages)
                 if len(ids[i]) + len(env_ids) >= cfg.max_tokens:  # no room for the next turn
                     self._fail(samples[i], "context", f"its answer of {len(env_ids)} tokens does not fit the "
                                f"episode's --max_episode_tokens {cfg.max_tokens} ({len(ids[i])} used)",
@@ -244,7 +188,7 @@ class EpisodeRunner:
                     active.append(i)
                     continue
                 if not (isinstance(opening, str) or isinstance(opening, list)
-                        and all(_is_message(m) for m in opening)):
+                        and all(is_message(m) for m in opening)):
                     raise _Failed("malformed", f"reset returned {type(opening).__name__}, not chat messages, "
                                   "a string or None")
                 if samples[i].mm is not None:
@@ -336,21 +280,3 @@ def episode_metrics(samples):
                 numbers.setdefault(key, []).append(float(value))
     metrics.update({f"rollout/env/{key}": sum(v) / len(v) for key, v in numbers.items()})
     return metrics
-
-
-def load_env(spec):
-    """The environment --env names: "calculator" (rft_core/calculator.py), or 'path/to/file.py:NAME', an
-    object with step (and optionally reset), or a class of them (made with no arguments)."""
-    if spec == "calculator":
-        from rft_core.calculator import Calculator
-
-        return Calculator()
-    from rft_core.reward_sources import load_from_file
-
-    env = load_from_file(spec, "--env", "NAME", ["calculator"], "an environment file")
-    if isinstance(env, type):
-        env = env()
-    if not callable(getattr(env, "step", None)):
-        raise MissingName(f"--env {spec!r}: {spec.rpartition(':')[0]} defines no {spec.rpartition(':')[2]!r} "
-                          "with a step(state, text) function (docs/multi_turn.md)")
-    return env

@@ -11,7 +11,8 @@ import torch
 
 from rft_core.advantages import gae, token_level_advantages, token_rewards, whiten
 from rft_core.engines.base import Generation
-from rft_core.episodes import EpisodeRunner, EpisodeSettings, call_all, episode_metrics, parse_step, score
+from rft_core.environments import call_all, parse_step
+from rft_core.episodes import EpisodeRunner, EpisodeSettings, episode_metrics, score
 from rft_core.experience import Experience, Sample, build_experience
 from rft_core.losses import LossSettings, actor_loss
 from rft_core.metrics import rollout_metrics
@@ -433,7 +434,7 @@ def test_flags_that_cannot_work_with_episodes(flags, why):
 
 
 def test_environment_files_that_cannot_load(tmp_path):
-    from rft_core.episodes import load_env
+    from rft_core.environments import load_env
     from rft_core.errors import ConfigError, MissingName, MissingPath
 
     (tmp_path / "env.py").write_text("class NoStep:\n    pass\nimport sys\nx = 1\n")
