@@ -236,7 +236,8 @@ class Args:
     max_tokens_per_micro_batch: Optional[int] = None
     """per-rank micro-batches by tokens: samples of similar length, up to this many padded tokens per update
     forward/backward (twice as many per logprob pass); default on a GPU: the most that fit, up to 32768,
-    beside the awake engine, else while it sleeps, else 16384 with gradient checkpointing (CPU: 16384)"""
+    beside the awake engine, else while it sleeps, else 16384 with gradient checkpointing; on a CPU: 1 GiB of
+    activations or less, by the memory available)"""
     micro_train_batch_size: Optional[int] = None
     """per-rank samples per forward/backward instead (fixed-size micro-batches, in order)"""
     max_epochs: int = 1

@@ -108,6 +108,8 @@ def summarise(out_dir, skip):
     med["steps"] = len(rows)
     med["steady_steps"] = len(steady)
     med["slept_steps"] = sum(r["perf/engine_slept"] for r in steady)
+    # the short run's costs: process start to step 1, and step 1 itself (compiles)
+    med["startup_s"], med["step1_s"] = rows[0].get("perf/startup_s"), rows[0]["perf/step_time_s"]
     return med
 
 

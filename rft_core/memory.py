@@ -1,7 +1,8 @@
-"""The update's memory plan on a GPU: how many tokens an update micro-batch may hold beside the colocated
+"""The update's memory plan: on a GPU, how many tokens an update micro-batch may hold beside the colocated
 engine, and whether gradient checkpointing must go on, from activations measured at start-up
-(`plan_update_memory`, `choose_budget`; rft_core/plan.py decides with them), and the micro-batch split
-that follows from the plan (`micro_batch_splits`).
+(`plan_update_memory`, `choose_budget`; rft_core/plan.py decides with them); on a CPU, a budget that keeps
+the activations within the memory available (`plan_cpu_memory`); and the micro-batch split that follows
+from the plan (`micro_batch_splits`).
 """
 
 import torch
@@ -10,6 +11,7 @@ from rft_core.logprobs import response_logprobs, unwrap
 
 
 AUTO_MAX_TOKENS = 32768  # larger micro-batches gain little and take memory from the engine
+CPU_ACTIVATIONS = 1 << 30  # bytes of activations a CPU update micro-batch may keep: larger ones are no faster
 
 
 def choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens, fixed_budget):
@@ -49,7 +51,7 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     goes on, with max_tokens (also the CPU's budget). A budget the user set (fixed_budget) is kept, with
     checkpointing if it does not fit. autocast: a function returning the trainer's autocast context."""
     if not torch.cuda.is_available():
-        return False, max_tokens
+        return plan_cpu_memory(model, max_tokens, chunk_size, fixed_budget, log)
     net = unwrap(model)
     vocab = net.config.get_text_config().vocab_size
     device = next(net.parameters()).device
@@ -95,6 +97,48 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
         f"{'on' if checkpointing else 'off'}, sized for the engine {'awake' if beside else 'asleep'} during "
         "updates (auto sleep follows each update's measured peak)")
     return checkpointing, tokens
+
+
+def saved_bytes(net, tokens, chunk_size=None):
+    """The bytes of the tensors a forward of two synthetic rows of tokens / 2 keeps for its backward (what an
+    update's micro-batch holds until its backward; views counted once, parameters not at all)."""
+    vocab = net.config.get_text_config().vocab_size
+    device = next(net.parameters()).device
+    # its own generator: the run's random streams (the transformers engine's sampling) stay as they were
+    ids = torch.randint(vocab, (2, tokens // 2), generator=torch.Generator().manual_seed(0)).to(device)
+    params, kept = {p.data_ptr() for p in net.parameters()}, {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        response_logprobs(net, ids, torch.ones_like(ids), tokens // 4, chunk_size=chunk_size)
+    return sum(kept.values())
+
+
+def plan_cpu_memory(model, max_tokens, chunk_size=None, fixed_budget=False, log=print):
+    """(gradient checkpointing on, tokens per update micro-batch) on a CPU: the activations a token keeps
+    (saved_bytes at two sizes) give the tokens that fit in CPU_ACTIVATIONS, or in half the memory available
+    less the gradients and AdamW's moments if that is less; at least 512, at most max_tokens. A budget the
+    user set (fixed_budget) is kept."""
+    import psutil
+
+    if fixed_budget:
+        return False, max_tokens
+    net = unwrap(model)
+    was_training = net.training
+    net.train()
+    per_token = max(1.0, (saved_bytes(net, 256, chunk_size) - saved_bytes(net, 128, chunk_size)) / 128)
+    net.train(was_training)
+    states = 12 * sum(p.numel() for p in net.parameters() if p.requires_grad)
+    available = psutil.virtual_memory().available
+    room = min(CPU_ACTIVATIONS, 0.5 * available - states)
+    tokens = min(max_tokens, max(512, int(room / per_token) // 512 * 512))
+    log(f"[memory] CPU: an update keeps {per_token / 2**10:.0f} KiB of activations per token; "
+        f"{available / 2**30:.1f} GiB available: micro-batches of {tokens} tokens")
+    return False, tokens
 
 
 def micro_batch_splits(args, plan, accelerator, sp=None):

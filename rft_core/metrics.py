@@ -19,9 +19,13 @@ class StepTimer:
     """Wall time and peak GPU memory of each phase of a step: `phase(name)` ends the running phase and starts
     `name`; `metrics()` ends the last one and returns perf/<name>_s, perf/step_time_s and, with CUDA,
     perf/mem_<name>_gb (the phase's peak allocated memory) and perf/mem_<name>_extra_gb (how far that peak
-    rose above what was allocated when the phase began: the phase's transient memory)."""
+    rose above what was allocated when the phase began: the phase's transient memory). The first step's
+    metrics add perf/startup_s: the seconds from the process's start to that step's start."""
 
     def __init__(self):
+        import psutil
+
+        self.process_start = psutil.Process().create_time()
         self.cuda = torch.cuda.is_available()
         self.extra = {}  # phase -> bytes its peak rose above what was allocated when it started (last run)
         self._reset()
@@ -52,6 +56,9 @@ class StepTimer:
     def metrics(self):
         self.phase(None)
         values = {**self.values, "perf/step_time_s": time.time() - self.step_start}
+        if self.process_start is not None:
+            values["perf/startup_s"] = self.step_start - self.process_start
+            self.process_start = None
         self._reset()
         return values
 

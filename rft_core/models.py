@@ -4,6 +4,7 @@ an EMA's tensors."""
 
 import importlib.util
 import os
+import shutil
 
 import torch
 
@@ -67,20 +68,67 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
 
     pretrain = pretrain or embedded_model_path()
     check_model_path(pretrain)
+    cached = gguf_cache(pretrain) if pretrain.endswith(".gguf") else None
+    if cached and os.path.isdir(cached):
+        try:  # the GGUF dequantised by an earlier run (seconds instead of about 20 at 135M)
+            return _finish(AutoModelForCausalLM.from_pretrained(cached, dtype=dtype),
+                           AutoTokenizer.from_pretrained(cached))
+        except Exception:  # a damaged cache entry: dequantise again
+            shutil.rmtree(cached, ignore_errors=True)
     if pretrain.endswith(".gguf"):
         kwargs = {"gguf_file": os.path.basename(pretrain)}
         pretrain = os.path.dirname(pretrain)
     else:
         kwargs = {}
     tokenizer = AutoTokenizer.from_pretrained(pretrain, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(pretrain, dtype=dtype, **kwargs)
+    # a GGUF is dequantised to fp32 (then cast): the cache holds the weights before any rounding
+    model = AutoModelForCausalLM.from_pretrained(pretrain, dtype=torch.float32 if cached else dtype, **kwargs)
     if getattr(model.config, "quantization_config", None) is not None and "gguf_file" in kwargs:
         config = model.config
         del config.quantization_config
-        clean = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        clean = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
         clean.load_state_dict(model.state_dict())
+        if cached:
+            _write_cache(cached, clean, tokenizer)
         model = clean
-    # The model's config names the token that ends a turn; some transformers versions read another
+    return _finish(model.to(dtype), tokenizer)
+
+
+def gguf_cache(path):
+    """Where a GGUF file's dequantised weights are kept for later runs: $RFT_CACHE (default ~/.cache/rft;
+    "off": none), keyed by the file (path, size, modification time) and the transformers version."""
+    import hashlib
+
+    import transformers
+
+    root = os.environ.get("RFT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rft"))
+    if root == "off":
+        return None
+    stat = os.stat(path)
+    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(root, "gguf", hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def _write_cache(path, model, tokenizer):
+    """The dequantised model (fp32) and its tokenizer at path, whole or not at all (written aside, then
+    renamed; a full disk or a read-only home only costs the next run the dequantisation)."""
+    import tempfile
+
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=".part-")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, path)  # (another process that wrote it first wins: this one's is dropped)
+    except OSError:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _finish(model, tokenizer):
+    """The tokenizer's EOS and padding set from the model's config, as training and the engines need them."""
+    # the model's config names the token that ends a turn; some transformers versions read another
     # EOS from SmolLM2's GGUF tokenizer (<|im_start|> on 5.17), and vLLM stops at the config's.
     eos = model.generation_config.eos_token_id or model.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos

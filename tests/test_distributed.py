@@ -251,6 +251,38 @@ def test_choose_budget():
     assert choose_budget(-154 * 2**10, 66 * gib, 24 * gib, True, 16384, False) == (False, 32768, True)
 
 
+def test_cpu_budget_follows_the_activations_and_the_memory_available(tiny_model_dir, monkeypatch):
+    """On a CPU the update's token budget keeps the activations within CPU_ACTIVATIONS and half the memory
+    available (less gradients and AdamW's moments): the activations a token keeps are measured (linear in the
+    tokens: the same per token at two sizes); at least 512 tokens; a user's budget kept; the run's random
+    streams untouched."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from rft_core import memory
+    from rft_core.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(tiny_model_dir)
+    model.train()
+    small, large = memory.saved_bytes(model, 128), memory.saved_bytes(model, 256)
+    per_token = (large - small) / 128
+    assert per_token > 0
+    assert abs((memory.saved_bytes(model, 384) - large) / 128 - per_token) < 0.01 * per_token
+    states = 12 * sum(p.numel() for p in model.parameters())
+    for available, want in ((1 << 40, 16384), (2 * states + 2 * 2048 * per_token, 2048), (2 * states, 512)):
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+        monkeypatch.setattr(memory, "CPU_ACTIVATIONS", 1 << 40)
+        got = memory.plan_cpu_memory(model, 16384, log=lambda m: None)
+        assert got == (False, want) or want == 2048 and got == (False, 1536), (available, got)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 40))
+    monkeypatch.setattr(memory, "CPU_ACTIVATIONS", int(1024 * per_token))  # the cap: 1024 tokens' worth
+    rng = torch.get_rng_state()  # the measurement draws from its own generator: sampling stays as it was
+    assert memory.plan_cpu_memory(model, 16384, log=lambda m: None) == (False, 1024)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert memory.plan_cpu_memory(model, 300, fixed_budget=True, log=lambda m: None) == (False, 300)
+
+
 def test_zero3_gradient_bytes_counts_what_prepare_made():
     """The update's plan does not count twice the gradient partition ZeRO-3 allocated in prepare: its bytes,
     where it is off the CPU (a meta tensor stands in for the GPU's); none for other models or ZeRO-Offload."""

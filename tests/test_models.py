@@ -346,3 +346,41 @@ def test_left_padded_rows_give_finite_gradients_on_the_gpu():
     if gradients_finite(plain=True):
         pytest.skip("cuDNN's kernel gives this batch finite gradients here (or was not picked)")
     assert gradients_finite(plain=False)
+
+
+@pytest.mark.slow
+def test_the_embedded_gguf_is_dequantised_once(tmp_path, monkeypatch):
+    """The first load of a GGUF keeps its dequantised weights and tokenizer under $RFT_CACHE; later loads read
+    them (the same weights, tokenizer and special tokens, in any dtype); a damaged entry is dequantised again;
+    RFT_CACHE=off keeps nothing."""
+    import os
+
+    from rft_core.models import embedded_model_path, gguf_cache, load_model_and_tokenizer
+
+    monkeypatch.setenv("RFT_CACHE", str(tmp_path / "cache"))
+    cold, tokenizer = load_model_and_tokenizer()
+    entry = gguf_cache(embedded_model_path())
+    assert os.path.isfile(os.path.join(entry, "model.safetensors"))
+    assert not list(tmp_path.glob("cache/*/.part-*"))
+    warm, warm_tokenizer = load_model_and_tokenizer()
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+    assert same(cold, warm) and type(cold) is type(warm)
+    messages = [{"role": "user", "content": "2 * 3?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == warm_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tokenizer(prompt)["input_ids"] == warm_tokenizer(prompt)["input_ids"]
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (warm_tokenizer.eos_token_id,
+                                                                warm_tokenizer.pad_token_id)
+    half, _ = load_model_and_tokenizer(dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    assert all(torch.equal(x, y.to(torch.bfloat16)) for x, y in zip(half.state_dict().values(),
+                                                                      cold.state_dict().values()))
+    with open(os.path.join(entry, "model.safetensors"), "wb") as f:
+        f.write(b"damaged")
+    again, _ = load_model_and_tokenizer()
+    assert same(again, cold) and os.path.getsize(os.path.join(entry, "model.safetensors")) > 1e8
+    monkeypatch.setenv("RFT_CACHE", "off")
+    assert gguf_cache(embedded_model_path()) is None
