@@ -38,7 +38,7 @@ def zero3_gradient_bytes(model):
 
 
 def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0, engine_sleeps=True,
-                       fixed_budget=False, log=print):
+                       fixed_budget=False, log=print, sliced=False):
     """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
     ZeRO-3 / FSDP2: two forwards). An update micro-batch's activations are measured: a forward with gradients
     on two synthetic rows of 256 and of 512 tokens gives the bytes kept per token and the fixed part
@@ -49,9 +49,11 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     least 8192 tokens), else the largest that fits while it sleeps (engine_sleeps; at least 4096 tokens):
     smaller micro-batches are faster than recomputing activations. Only where neither fits, checkpointing
     goes on, with max_tokens (also the CPU's budget). A budget the user set (fixed_budget) is kept, with
-    checkpointing if it does not fit. autocast: a function returning the trainer's autocast context."""
+    checkpointing if it does not fit. autocast: a function returning the trainer's autocast context. sliced:
+    sequence or context parallelism, whose attention takes a rank's slice of a row: on a CPU the budget is
+    kept (a whole-row forward cannot measure it there)."""
     if not torch.cuda.is_available():
-        return plan_cpu_memory(model, max_tokens, chunk_size, fixed_budget, log)
+        return plan_cpu_memory(model, max_tokens, chunk_size, fixed_budget or sliced, log)
     net = unwrap(model)
     vocab = net.config.get_text_config().vocab_size
     device = next(net.parameters()).device

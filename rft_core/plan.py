@@ -192,7 +192,8 @@ def with_memory_plan(plan, args, accelerator, model, nets):
         share = 0.0 if args.enable_engine_sleep else args.engine_mem_util  # of the GPU, an awake engine's
         checkpointing, budget = plan_update_memory(
             model, budget, plan.chunk_size, accelerator.autocast, share, not args.disable_engine_sleep,
-            fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print)
+            fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print,
+            sliced=plan.sp_size > 1)
     for net in nets if checkpointing else []:
         checkpointing_on(accelerator.unwrap_model(net))
     return replace(plan, gradient_checkpointing=bool(checkpointing), max_tokens_per_micro_batch=budget)
