@@ -25,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +51,13 @@ def loaded_memory(log_path):
         return {}
     keys = ("loaded_tensors_gib", "loaded_reserved_gib", "loaded_free_gib")
     return {key: [float(row[i]) for row in found] for i, key in enumerate(keys)}
+
+
+def copy_timed(stream, log, started):
+    """The run's output into its log, each line after the seconds since launch (where start-up goes)."""
+    for line in iter(stream.readline, b""):
+        log.write(f"{time.time() - started:7.1f} {line.decode(errors='replace')}")
+        log.flush()
 
 
 def shape_config(size, vocab_size, eos_token_id, bos_token_id):
@@ -152,7 +160,9 @@ def main():
         cmd += extra
         started = time.time()
         with open(os.path.join(out_root, f"{name}.log"), "w") as log:
-            run = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            copier = threading.Thread(target=copy_timed, args=(run.stdout, log, started), daemon=True)
+            copier.start()
             try:
                 rc = run.wait(timeout=args.timeout)
             except subprocess.TimeoutExpired:  # where it was (every thread's stack), then a clean stop
@@ -165,6 +175,7 @@ def main():
                 except subprocess.TimeoutExpired:
                     run.kill()
                     run.wait()
+            copier.join(timeout=10)
         result = {"run": name, "gpu": gpu, "gpus": args.gpus, "rc": rc,
                   "wall_s": round(time.time() - started, 1), "flags": cmd[len(launch) + 1:],
                   **({"launch_flags": args.launch_flags} if args.launch_flags else {}),

@@ -40,7 +40,7 @@ def zero3_gradient_bytes(model):
 def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0, engine_sleeps=True,
                        fixed_budget=False, log=print, sliced=False):
     """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
-    ZeRO-3 / FSDP2: two forwards). An update micro-batch's activations are measured: a forward with gradients
+    ZeRO-3 / FSDP2: four forwards). An update micro-batch's activations are measured: a forward with gradients
     on two synthetic rows of 256 and of 512 tokens gives the bytes kept per token and the fixed part
     (autocast's weight copies). The room for them is the GPU's free memory less the gradients and AdamW's
     two moments (fp32, this rank's share of the trained parameters), less what ZeRO-3 made of them in
@@ -59,13 +59,14 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     device = next(net.parameters()).device
     peaks, was_training = [], net.training
     net.train()  # as in the update: a compiled layer's graph depends on the mode (and dropout on it)
-    # two rows, not one: a compiled model (--torch_compile) would specialise on 1; a first, unused forward
-    # takes the one-off allocations (compiling, library workspaces), which can exceed a tiny model's
-    # activations
-    for n in (512, 512, 1024):
+    # two rows, not one: a compiled model (--torch_compile) would specialise on 1; the first forwards, unused,
+    # take the one-off allocations (compiling, library workspaces), which can exceed a tiny model's
+    # activations: one without padding (a micro-batch of equal lengths: transformers then passes no
+    # attention mask, a graph of its own), one with it, as the measured ones
+    for n, padded in ((512, False), (512, True), (512, True), (1024, True)):
         ids = torch.randint(vocab, (2, n // 2), device=device)
         mask = torch.ones_like(ids)
-        mask[1, 0] = 0  # one padded column, as in training (and so in the same compiled graph)
+        mask[1, 0] = 0 if padded else 1  # one padded column, as in training (and so in the same graph)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -74,8 +75,8 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
         peaks.append(torch.cuda.max_memory_allocated() - before)
         del kept
     net.train(was_training)
-    per_token = (peaks[2] - peaks[1]) / 512
-    fixed = peaks[1] - 512 * per_token
+    per_token = (peaks[3] - peaks[2]) / 512
+    fixed = peaks[2] - 512 * per_token
 
     def local_numel(p):  # ZeRO-3 keeps a partition in ds_tensor, FSDP2 a DTensor shard
         return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(

@@ -94,15 +94,21 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
     return _finish(model.to(dtype), tokenizer)
 
 
+def cache_root():
+    """Where runs keep what a later run can reuse: $RFT_CACHE (default ~/.cache/rft; "off": None)."""
+    root = os.environ.get("RFT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rft"))
+    return None if root == "off" else root
+
+
 def gguf_cache(path):
-    """Where a GGUF file's dequantised weights are kept for later runs: $RFT_CACHE (default ~/.cache/rft;
-    "off": none), keyed by the file (path, size, modification time) and the transformers version."""
+    """Where a GGUF file's dequantised weights are kept for later runs (cache_root(); None when off), keyed
+    by the file (path, size, modification time) and the transformers version."""
     import hashlib
 
     import transformers
 
-    root = os.environ.get("RFT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rft"))
-    if root == "off":
+    root = cache_root()
+    if root is None:
         return None
     stat = os.stat(path)
     key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"

@@ -213,6 +213,52 @@ def test_compiled_lora_blocks_share_one_graph(tiny_model_dir, fix, monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
 
+def test_the_memory_probe_compiles_every_graph_the_update_needs(tiny_model_dir, monkeypatch):
+    """plan_update_memory's forwards (on a simulated GPU) compile the graphs of both kinds of update
+    micro-batch: with padding, and without (equal lengths: transformers then passes no attention mask). The
+    update's forwards, at other sizes, then compile nothing more (on a GPU, each was ~10 s in step 1 or
+    later)."""
+    from rft_core.logprobs import response_logprobs
+    from rft_core.memory import plan_update_memory
+    from rft_core.model_training import compile_blocks
+
+    gib = 2**30
+    simulated = {"is_available": lambda: True, "synchronize": lambda: None, "empty_cache": lambda: None,
+                 "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 0,
+                 "max_memory_allocated": lambda: gib, "memory_reserved": lambda: 0,
+                 "mem_get_info": lambda: (30 * gib, 80 * gib),  # and dynamo's saving of the CUDA RNG
+                 "get_rng_state": lambda *a, **k: torch.empty(0), "set_rng_state": lambda *a, **k: None}
+    for name, fn in simulated.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = compile_blocks(AutoModelForCausalLM.from_pretrained(tiny_model_dir), backend="eager")
+    plan_update_memory(model, 16384, None, lambda: torch.autocast("cpu", enabled=False), log=lambda line: 0)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model.train()  # as in the update
+    for rows, width, padded in ((8, 40, True), (5, 23, False), (3, 70, True), (16, 9, False)):
+        ids = torch.randint(3, 100, (rows, width))
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0 if padded else 1
+        logprobs, _ = response_logprobs(model, ids, mask, width // 2)  # as the update's forward
+        logprobs.sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_blocks_fuse_whatever_the_size():
+    """inductor_options asks inductor to fuse the norms' gradient reductions whatever the number of tokens
+    (a size-dependent choice would be a guard, and a recompile as micro-batches grow): the option exists in
+    this torch, and only inductor gets it."""
+    from torch._inductor import config
+
+    from rft_core.model_training import inductor_options
+
+    options = inductor_options("inductor")
+    assert options == {"triton.mix_order_reduction_non_strict_mode": True}
+    assert hasattr(config.triton, "mix_order_reduction_non_strict_mode")
+    assert inductor_options("eager") is None
+
+
 def test_compile_blocks_takes_the_vision_critic():
     """The VL script's critic (a Qwen2-VL backbone and a value head, no input-embeddings accessor of its own)
     compiles like the policy: its vision and language blocks, the same values."""
