@@ -5,7 +5,9 @@ embedded SmolLM2-135M itself; the built-in arithmetic prompts; for the random mo
 [0, 1) (a hash of the completion) so advantages are not zero. Each run is the script with default flags apart
 from the workload's (32 prompts x 8 samples, at most 128 new tokens unless given) and prints one JSON line:
 medians over the steady-state steps (from --skip on) of every perf/ key, tokens per second, and the update's
-model FLOPs utilisation (6 x trained parameters x tokens / update time / the GPU's dense bf16 peak).
+model FLOPs utilisation (6 x trained parameters x tokens / update time / the GPU's dense bf16 peak), and the
+short run's costs: start-up (process start to step 1) and step 1. Each run's output is kept in $OUT/RUN.log,
+every line after the seconds since launch (where start-up goes).
 
     python bench/bench_sizes.py 135m 0.5b --steps 12                 # one H100
     python bench/bench_sizes.py 7b --steps 10 -- --lora_rank 64      # flags after -- go to train_ppo.py

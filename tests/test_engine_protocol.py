@@ -57,7 +57,8 @@ def test_the_engine_directory_is_the_same_for_the_same_files(tiny_model_dir, tmp
 
     from rft_core.engines import engine_dir
 
-    config, tokenizer = AutoConfig.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     monkeypatch.setenv("RFT_CACHE", str(tmp_path / "cache"))
     first, second = engine_dir(config, tokenizer), engine_dir(config, tokenizer)
     assert first == second and first.startswith(str(tmp_path / "cache" / "engine"))
