@@ -10,6 +10,7 @@ short run's costs: start-up (process start to step 1) and step 1. Each run's out
 every line after the seconds since launch (where start-up goes).
 
     python bench/bench_sizes.py 135m 0.5b --steps 12                 # one H100
+    python bench/bench_sizes.py 135m --steps 20 --runs 2             # start-up, first and second run
     python bench/bench_sizes.py 7b --steps 10 -- --lora_rank 64      # flags after -- go to train_ppo.py
     python bench/bench_sizes.py 7b --steps 5 --config accelerate_configs/deepspeed_zero3.yaml --gpus 2
         # through accelerate launch; the MFU's peak is that of all the GPUs, memory figures are rank 0's
@@ -132,6 +133,8 @@ def main():
     parser.add_argument("--root", default="/tmp/rft_sizes")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--runs", type=int, default=1, help="each size this many times in a row (a second "
+                        "run finds the first's caches: its start-up is what a researcher iterating pays)")
     parser.add_argument("--config", help="an accelerate config: the run goes through accelerate launch")
     parser.add_argument("--gpus", type=int, default=1, help="with --config: its --num_processes")
     parser.add_argument("--launch_flags", default="", help="with --config: more accelerate launch flags, "
@@ -145,8 +148,8 @@ def main():
     peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
     out_root = os.environ.get("OUT", "/tmp/rft_out")
     os.makedirs(out_root, exist_ok=True)
-    for size in args.sizes:
-        name = f"{size}-{args.generate_max_len}{args.tag}"
+    for size, run_index in [(size, i) for size in args.sizes for i in range(1, args.runs + 1)]:
+        name = f"{size}-{args.generate_max_len}{args.tag}" + (f"-run{run_index}" if args.runs > 1 else "")
         out_dir = os.path.join(args.root, "runs", name)
         launch = [sys.executable]
         if args.config:
@@ -178,7 +181,7 @@ def main():
                     run.kill()
                     run.wait()
             copier.join(timeout=10)
-        result = {"run": name, "gpu": gpu, "gpus": args.gpus, "rc": rc,
+        result = {"run": name, "run_index": run_index, "gpu": gpu, "gpus": args.gpus, "rc": rc,
                   "wall_s": round(time.time() - started, 1), "flags": cmd[len(launch) + 1:],
                   **({"launch_flags": args.launch_flags} if args.launch_flags else {}),
                   **loaded_memory(os.path.join(out_root, f"{name}.log"))}

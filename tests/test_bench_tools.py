@@ -351,3 +351,39 @@ def test_analyze_partial_plots_pairs_and_runs(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         analyze_partial.main()
     assert "--plot_pairs needs --out PNG" in capsys.readouterr().err
+
+
+def test_bench_sizes_runs_each_size_again_and_times_its_lines(tmp_path, monkeypatch):
+    """--runs 2 launches the same job twice in a row (the second finds the first's caches), one result row
+    each; every line of a run's log carries the seconds since its launch."""
+    import io
+    import json
+
+    sys.path.insert(0, ROOT)
+    from bench import bench_sizes
+
+    launched = []
+
+    class Job:  # the training process, simulated
+        def __init__(self, cmd, stdout, stderr):
+            launched.append(cmd)
+            self.stdout = io.BytesIO(b"[setup] ...\n[done] ...\n")
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(bench_sizes.subprocess, "Popen", Job)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["bench_sizes.py", "135m", "--steps", "2", "--runs", "2",
+                                      "--root", str(tmp_path / "root")])
+    bench_sizes.main()
+    rows = [json.loads(line) for line in (tmp_path / "sizes.jsonl").read_text().splitlines()]
+    want = [("135m-128-run1", 1, 0), ("135m-128-run2", 2, 0)]
+    assert [(r["run"], r["run_index"], r["rc"]) for r in rows] == want
+    first, second = launched  # the same job, each into its own output directory
+    where = first.index("--output_dir") + 1
+    assert first[:where] == second[:where] and first[where + 1:] == second[where + 1:]
+    assert first[where].endswith("run1") and second[where].endswith("run2")
+    lines = (tmp_path / "135m-128-run2.log").read_text().splitlines()
+    assert [line.split(maxsplit=1)[1] for line in lines] == ["[setup] ...", "[done] ..."]
+    assert all(float(line.split()[0]) >= 0 for line in lines)
