@@ -29,7 +29,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from rft_core.advantages import adaptive_kl_coef, outcome_scores, token_level_advantages
+from rft_core.advantages import (RunningMoments, adaptive_kl_coef, outcome_scores, shape_rewards,
+                                 token_level_advantages)
 from rft_core.checkpoint import checkpoint_step, finished_run, load_checkpoint, resume_point, save_checkpoint
 from rft_core.cli import parse_args
 from rft_core.data import shapes_task, text_batches  # VL
@@ -52,7 +53,7 @@ from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image
 from rft_core.optim import (accumulate_over, accumulation_divisor, adamw_with_warmup, move_optimizer_state,
                             offload_after_update, step_optimizers)
 from rft_core.reward_sources import reward_sources
-from rft_core.rewards import RewardScorer, RunningMoments, shape_rewards
+from rft_core.rewards import RewardScorer
 from rft_core.plan import default_bf16, resolve, with_memory_plan
 from rft_core.rollout import Rollouts
 from rft_core.run import StopSignals, run_main, stop_error

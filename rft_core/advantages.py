@@ -1,4 +1,5 @@
-"""Advantage estimators: per-sequence (group baselines) and per-token (returns, GAE), and whitening.
+"""Advantage estimators: per-sequence (group baselines) and per-token (returns, GAE), and whitening; the
+rewards' running normalisation before them (`RunningMoments`, `shape_rewards`).
 
 rewards: (B,) with B = num_prompts * n and the n samples of a prompt contiguous.
 `outcome_scores` turns outcome rewards into per-sequence scores (B,): the advantage itself for the group
@@ -21,6 +22,8 @@ per-token KL penalty can join it (`token_rewards`), and the advantages are disco
 has the environment's tokens between the policy's (action_mask 0): returns and GAE pass over them, so each
 policy token is followed by the next policy token, as if they were absent (the discount counts actions).
 """
+
+import math
 
 import torch
 
@@ -130,3 +133,39 @@ def adaptive_kl_coef(kl_coef, current_kl, kl_target, kl_horizon, n_steps):
     kl_horizon towards the value that makes the measured KL equal kl_target."""
     error = min(max(current_kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * n_steps / kl_horizon)
+
+
+class RunningMoments:
+    """Mean and standard deviation of every reward seen so far, merged batch by batch (Chan et al.'s
+    parallel update), for running reward normalisation."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, values):
+        n = len(values)
+        mean = sum(values) / n
+        m2 = sum((v - mean) ** 2 for v in values)
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self):
+        return math.sqrt(self.m2 / self.count) if self.count else 1.0
+
+    def state_dict(self):
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state):
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
+
+
+def shape_rewards(rewards, moments, clip, gather):
+    """rewards (B,) normalised by the running moments of every rank's rewards (gather: all ranks' values),
+    when moments is given, then clipped to [-clip, clip], when clip is given."""
+    if moments is not None:
+        moments.update(gather(rewards).tolist())
+        rewards = (rewards - moments.mean) / (moments.std + 1e-8)
+    return rewards if clip is None else rewards.clamp(-clip, clip)

@@ -63,16 +63,11 @@ class StepTimer:
         return values
 
 
-def is_maximum(key):
-    """Whether a metric is a maximum (its name ends in _max): merged by max, over micro-batches and ranks."""
-    return key.endswith("_max")
-
-
 class Means:
     """Running means of metric dicts, each key over the dicts that hold it; a (total, weight) pair for a value
-    makes it a weighted mean (a key whose weights sum to 0 is left out). A maximum (`is_maximum`) is the
-    largest value among the dicts whose weight is not 0. Values may be 0-d device tensors: they are combined
-    on the device and read once, in `result()` (an .item() per micro-batch stalls the GPU)."""
+    makes it a weighted mean (a key whose weights sum to 0 is left out). A maximum (a name ending in _max) is
+    the largest value among the dicts whose weight is not 0. Values may be 0-d device tensors, combined on
+    the device and read once, in `result()` (an .item() per micro-batch stalls the GPU)."""
 
     def __init__(self):
         self.sums, self.counts = {}, {}
@@ -80,7 +75,7 @@ class Means:
     def add(self, metrics):
         for key, value in metrics.items():
             total, weight = value if isinstance(value, tuple) else (value, 1)
-            if is_maximum(key):
+            if key.endswith("_max"):
                 total = torch.as_tensor(total, dtype=torch.float32)
                 total = torch.where(torch.as_tensor(weight, device=total.device) > 0, total, -torch.inf)
                 self.sums[key] = torch.maximum(self.sums[key], total) if key in self.sums else total
@@ -89,7 +84,7 @@ class Means:
             self.counts[key] = self.counts.get(key, 0) + weight
 
     def result(self):
-        return {key: float(total if is_maximum(key) else total / self.counts[key])
+        return {key: float(total if key.endswith("_max") else total / self.counts[key])
                 for key, total in self.sums.items() if float(self.counts[key]) > 0}
 
 
@@ -133,8 +128,8 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
     return metrics
 
 
-# how a metric merges over the ranks, by its name after the prefix: counts are summed, maxima (`is_maximum`)
-# are maxima; the rest are means
+# how a metric merges over the ranks, by its name after the prefix: counts are summed, maxima (names ending
+# in _max) are maxima; the rest are means
 SUMMED = ("reward_errors", "filled_groups", "tokens", "buffered", "resumed", "finished_from_buffer",
           "dropped_stale", "tokens_generated", "env_calls", "env_errors", "env_tokens", "cut_turns",
           "cut_tokens")
@@ -142,7 +137,7 @@ SUMMED = ("reward_errors", "filled_groups", "tokens", "buffered", "resumed", "fi
 
 def gather_metrics(local):
     """Every rank's metrics dict merged: the mean over the ranks that have a key (NaN-aware), the sum of the
-    counts (SUMMED) and the max of the maxima (`is_maximum`)."""
+    counts (SUMMED) and the max of the maxima (names ending in _max)."""
     from accelerate.utils import gather_object
 
     per_rank = gather_object([local])  # dicts, so ranks may differ in keys (reward components)
@@ -150,7 +145,7 @@ def gather_metrics(local):
     for key in dict.fromkeys(k for m in per_rank for k in m):
         values = [m[key] for m in per_rank if key in m]
         name = key.split("/", 1)[-1]
-        merged[key] = (sum(values) if name in SUMMED else max(values) if is_maximum(name)
+        merged[key] = (sum(values) if name in SUMMED else max(values) if name.endswith("_max")
                        else float(np.nanmean(values)))
     return merged
 
@@ -263,26 +258,12 @@ class MetricsLog:
             self.said.add(kind)
             tqdm.write(message)
 
-    def samples(self, step, rows):
-        """Append sample rows (dicts) to samples.jsonl, print two, and log them as a wandb table if wandb is
-        on."""
-        if not self.enabled or not rows:
-            return
-        append(os.path.join(os.path.dirname(self.path), "samples.jsonl"),
-               "".join(json.dumps({"step": step, **x}) + "\n" for x in rows), f"the samples of step {step}")
-        for x in rows[:2]:
-            tqdm.write(f"[sample] reward {x['reward']:.3g} | label {x['label']!r} | "
-                       f"{x['completion'][:200]!r}")
-        if self.accelerator is not None and any(t.name == "wandb" for t in self.accelerator.trackers):
-            self.accelerator.get_tracker("wandb").log_table("samples", columns=["step", *rows[0]],
-                                                            data=[[step, *x.values()] for x in rows],
-                                                            step=step)
-
     def samples_and_plots(self, step, samples, tokenizer, lengths, last=False):
         """Every samples_every steps, the first 4 samples (rollout Samples) to samples.jsonl (a multi-turn
-        episode whole: its turns with their roles, how it ended); every plot_every steps and at the last, the
-        plots (lengths: this step's response lengths)."""
-        if self.samples_every and step % self.samples_every == 0:
+        episode whole: its turns with their roles, how it ended), two of them printed, and a wandb table if
+        wandb is on; every plot_every steps and at the last, the plots (lengths: this step's response
+        lengths)."""
+        if self.enabled and self.samples_every and step % self.samples_every == 0 and samples:
             rows = []
             for s in samples[:4]:
                 row = {"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion, "label": s.label,
@@ -290,7 +271,16 @@ class MetricsLog:
                 if s.episode is not None:
                     row.update(turns=s.episode.turns, cut=s.episode.cut, env_failure=s.episode.failure)
                 rows.append(row)
-            self.samples(step, rows)
+            path = os.path.join(os.path.dirname(self.path), "samples.jsonl")
+            text = "".join(json.dumps({"step": step, **x}) + "\n" for x in rows)
+            append(path, text, f"the samples of step {step}")
+            for x in rows[:2]:
+                tqdm.write(f"[sample] reward {x['reward']:.3g} | label {x['label']!r} | "
+                           f"{x['completion'][:200]!r}")
+            if self.accelerator is not None and any(t.name == "wandb" for t in self.accelerator.trackers):
+                self.accelerator.get_tracker("wandb").log_table("samples", columns=["step", *rows[0]],
+                                                                data=[[step, *x.values()] for x in rows],
+                                                                step=step)
         if self.plot_every and (step % self.plot_every == 0 or last):
             self.plots(lengths)
 

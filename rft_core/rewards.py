@@ -8,7 +8,7 @@ Built in: `answer_reward` (exact match in <answer></answer> plus a format term),
 shapes task's `first_word_reward`; yours (--reward_fn, --remote_rm_url, reward models) come from
 rft_core/reward_sources.py. `score` contains failures: a sample whose reward raises (anything: sys.exit
 too), is not finite or is missing gets the fallback and is counted; `RewardScorer` sums a run's sources.
-Shaping: DAPO's `overlong_penalty`, and `RunningMoments` for running reward normalisation.
+Shaping: DAPO's `overlong_penalty` (running normalisation: advantages.py).
 """
 
 import math
@@ -96,42 +96,6 @@ def overlong_penalty(length, max_len, buffer_len, factor=1.0):
     max_len - buffer_len tokens, then falling linearly to -factor at max_len."""
     start = max_len - buffer_len
     return -factor * min(max(length - start, 0) / buffer_len, 1.0)
-
-
-class RunningMoments:
-    """Mean and standard deviation of every reward seen so far, merged batch by batch (Chan et al.'s
-    parallel update), for running reward normalisation."""
-
-    def __init__(self):
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0
-
-    def update(self, values):
-        n = len(values)
-        mean = sum(values) / n
-        m2 = sum((v - mean) ** 2 for v in values)
-        delta, total = mean - self.mean, self.count + n
-        self.mean += delta * n / total
-        self.m2 += m2 + delta**2 * self.count * n / total
-        self.count = total
-
-    @property
-    def std(self):
-        return math.sqrt(self.m2 / self.count) if self.count else 1.0
-
-    def state_dict(self):
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    def load_state_dict(self, state):
-        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
-
-
-def shape_rewards(rewards, moments, clip, gather):
-    """rewards (B,) normalised by the running moments of every rank's rewards (gather: all ranks' values),
-    when moments is given, then clipped to [-clip, clip], when clip is given."""
-    if moments is not None:
-        moments.update(gather(rewards).tolist())
-        rewards = (rewards - moments.mean) / (moments.std + 1e-8)
-    return rewards if clip is None else rewards.clamp(-clip, clip)
 
 
 class ServiceDown(ConnectionError):

@@ -272,11 +272,8 @@ class Rollouts:
                 short = len(ready) < self.k
             if not reduce_sum(torch.tensor(float(short), device=self.device)):
                 break  # every rank has its k groups
-        if start:
-            trained = [g for g in head if g.ready]  # the last round's head
-        else:
-            ready.sort(key=lambda g: g.version)  # oldest first (stable: in order of finishing otherwise)
-            trained = ready[:self.k]
+        # start order: the last round's head; finish order: the oldest first (else in order of finishing)
+        trained = [g for g in head if g.ready] if start else sorted(ready, key=lambda g: g.version)[:self.k]
         self.buffer = [g for g in ready + pending if g not in trained]
         ages = [version - v for g in trained for s in g.samples for v in s.generation.versions]
         metrics = {"rollout/generation_rounds": rounds, "rollout/resumed": resumed,

@@ -34,3 +34,16 @@ def test_relative_links_exist():
                 continue
             path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target))
             assert os.path.exists(path), f"{page} links to {target}, which does not exist"
+
+
+def test_the_size_budget_holds():
+    """The README's budget: every rft_core module at most 300 lines (growth past it is a bug to fix)."""
+    import glob
+
+    sizes = {}
+    for path in glob.glob(os.path.join(ROOT, "rft_core", "**", "*.py"), recursive=True):
+        with open(path) as f:
+            sizes[os.path.relpath(path, ROOT)] = len(f.read().splitlines())
+    assert {path: n for path, n in sizes.items() if n > 300} == {}
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert "each `rft_core` module at most 300" in f.read()
