@@ -63,8 +63,9 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     # take the one-off allocations (compiling, library workspaces), which can exceed a tiny model's
     # activations: one without padding (a micro-batch of equal lengths: transformers then passes no
     # attention mask, a graph of its own), one with it, as the measured ones
+    ids_generator = torch.Generator().manual_seed(0)  # its own: the run's random streams stay as they were
     for n, padded in ((512, False), (512, True), (512, True), (1024, True)):
-        ids = torch.randint(vocab, (2, n // 2), device=device)
+        ids = torch.randint(vocab, (2, n // 2), generator=ids_generator).to(device)
         mask = torch.ones_like(ids)
         mask[1, 0] = 0 if padded else 1  # one padded column, as in training (and so in the same graph)
         torch.cuda.synchronize()

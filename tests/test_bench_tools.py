@@ -137,8 +137,10 @@ def test_the_memory_plans_lines_on_a_simulated_gpu(tiny_model_dir, monkeypatch, 
     said = []
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     no_autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+    rng = torch.get_rng_state()
     checkpointing, tokens = plan_update_memory(model, 16384, None, no_autocast, engine_share=0.3,
                                                log=said.append)
+    assert torch.equal(torch.get_rng_state(), rng)  # its token ids come from a generator of its own
     assert said[0] == ("[memory] loaded: the trainer's tensors take 20.0 GiB and PyTorch reserves 50.0 on "
                        "this GPU; 30.0 of 80.0 GiB are free")
     assert said[1].startswith("[memory] an update keeps 1024 KiB of activations per token")
