@@ -245,6 +245,30 @@ def test_the_memory_probe_compiles_every_graph_the_update_needs(tiny_model_dir, 
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.gpu
+def test_compiled_layers_keep_one_graph_as_micro_batches_grow(tiny_model_dir):
+    """On a GPU (inductor, Triton), a compiled layer's graph holds from a small micro-batch to one past the
+    size at which inductor would otherwise change its fusion of the norms' gradient reductions (nrow x ncol
+    >= 5 MiB and nrow >= 4096 tokens: here 96 rows x 2048 tokens of a 32-wide model): no recompile."""
+    from rft_core.logprobs import response_logprobs
+    from rft_core.model_training import compile_blocks
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = compile_blocks(AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda())
+    model.train()
+    graphs = []
+    for rows, width in ((2, 256), (96, 2048)):
+        ids = torch.randint(3, 100, (rows, width), device="cuda")
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logprobs, _ = response_logprobs(model, ids, mask, width // 2, chunk_size=4096)  # no whole logits
+        logprobs.float().sum().backward()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0], graphs
+
+
 def test_compiled_blocks_fuse_whatever_the_size():
     """inductor_options asks inductor to fuse the norms' gradient reductions whatever the number of tokens
     (a size-dependent choice would be a guard, and a recompile as micro-batches grow): the option exists in
