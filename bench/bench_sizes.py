@@ -19,6 +19,7 @@ every line after the seconds since launch (where start-up goes).
 import argparse
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -148,7 +149,7 @@ def main():
     peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
     out_root = os.environ.get("OUT", "/tmp/rft_out")
     os.makedirs(out_root, exist_ok=True)
-    for size, run_index in [(size, i) for size in args.sizes for i in range(1, args.runs + 1)]:
+    for size, run_index in itertools.product(args.sizes, range(1, args.runs + 1)):
         name = f"{size}-{args.generate_max_len}{args.tag}" + (f"-run{run_index}" if args.runs > 1 else "")
         out_dir = os.path.join(args.root, "runs", name)
         launch = [sys.executable]

@@ -55,17 +55,14 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     if not torch.cuda.is_available():
         return plan_cpu_memory(model, max_tokens, chunk_size, fixed_budget or sliced, log)
     net = unwrap(model)
-    vocab = net.config.get_text_config().vocab_size
-    device = next(net.parameters()).device
     peaks, was_training = [], net.training
     net.train()  # as in the update: a compiled layer's graph depends on the mode (and dropout on it)
     # two rows, not one: a compiled model (--torch_compile) would specialise on 1; the first forwards, unused,
     # take the one-off allocations (compiling, library workspaces), which can exceed a tiny model's
     # activations: one without padding (a micro-batch of equal lengths: transformers then passes no
     # attention mask, a graph of its own), one with it, as the measured ones
-    ids_generator = torch.Generator().manual_seed(0)  # its own: the run's random streams stay as they were
     for n, padded in ((512, False), (512, True), (512, True), (1024, True)):
-        ids = torch.randint(vocab, (2, n // 2), generator=ids_generator).to(device)
+        ids = synthetic_rows(net, n)
         mask = torch.ones_like(ids)
         mask[1, 0] = 0 if padded else 1  # one padded column, as in training (and so in the same graph)
         torch.cuda.synchronize()
@@ -103,13 +100,18 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     return checkpointing, tokens
 
 
+def synthetic_rows(net, tokens):
+    """Two rows of tokens / 2 random token ids on net's device, drawn from a generator of their own: the run's
+    random streams (the transformers engine's sampling) stay as they were."""
+    vocab = net.config.get_text_config().vocab_size
+    ids = torch.randint(vocab, (2, tokens // 2), generator=torch.Generator().manual_seed(0))
+    return ids.to(next(net.parameters()).device)
+
+
 def saved_bytes(net, tokens, chunk_size=None):
     """The bytes of the tensors a forward of two synthetic rows of tokens / 2 keeps for its backward (what an
     update's micro-batch holds until its backward; views counted once, parameters not at all)."""
-    vocab = net.config.get_text_config().vocab_size
-    device = next(net.parameters()).device
-    # its own generator: the run's random streams (the transformers engine's sampling) stay as they were
-    ids = torch.randint(vocab, (2, tokens // 2), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = synthetic_rows(net, tokens)
     params, kept = {p.data_ptr() for p in net.parameters()}, {}
 
     def pack(t):
