@@ -5,9 +5,9 @@ embedded SmolLM2-135M itself; the built-in arithmetic prompts; for the random mo
 [0, 1) (a hash of the completion) so advantages are not zero. Each run is the script with default flags apart
 from the workload's (32 prompts x 8 samples, at most 128 new tokens unless given) and prints one JSON line:
 medians over the steady-state steps (from --skip on) of every perf/ key, tokens per second, and the update's
-model FLOPs utilisation (6 x trained parameters x tokens / update time / the GPU's dense bf16 peak), and the
-short run's costs: start-up (process start to step 1) and step 1. Each run's output is kept in $OUT/RUN.log,
-every line after the seconds since launch (where start-up goes).
+model FLOPs utilisation (6 x trained parameters x tokens / update time / the GPU's dense bf16 peak), samples
+per second (a step's, all ranks) and the short run's costs: start-up (process start to step 1) and step 1.
+Each run's output is kept in $OUT/RUN.log, every line after the seconds since launch (where start-up goes).
 
     python bench/bench_sizes.py 135m 0.5b --steps 12                 # one H100
     python bench/bench_sizes.py 135m --steps 20 --runs 2             # start-up, first and second run
@@ -189,6 +189,10 @@ def main():
         if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
             med = summarise(out_dir, args.skip)
             result.update({k: round(v, 4) for k, v in med.items()})
+            with open(os.path.join(out_dir, "config.json")) as f:
+                cfg = json.load(f)
+            samples = cfg["rollout_batch_size"] * cfg["n_samples_per_prompt"]  # a step's, all ranks
+            result["samples_per_s"] = round(samples / med["perf/step_time_s"], 1)
             if med.get("perf/tokens"):
                 result["tokens_per_s"] = round(med["perf/tokens"] / med["perf/step_time_s"])
                 lora = "--lora_rank" in extra

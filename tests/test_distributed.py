@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -32,6 +33,39 @@ def launch(cmd, timeout=600, **env):
         pytest.fail(f"no exit in {timeout} s; its output ends:\n{printed}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out.stdout
+
+
+def launch_machines(config, args, log_dir, timeout=600, **env):
+    """accelerate_configs/multi_node.yaml as two machines of one process each on this host, the way a
+    multi-node job runs: the same command on both, --machine_rank 0 and 1, the head at 127.0.0.1. On a GPU
+    host each machine sees one GPU of its own. The output of both (machine 0's first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    runs = []
+    for rank in range(2):
+        log = open(os.path.join(log_dir, f"machine{rank}.log"), "w+")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_machines",
+               "2", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port), *args]
+        gpu = {"CUDA_VISIBLE_DEVICES": str(rank)} if torch.cuda.is_available() else {}
+        env_rank = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **env, **gpu}
+        runs.append((subprocess.Popen(cmd, cwd=log_dir, env=env_rank, stdout=log, stderr=subprocess.STDOUT),
+                     log))
+    codes = []
+    for proc, _ in runs:
+        try:
+            codes.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append("timeout")
+    printed = []
+    for _, log in runs:
+        log.seek(0)
+        printed.append(log.read())
+    assert codes == [0, 0], f"exit codes {codes}; machine 0's output ends:\n{printed[0][-4000:]}"
+    return "".join(printed)
 
 
 def test_config_files_load():
@@ -66,11 +100,14 @@ def test_full_weights_sharded(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tmp_path, chars_reward):
+def test_deepspeed_zero3_matches_ddp_resumes_and_spans_machines(tiny_model_dir, tiny_rm_dir, tmp_path,
+                                                                 chars_reward):
     """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss)
     and a reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same
     seed (DDP by one-sample micro-batches, ZeRO-3 by a token budget, with --optimizer_offload); stopped after
-    step 1 and resumed, step 2 is still DDP's step 2."""
+    step 1 and resumed, step 2 is still DDP's step 2. And multi_node.yaml run as two machines of one process
+    each (machine ranks 0 and 1 on this host): the same steps again (its DeepSpeed launcher once made each
+    machine a job of its own without a word)."""
     pytest.importorskip("deepspeed")
     args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN,
             "--reward_fn", chars_reward, "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "1"]
@@ -99,6 +136,16 @@ def test_deepspeed_zero3_matches_ddp_and_resumes(tiny_model_dir, tiny_rm_dir, tm
     want, got = (load_file(str(tmp_path / d / "model" / "model.safetensors")) for d in ("ddp", "z3"))
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
     assert json.load(open(tmp_path / "z3" / "config.json"))["world_size"] == 2
+
+    out = launch_machines(os.path.join(ROOT, "accelerate_configs", "multi_node.yaml"),
+                          [*by_tokens, "--max_tokens_per_micro_batch", "30",
+                           "--output_dir", str(tmp_path / "mn")], str(tmp_path))
+    assert out.count("2 processes") == 2  # each machine's log: one job of two processes
+    nodes, _ = read_metrics(str(tmp_path / "mn"))
+    assert [r["step"] for r in nodes] == [1, 2] and set(nodes[0]) == set(z3[0])
+    for a, b in zip(ddp, nodes):
+        for key in ("train/grad_norm", "train/kl", "rollout/reward_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
 def test_hf_architecture_names_the_transformers_class(tiny_model_dir):
@@ -351,20 +398,25 @@ def test_evaluate_pads_ranks_to_equal_work():
 
 @pytest.mark.slow
 @pytest.mark.gpu(count=2, needs="vllm")
-@pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2"])
+@pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2", "multi_node"])
 def test_sharded_configs_with_vllm(tmp_path, config):
     """The embedded model, sharded over 2 GPUs with vLLM colocated: the layer-wise sync keeps vLLM's
-    logprobs on the trainer's, and the export loads."""
-    if config.startswith("deepspeed"):
+    logprobs on the trainer's, and the export loads. multi_node: ZeRO-3 over two machines of one GPU each
+    (machine ranks 0 and 1 on this host)."""
+    if config != "fsdp2":
         pytest.importorskip("deepspeed")
-    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"), os.path.join(ROOT, "train_ppo.py"),
-            "--engine_type", "vllm", "--engine_enforce_eager", "--use_kl_loss", "--max_steps", "2",
-            "--output_dir", str(tmp_path)], DS_ACCELERATOR="cuda")
-    steps, _ = read_metrics(str(tmp_path))
+    path = os.path.join(ROOT, "accelerate_configs", f"{config}.yaml")
+    args = [os.path.join(ROOT, "train_ppo.py"), "--engine_type", "vllm", "--engine_enforce_eager",
+            "--use_kl_loss", "--max_steps", "2", "--output_dir", str(tmp_path / "run")]
+    if config == "multi_node":
+        assert launch_machines(path, args, str(tmp_path), DS_ACCELERATOR="cuda").count("2 processes") == 2
+    else:
+        launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, *args],
+               DS_ACCELERATOR="cuda")
+    steps, _ = read_metrics(str(tmp_path / "run"))
     assert len(steps) == 2 and all(r["rollout/logprob_diff_mean"] < 0.05 and r["train/kl"] >= 0
                                    for r in steps)
-    assert os.path.isfile(tmp_path / "model" / "model.safetensors")
+    assert os.path.isfile(tmp_path / "run" / "model" / "model.safetensors")
 
 
 @pytest.mark.slow
