@@ -11,6 +11,7 @@ from torch.nn.attention import sdpa_kernel
 
 from rft_core.errors import MissingPath
 from rft_core.logprobs import NOT_CUDNN, positions
+from rft_core.models import pin_triton_cache
 
 
 def checkpointing_on(model):
@@ -31,6 +32,8 @@ def compile_blocks(model, backend="inductor"):
     profile). With gradients on, the token embeddings' output is made to require them, as every later block's
     input does, even where the embeddings are frozen (LoRA): else the first block would need a graph of its
     own (the language model's embeddings only: a frozen vision tower stays out of the backward)."""
+    pin_triton_cache()  # the kernels' cache: the same directory on every run
+
     def inputs_require_grad(module, inputs, output):
         if torch.is_grad_enabled():
             output.requires_grad_(True)

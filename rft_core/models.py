@@ -100,6 +100,16 @@ def cache_root():
     return None if root == "off" else root
 
 
+def pin_triton_cache():
+    """Fix $TRITON_CACHE_DIR, unless set, at Triton's own default, before anything compiles. Left unset, it
+    differs between runs: vLLM JIT-compiles its Triton kernels (sampling, input preparation) at start-up
+    into it, and a run that compiles the model gets it pointed into vLLM's compile cache (by inductor) while
+    a run that loads that cache leaves Triton's default, so a second run compiled every kernel again (~15 s
+    of start-up)."""
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(home, ".triton", "cache"))
+
+
 def gguf_cache(path):
     """Where a GGUF file's dequantised weights are kept for later runs (cache_root(); None when off), keyed
     by the file (path, size, modification time) and the transformers version."""

@@ -2,13 +2,15 @@
 weight sync and greedy equality with transformers on GPU (marked, skipped elsewhere)."""
 
 import os
+import sys
+import types
 
 import pytest
 import torch
 
 from rft_core.engines.sync import (buckets, flatten_group, iter_weights, slice_for_rank, tp_groups,
                                    vllm_param_name)
-from rft_core.engines.vllm import cuda_graph_config
+from rft_core.engines.vllm import VLLMEngine, cuda_graph_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gpu = pytest.mark.gpu(needs="vllm")
@@ -22,6 +24,36 @@ def test_cuda_graphs_cover_a_generate_call():
     assert cuda_graph_config(513)["compilation_config"]["max_cudagraph_capture_size"] == 528
     assert cuda_graph_config(5000)["compilation_config"]["max_cudagraph_capture_size"] == 1024
     assert cuda_graph_config(768, enforce_eager=True) == {}
+
+
+def test_vllm_finds_its_triton_kernels_on_the_second_run(monkeypatch, tmp_path):
+    """vLLM's start-up compiles its own Triton kernels into $TRITON_CACHE_DIR, which a run that compiles the
+    model and a run that loads vLLM's compile cache left pointing at different places (the second run
+    compiled them all again): the engine, and the trainer's compile before it, fix it to Triton's default
+    before anything compiles, and leave a user's own alone."""
+    from rft_core.model_training import compile_blocks
+
+    class Started(Exception):
+        pass
+
+    seen = []
+
+    def llm(**kwargs):
+        seen.append(os.environ.get("TRITON_CACHE_DIR"))
+        raise Started
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=llm))
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"})
+    os.environ["TRITON_HOME"] = str(tmp_path)
+    with pytest.raises(Started):
+        VLLMEngine("model", eos_token_id=2, kv_bytes=1 << 30)
+    os.environ["TRITON_CACHE_DIR"] = "/mine"
+    with pytest.raises(Started):
+        VLLMEngine("model", eos_token_id=2, kv_bytes=1 << 30)
+    assert seen == [str(tmp_path / ".triton" / "cache"), "/mine"]
+    del os.environ["TRITON_CACHE_DIR"]
+    compile_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])), backend="eager")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".triton" / "cache")
 
 
 def test_tp_groups():

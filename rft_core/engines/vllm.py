@@ -30,6 +30,7 @@ from rft_core.engines.base import Generation, wants_logprobs
 from rft_core.engines.sync import (buckets, engine_group, flatten_group, iter_weights, memory_error,
                                    short_for_training, slice_for_rank, wake_error)
 from rft_core.errors import ConfigError
+from rft_core.models import pin_triton_cache
 from rft_core.multimodal import vllm_prompt
 
 
@@ -62,6 +63,7 @@ class VLLMEngine:
                  max_batch=256):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
+        pin_triton_cache()  # its Triton kernels: the same cache on every run
         _ensure_dist_env()
         from vllm import LLM
 
