@@ -36,9 +36,9 @@ def launch(cmd, timeout=600, **env):
 
 
 def launch_machines(config, args, log_dir, timeout=600, **env):
-    """accelerate_configs/multi_node.yaml as two machines of one process each on this host, the way a
-    multi-node job runs: the same command on both, --machine_rank 0 and 1, the head at 127.0.0.1. On a GPU
-    host each machine sees one GPU of its own. The output of both (machine 0's first)."""
+    """An accelerate config for several machines (multi_node.yaml) as two machines of one process each on
+    this host, the way a multi-node job runs: the same command on both, --machine_rank 0 and 1, the head at
+    127.0.0.1. On a GPU host each machine sees one GPU of its own. The output of both (machine 0's first)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -64,6 +64,7 @@ def launch_machines(config, args, log_dir, timeout=600, **env):
     for _, log in runs:
         log.seek(0)
         printed.append(log.read())
+        log.close()
     assert codes == [0, 0], f"exit codes {codes}; machine 0's output ends:\n{printed[0][-4000:]}"
     return "".join(printed)
 
