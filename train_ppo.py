@@ -251,8 +251,8 @@ class Args:
     """gradient clipping norm"""
     # ---- engine, precision, memory ----
     engine_type: str = "auto"
-    """rollout engine: vllm | sglang | hf (transformers generate) | auto (vllm when it imports and a GPU is
-    present)"""
+    """rollout engine: vllm | sglang | hf (transformers generate) | auto (with a GPU: vllm where installed,
+    else sglang where installed; else hf)"""
     engine_tp_size: int = 1
     """vLLM tensor-parallel size: groups of this many consecutive ranks share one engine"""
     engine_mem_util: float = 0.3

@@ -89,9 +89,9 @@ def resolve(args, accelerator, default_lr=None):
     samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     train_batch_size = args.train_batch_size or samples_per_step
     bf16 = default_bf16(args)
-    engine_type = resolve_engine_type(args.engine_type)  # auto: vllm where installed with a GPU, else hf
+    engine_type = resolve_engine_type(args.engine_type)  # auto: with a GPU vllm, else sglang, where installed
     check_args(args, world, deepspeed, sharded, engine_type, parallelism, train_batch_size, bf16)
-    why = [f"engine {engine_type}: auto, vllm where it is installed and a GPU is present"
+    why = [f"engine {engine_type}: auto, with a GPU vllm, else sglang, where installed; else hf"
            if args.engine_type == "auto" else None]
     torch_compile = args.torch_compile
     if torch_compile is None:  # auto: on where measured (SP and CP come with DeepSpeed or FSDP2)

@@ -158,6 +158,19 @@ def test_asking_for_sglang_without_it_is_one_line():
         resolve_engine_type("sglang")
 
 
+def test_auto_takes_sglang_where_vllm_is_not_installed(monkeypatch):
+    """--engine_type auto: with a GPU, vLLM where installed, else SGLang where installed (it was the slow
+    transformers engine then), else hf; hf on a CPU whatever is installed."""
+    from rft_core import engines
+
+    for installed, gpu, want in (({"vllm", "sglang"}, True, "vllm"), ({"sglang"}, True, "sglang"),
+                                 (set(), True, "hf"), ({"vllm", "sglang"}, False, "hf")):
+        monkeypatch.setattr(engines.importlib.util, "find_spec",
+                            lambda name, found=installed: object() if name in found else None)
+        monkeypatch.setattr(engines.torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        assert engines.resolve_engine_type("auto") == want, (installed, gpu)
+
+
 # ---- GPU (with requirements-sglang.txt installed; one engine, shared) ----
 
 @pytest.fixture(scope="module")

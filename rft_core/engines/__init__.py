@@ -66,11 +66,11 @@ def engine_dir(config, tokenizer, processor=None):
 
 
 def resolve_engine_type(engine_type):
-    """"hf", "vllm" or "sglang" for --engine_type ("auto": vllm with a GPU and vllm installed, else hf);
-    raises naming the fix when vllm or sglang is asked for and cannot run here."""
-    has_vllm = importlib.util.find_spec("vllm") is not None
+    """"hf", "vllm" or "sglang" for --engine_type ("auto": with a GPU, vllm where installed, else sglang where
+    installed; else hf); raises naming the fix when vllm or sglang is asked for and cannot run here."""
     if engine_type == "auto":
-        return "vllm" if has_vllm and torch.cuda.is_available() else "hf"
+        installed = [e for e in ("vllm", "sglang") if importlib.util.find_spec(e) is not None]
+        return installed[0] if installed and torch.cuda.is_available() else "hf"
     if engine_type not in ("hf", "vllm", "sglang"):
         raise ConfigError(f"--engine_type {engine_type!r}: choose auto, hf, vllm or sglang")
     install = {"vllm": "pip install vllm==0.26.0", "sglang": "pip install sglang==0.5.17"}
@@ -85,7 +85,7 @@ def resolve_engine_type(engine_type):
 def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_size=32, bf16=False,
                   tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, enforce_eager=False,
                   max_model_len=2048, requests=None, limit_mm_per_prompt=None, static_prefix=None, seed=0):
-    """The engine named by engine_type ("auto": vllm with a GPU and vllm installed, else hf).
+    """The engine named by engine_type ("auto": resolve_engine_type's choice).
 
     micro_batch_size, bf16: the HF engine's generate batch and autocast. The rest is vLLM's: tp_size ranks per
     engine, mem_util of the GPU for weights and KV cache, sleep "auto" | "always" | "never" at sleep_level,
