@@ -23,9 +23,15 @@ RUN = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt"
        "--use_kl_loss", "--init_kl_coef", "0.1", "--actor_learning_rate", "1e-3"]
 
 
+def launch_env(**env):
+    """A launched process's environment: this checkout first on the path, DeepSpeed on the CPU unless env
+    says otherwise."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **env}
+
+
 def launch(cmd, timeout=600, **env):
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # the checkout first
-    env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **env}
+    env = launch_env(**env)
     try:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # a hang: what it printed until then (bytes, whatever text= says)
@@ -42,7 +48,6 @@ def launch_machines(config, args, log_dir, timeout=600, **env):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     runs = []
     for rank in range(2):
         log = open(os.path.join(log_dir, f"machine{rank}.log"), "w+")
@@ -50,9 +55,9 @@ def launch_machines(config, args, log_dir, timeout=600, **env):
                "2", "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), *args]
         gpu = {"CUDA_VISIBLE_DEVICES": str(rank)} if torch.cuda.is_available() else {}
-        env_rank = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **env, **gpu}
-        runs.append((subprocess.Popen(cmd, cwd=log_dir, env=env_rank, stdout=log, stderr=subprocess.STDOUT),
-                     log))
+        proc = subprocess.Popen(cmd, cwd=log_dir, env=launch_env(**env, **gpu), stdout=log,
+                                stderr=subprocess.STDOUT)
+        runs.append((proc, log))
     codes = []
     for proc, _ in runs:
         try:
