@@ -156,13 +156,14 @@ class LinearLogprobs(torch.autograd.Function):
         logprobs = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
         lse = hidden.new_empty(n, dtype=torch.float32)
+        chunk_forward = fused(_chunk_forward, hidden)
         for i in range(0, n, chunk_size):
-            z = _chunk_logits(hidden[i:i + chunk_size], weight, temperature, blocked)  # (c, V) fp32
-            lse[i:i + chunk_size] = torch.logsumexp(z, -1)
-            logprobs[i:i + chunk_size] = z.gather(-1, targets[i:i + chunk_size, None]).squeeze(-1)
+            rows = slice(i, i + chunk_size)
+            logits = hidden[rows] @ weight.T  # (c, V)
+            out = chunk_forward(logits, targets[rows], temperature, blocked, bool(with_entropy))
+            lse[rows], logprobs[rows] = out[0], out[1]
             if with_entropy:
-                entropy[i:i + chunk_size] = entropy_from_logits(z, lse[i:i + chunk_size])
-        logprobs -= lse
+                entropy[rows] = out[2]
         ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy == "grad" else None)
         ctx.settings = temperature, chunk_size, blocked
         if with_entropy and with_entropy != "grad":
@@ -175,18 +176,13 @@ class LinearLogprobs(torch.autograd.Function):
         temperature, chunk_size, blocked = ctx.settings
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        chunk_grad = fused(_chunk_grad, hidden)
+        with_entropy = entropy is not None and grad_entropy is not None
         for i in range(0, hidden.shape[0], chunk_size):
             rows = slice(i, i + chunk_size)
-            z = _chunk_logits(hidden[rows], weight, temperature, blocked)  # (c, V) fp32
-            logp = z.sub_(lse[rows, None])  # log softmax, in place of z
-            p = logp.exp()  # (c, V)
-            grad_z = p * -grad_logprobs[rows, None]  # (c, V)
-            grad_z.scatter_add_(-1, targets[rows, None], grad_logprobs[rows, None])  # (onehot - p) g
-            if entropy is not None and grad_entropy is not None:  # dH/dz = -p (log p + H)
-                grad_z -= p * (logp + entropy[rows, None]) * grad_entropy[rows, None]
-            if blocked is not None:
-                grad_z[:, blocked] = 0
-            grad_z = (grad_z / temperature).to(hidden.dtype)
+            grad_z = chunk_grad(hidden[rows] @ weight.T, targets[rows], lse[rows], grad_logprobs[rows],
+                                entropy[rows] if with_entropy else None,
+                                grad_entropy[rows] if with_entropy else None, temperature, blocked)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight
             if grad_weight is not None:
@@ -195,10 +191,46 @@ class LinearLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _chunk_logits(hidden, weight, temperature, blocked):
-    z = (hidden @ weight.T).float()  # (c, V)
+def _scaled(logits, temperature, blocked):
+    """A chunk's logits (c, V) in fp32, divided by the temperature, blocked token ids at -1e4."""
+    z = logits.float()
     if temperature != 1.0:
-        z /= temperature
+        z = z / temperature
     if blocked is not None:
-        z[:, blocked] = -1e4
+        z = z.index_fill(-1, torch.tensor(blocked, device=z.device), -1e4)
     return z
+
+
+def _chunk_forward(logits, targets, temperature, blocked, with_entropy):
+    """A chunk's logits (c, V) in the head's dtype -> (logsumexp of z, z at the targets, the entropy or None),
+    (c,) each in fp32, where z = logits / temperature."""
+    z = _scaled(logits, temperature, blocked)
+    lse = torch.logsumexp(z, -1)
+    logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    return lse, logprobs, entropy_from_logits(z, lse) if with_entropy else None
+
+
+def _chunk_grad(logits, targets, lse, grad_logprobs, entropy, grad_entropy, temperature, blocked):
+    """The gradient to a chunk's logits (c, V), in their dtype: dz = (onehot - p) g_logprob
+    - p (log p + H) g_entropy (entropy None: no entropy term), divided by the temperature."""
+    logp = _scaled(logits, temperature, blocked) - lse[:, None]  # log softmax
+    p = logp.exp()
+    grad_z = (p * -grad_logprobs[:, None]).scatter_add(-1, targets[:, None], grad_logprobs[:, None])
+    if entropy is not None:  # dH/dz = -p (log p + H)
+        grad_z = grad_z - p * (logp + entropy[:, None]) * grad_entropy[:, None]
+    if blocked is not None:
+        grad_z = grad_z.index_fill(-1, torch.tensor(blocked, device=grad_z.device), 0.0)
+    return (grad_z / temperature).to(logits.dtype)
+
+
+_FUSED = {}
+
+
+def fused(fn, like):
+    """fn compiled (one Triton kernel or two instead of a pass over the (c, V) logits per operation) where
+    `like` is on a GPU; itself elsewhere."""
+    if like.device.type != "cuda":
+        return fn
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _FUSED[fn]

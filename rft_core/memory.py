@@ -60,17 +60,22 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
     # two rows, not one: a compiled model (--torch_compile) would specialise on 1; the first forwards, unused,
     # take the one-off allocations (compiling, library workspaces), which can exceed a tiny model's
     # activations: one without padding (a micro-batch of equal lengths: transformers then passes no
-    # attention mask, a graph of its own), one with it, as the measured ones
-    for n, padded in ((512, False), (512, True), (512, True), (1024, True)):
+    # attention mask, a graph of its own), one with it, as the measured ones; unsharded, those two also run
+    # a backward, so its graphs too compile before the engine starts (not in step 1)
+    sharded = any(hasattr(p, "ds_tensor") or hasattr(p, "to_local") for p in net.parameters())
+    for i, (n, padded) in enumerate(((512, False), (512, True), (512, True), (1024, True))):
         ids = synthetic_rows(net, n)
         mask = torch.ones_like(ids)
         mask[1, 0] = 0 if padded else 1  # one padded column, as in training (and so in the same graph)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        with autocast():
-            kept = response_logprobs(net, ids, mask, n // 4, chunk_size=chunk_size)
+        with autocast():  # with the entropy, as the update logs it
+            kept = response_logprobs(net, ids, mask, n // 4, with_entropy=True, chunk_size=chunk_size)
         peaks.append(torch.cuda.max_memory_allocated() - before)
+        if i < 2 and not sharded:
+            kept[0].sum().backward()
+            net.zero_grad(set_to_none=True)
         del kept
     net.train(was_training)
     per_token = (peaks[3] - peaks[2]) / 512

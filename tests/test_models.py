@@ -159,6 +159,32 @@ def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast):
     assert results[0][0].abs().sum() > 0 and results[0][2]["model.embed_tokens.weight"].abs().sum() > 0
 
 
+def test_fused_head_chunks_trace_whole_and_match_eager():
+    """The fused LM head's per-chunk math (compiled on a GPU: one pass over a chunk's logits instead of one
+    per operation) traces as one graph at any chunk length, with and without the entropy's gradient and
+    blocked tokens, and equals the eager functions (aot_eager here: no Triton on a CPU)."""
+    from rft_core.logprobs import _chunk_forward, _chunk_grad
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(0)
+    forward = torch.compile(_chunk_forward, backend="aot_eager", dynamic=True, fullgraph=True)
+    grad = torch.compile(_chunk_grad, backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows, entropy, blocked in ((7, True, None), (5, True, None), (3, False, [1, 4]), (6, False, [1, 4])):
+        logits = torch.randn(rows, 11, generator=g).to(torch.bfloat16)
+        targets = torch.randint(11, (rows,), generator=g)
+        want = _chunk_forward(logits, targets, 0.7, blocked, entropy)
+        got = forward(logits, targets, 0.7, blocked, entropy)
+        assert all(b is None if a is None else torch.allclose(a, b, atol=1e-6) for a, b in zip(want, got))
+        upstream = [torch.randn(rows, generator=g) for _ in range(2)]
+        h = want[2] if entropy else None
+        want_grad = _chunk_grad(logits, targets, want[0], upstream[0], h, upstream[1], 0.7, blocked)
+        got_grad = grad(logits, targets, want[0], upstream[0], h, upstream[1], 0.7, blocked)
+        assert got_grad.dtype == torch.bfloat16 and torch.equal(got_grad, want_grad)
+    # one graph per function and setting (entropy or not, blocked or not), whatever the chunk's length
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir, checkpointing):
     """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight
