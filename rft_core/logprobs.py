@@ -157,8 +157,7 @@ class LinearLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
         lse = hidden.new_empty(n, dtype=torch.float32)
         chunk_forward = fused(_chunk_forward, hidden)
-        for i in range(0, n, chunk_size):
-            rows = slice(i, i + chunk_size)
+        for rows in _chunks(n, chunk_size):
             logits = hidden[rows] @ weight.T  # (c, V)
             out = chunk_forward(logits, targets[rows], temperature, blocked, bool(with_entropy))
             lse[rows], logprobs[rows] = out[0], out[1]
@@ -178,8 +177,7 @@ class LinearLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         chunk_grad = fused(_chunk_grad, hidden)
         with_entropy = entropy is not None and grad_entropy is not None
-        for i in range(0, hidden.shape[0], chunk_size):
-            rows = slice(i, i + chunk_size)
+        for rows in _chunks(hidden.shape[0], chunk_size):
             grad_z = chunk_grad(hidden[rows] @ weight.T, targets[rows], lse[rows], grad_logprobs[rows],
                                 entropy[rows] if with_entropy else None,
                                 grad_entropy[rows] if with_entropy else None, temperature, blocked)
@@ -223,14 +221,23 @@ def _chunk_grad(logits, targets, lse, grad_logprobs, entropy, grad_entropy, temp
     return (grad_z / temperature).to(logits.dtype)
 
 
+def _chunks(n, size):
+    """Slices of n rows, size at a time; a last chunk of one row takes a row from the one before (compiled,
+    the chunk functions specialise on a length of 1: a compile of its own, mid-run)."""
+    starts = list(range(0, n, size))
+    if size > 1 and len(starts) > 1 and n - starts[-1] == 1:
+        starts[-1] -= 1
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [n])]
+
+
 _FUSED = {}
 
 
-def fused(fn, like):
-    """fn compiled (one Triton kernel or two instead of a pass over the (c, V) logits per operation) where
-    `like` is on a GPU; itself elsewhere."""
-    if like.device.type != "cuda":
+def fused(fn, like, backend="inductor"):
+    """fn compiled where `like` is on a GPU (one Triton kernel or two instead of a pass over the (c, V) logits
+    per operation); itself elsewhere, unless a backend is named (tests)."""
+    if like.device.type != "cuda" and backend == "inductor":
         return fn
-    if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return _FUSED[fn]
+    if (fn, backend) not in _FUSED:
+        _FUSED[fn, backend] = torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
+    return _FUSED[fn, backend]

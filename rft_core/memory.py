@@ -70,12 +70,12 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        with autocast():  # with the entropy, as the update logs it
+        with autocast():  # with the entropy, as the update logs it; the backward as the update's, autocast
             kept = response_logprobs(net, ids, mask, n // 4, with_entropy=True, chunk_size=chunk_size)
-        peaks.append(torch.cuda.max_memory_allocated() - before)
-        if i < 2 and not sharded:
-            kept[0].sum().backward()
-            net.zero_grad(set_to_none=True)
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+            if i < 2 and not sharded:
+                kept[0].sum().backward()
+                net.zero_grad(set_to_none=True)
         del kept
     net.train(was_training)
     per_token = (peaks[3] - peaks[2]) / 512

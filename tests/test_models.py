@@ -1,5 +1,7 @@
 """The critic / reward-model head, and the ptx loss, against transformers' own outputs."""
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -183,6 +185,29 @@ def test_fused_head_chunks_trace_whole_and_match_eager():
         assert got_grad.dtype == torch.bfloat16 and torch.equal(got_grad, want_grad)
     # one graph per function and setting (entropy or not, blocked or not), whatever the chunk's length
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
+
+
+def test_fused_head_compiles_once_at_any_length(monkeypatch):
+    """Compiled, the fused head's chunk functions trace once (forward and backward), whatever a micro-batch's
+    length: one whose last chunk would hold one row (a length compiled apart, mid-run) gets no graph of its
+    own. The gradients equal eager's."""
+    from rft_core import logprobs
+
+    weight = torch.randn(11, 6, requires_grad=True)
+    cases = [(torch.randn(rows, 6), torch.randint(11, (rows,))) for rows in (30, 45, 29, 8, 15)]
+
+    def grads(hidden, targets):
+        hidden = hidden.clone().requires_grad_()
+        lp, _ = logprobs.LinearLogprobs.apply(hidden, weight, targets, 0.7, 7, True, None)
+        return torch.autograd.grad(lp.sum(), (hidden, weight))
+
+    eager = [grads(*case) for case in cases]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(logprobs, "fused", functools.partial(logprobs.fused, backend="aot_eager"))
+    for case, want in zip(cases, eager):
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads(*case), want))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
