@@ -124,26 +124,27 @@ def test_token_logprobs_gradient_against_autograd(dtype, temperature):
     assert no_entropy is None and torch.allclose(none_logprobs, want.detach(), atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast):
+def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast, device):
     """--fused_linear_logprob: logprobs, entropy (with its gradient, for an entropy bonus) and every
     parameter's gradient equal the model's own logits path, on rows of several lengths, prompts left-padded
     and responses right-padded, at a temperature, in fp32 and under bf16 autocast; chunks that do not divide
-    the tokens."""
+    the tokens. On a GPU the chunks' math is compiled."""
     from rft_core.experience import build_experience
     from rft_core.engines.base import Generation
     from rft_core.logprobs import response_logprobs
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (5, 1, 3, 7)]
     gens = [Generation(torch.randint(3, 90, (n,), generator=g).tolist(), [0.0] * n) for n in (4, 6, 1, 3)]
-    exp = build_experience(prompts, gens, pad_token_id=0)
-    upstream = torch.randn(exp.action_mask.shape, generator=g) * exp.action_mask  # (B, T)
+    exp = build_experience(prompts, gens, pad_token_id=0, device=device)
+    upstream = torch.randn(exp.action_mask.shape, generator=g).to(device) * exp.action_mask  # (B, T)
     results = []
     for chunk_size in (None, 5, 1000):
         model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             logprobs, entropy = response_logprobs(model, exp.input_ids, exp.attention_mask,
                                                   exp.action_mask.shape[1], 0.8, with_entropy="grad",
                                                   chunk_size=chunk_size)
