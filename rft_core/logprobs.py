@@ -159,7 +159,8 @@ class LinearLogprobs(torch.autograd.Function):
         chunk_forward = fused(_chunk_forward, hidden)
         for rows in _chunks(n, chunk_size):
             logits = hidden[rows] @ weight.T  # (c, V)
-            out = chunk_forward(logits, targets[rows], temperature, blocked, bool(with_entropy))
+            # a copy, not a view: compiled, a view would guard its base's length (the micro-batch's)
+            out = chunk_forward(logits, targets[rows].clone(), temperature, blocked, bool(with_entropy))
             lse[rows], logprobs[rows] = out[0], out[1]
             if with_entropy:
                 entropy[rows] = out[2]
@@ -178,9 +179,10 @@ class LinearLogprobs(torch.autograd.Function):
         chunk_grad = fused(_chunk_grad, hidden)
         with_entropy = entropy is not None and grad_entropy is not None
         for rows in _chunks(hidden.shape[0], chunk_size):
-            grad_z = chunk_grad(hidden[rows] @ weight.T, targets[rows], lse[rows], grad_logprobs[rows],
-                                entropy[rows] if with_entropy else None,
-                                grad_entropy[rows] if with_entropy else None, temperature, blocked)
+            chunk = [t[rows].clone() if t is not None else None  # copies, as in forward
+                     for t in (targets, lse, grad_logprobs, entropy if with_entropy else None,
+                               grad_entropy if with_entropy else None)]
+            grad_z = chunk_grad(hidden[rows] @ weight.T, *chunk, temperature, blocked)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight
             if grad_weight is not None:

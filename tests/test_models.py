@@ -190,12 +190,13 @@ def test_fused_head_chunks_trace_whole_and_match_eager():
 
 def test_fused_head_compiles_once_at_any_length(monkeypatch):
     """Compiled, the fused head's chunk functions trace once (forward and backward), whatever a micro-batch's
-    length: one whose last chunk would hold one row (a length compiled apart, mid-run) gets no graph of its
-    own. The gradients equal eager's."""
+    length: one chunk or several (a chunk's tensors are not views of the micro-batch's, whose length a graph
+    would guard), and one whose last chunk would hold one row (a length compiled apart, mid-run). The
+    gradients equal eager's."""
     from rft_core import logprobs
 
     weight = torch.randn(11, 6, requires_grad=True)
-    cases = [(torch.randn(rows, 6), torch.randint(11, (rows,))) for rows in (30, 45, 29, 8, 15)]
+    cases = [(torch.randn(rows, 6), torch.randint(11, (rows,))) for rows in (5, 30, 45, 29, 8, 15)]
 
     def grads(hidden, targets):
         hidden = hidden.clone().requires_grad_()
