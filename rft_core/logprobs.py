@@ -177,11 +177,11 @@ class LinearLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         chunk_grad = fused(_chunk_grad, hidden)
-        with_entropy = entropy is not None and grad_entropy is not None
+        if entropy is None or grad_entropy is None:  # no entropy term
+            entropy = grad_entropy = None
         for rows in _chunks(hidden.shape[0], chunk_size):
             chunk = [t[rows].clone() if t is not None else None  # copies, as in forward
-                     for t in (targets, lse, grad_logprobs, entropy if with_entropy else None,
-                               grad_entropy if with_entropy else None)]
+                     for t in (targets, lse, grad_logprobs, entropy, grad_entropy)]
             grad_z = chunk_grad(hidden[rows] @ weight.T, *chunk, temperature, blocked)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight

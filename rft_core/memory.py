@@ -70,7 +70,7 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        with autocast():  # with the entropy, as the update logs it; the backward as the update's, autocast
+        with autocast():  # as the update: with the entropy (it logs it), the backward under autocast
             kept = response_logprobs(net, ids, mask, n // 4, with_entropy=True, chunk_size=chunk_size)
             peaks.append(torch.cuda.max_memory_allocated() - before)
             if i < 2 and not sharded:
