@@ -1,6 +1,7 @@
 """vLLM engine: TP gather/scatter ordering and name mapping on CPU (no vllm needed); sleep/wake,
 weight sync and greedy equality with transformers on GPU (marked, skipped elsewhere)."""
 
+import gc
 import os
 import sys
 import types
@@ -10,7 +11,7 @@ import torch
 
 from rft_core.engines.sync import (buckets, flatten_group, iter_weights, slice_for_rank, tp_groups,
                                    vllm_param_name)
-from rft_core.engines.vllm import VLLMEngine, cuda_graph_config
+from rft_core.engines.vllm import VLLMEngine, cuda_graph_config, engine_requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gpu = pytest.mark.gpu(needs="vllm")
@@ -104,6 +105,90 @@ def test_iter_weights_and_buckets(tiny_model_dir):
         assert size(g) >= limit > size(g[:-1])
 
 
+# ---- generate's requests, against a stand-in vLLM (CPU) ----
+
+class _Params:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _FakeLLM:
+    """vLLM's generate as the engine uses it: a request of n samples returns n outputs in order, each sample
+    a token of its request's prompt and its index (the seed's, when given), with flat logprobs if asked."""
+
+    def __init__(self):
+        self.calls, self.gc_enabled = [], []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append(list(zip(prompts, params)))
+        self.gc_enabled.append(gc.isenabled())
+        outs = []
+        for prompt, p in zip(prompts, params):
+            ids = prompt["prompt_token_ids"]
+            samples = []
+            for j in range(p.n):
+                tokens = [ids[0], j if p.seed is None else p.seed + j][:p.max_tokens]
+                logprobs = types.SimpleNamespace(logprobs=[-0.5] * len(tokens)) if p.logprobs == 0 else None
+                samples.append(types.SimpleNamespace(token_ids=tokens, logprobs=logprobs))
+            outs.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=samples))
+        return outs
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=_Params))
+    engine = VLLMEngine.__new__(VLLMEngine)  # the engine's state without a GPU
+    engine.llm, engine.tp_group, engine.eos_token_id, engine.logit_bias = _FakeLLM(), None, 2, None
+    engine.seed, engine.calls = 0, 0
+    return engine
+
+
+def test_a_groups_samples_go_as_one_request_of_n(fake_engine):
+    """32 prompts x 8 samples (consecutive, as the rollout draws them): one request of n=8 per prompt with
+    logprobs for all, or, with logprobs for one sample in 8, a request of 1 with them and one of 7 without;
+    the samples come back in order, logprobs exactly where asked, and the collector is off during the call."""
+    prompts = [[10 + k, 1] for k in range(32) for _ in range(8)]
+    gens = fake_engine.generate(prompts, 5, logprob_every=1)
+    (call,) = fake_engine.llm.calls
+    assert [p.n for _, p in call] == [8] * 32 and all(p.logprobs == 0 for _, p in call)
+    assert [g.token_ids for g in gens] == [[10 + k, j] for k in range(32) for j in range(8)]
+    gens = fake_engine.generate(prompts, 5, logprob_every=8)
+    call = fake_engine.llm.calls[-1]
+    assert [(p.n, p.logprobs) for _, p in call] == [(1, 0), (7, None)] * 32
+    assert [g.token_ids for g in gens] == [[10 + k, j] for k in range(32) for j in [0, *range(7)]]
+    assert [g.logprobs is not None for g in gens] == [i % 8 == 0 for i in range(256)]
+    assert gens[0].logprobs == [-0.5, -0.5] and all(p.flat_logprobs for _, p in call)
+    assert fake_engine.llm.gc_enabled == [False, False] and gc.isenabled()
+
+
+def test_requests_split_where_samples_differ(fake_engine):
+    """A run breaks where the prompt, its limit or its images (other objects) change; greedy sampling takes
+    no request of n (vLLM refuses it): one request a sample."""
+    image_a, image_b = {"pixels": 1}, {"pixels": 1}  # equal, but not the same images
+    requests = engine_requests([[1], [1], [1], [2], [2], [2]], [4, 4, 3, 4, 4, 4],
+                               [None, None, None, image_a, image_a, image_b], 1)
+    assert [(r.ids, r.limit, r.n) for r in requests] == [([1], 4, 2), ([1], 3, 1), ([2], 4, 2), ([2], 4, 1)]
+    gens = fake_engine.generate([[7, 1]] * 3, 4, temperature=0.0)
+    assert [p.n for _, p in fake_engine.llm.calls[-1]] == [1, 1, 1] and len(gens) == 3
+
+
+def test_a_tp_groups_samples_keep_the_seeds_of_their_places(fake_engine, monkeypatch):
+    """In a tensor-parallel group every request carries a seed, the same on each rank, and vLLM gives sample
+    j of a request the seed + j: every sample gets base + its index in the call, as one request each did."""
+    gather = lambda out, obj, group: out.__setitem__(0, obj)  # noqa: E731  (a group of one rank)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    fake_engine.tp_group, fake_engine.group_ranks, fake_engine.group_index = object(), [0], 0
+    fake_engine.seed = 3
+    gens = fake_engine.generate([[5]] * 3 + [[6]] * 2, 4)
+    base = (3 * 1_000_003 + 1 * 10_007) % 2**31
+    assert [p.seed for _, p in fake_engine.llm.calls[-1]] == [base, base + 3]
+    assert [g.token_ids[1] for g in gens] == [base + i for i in range(5)]
+    with pytest.raises(RuntimeError):  # the collector is back on after a failed call too
+        fake_engine.llm.generate = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        fake_engine.generate([[5]], 4)
+    assert gc.isenabled()
+
+
 # ---- GPU (one vLLM engine per process, so the tests share it) ----
 
 @pytest.fixture(scope="module")
@@ -178,8 +263,10 @@ def test_sampling_logprobs_match_trainer(engine_and_model):
     from rft_core.experience import batched_logprobs, build_experience
 
     engine, model, tokenizer = engine_and_model
-    prompts = _prompts(tokenizer) * 4
+    prompts = [p for p in _prompts(tokenizer) for _ in range(4)]  # groups of 4: requests of n=4
     gens = engine.generate(prompts, 32, temperature=1.0)
+    groups = [[tuple(g.token_ids) for g in gens[i:i + 4]] for i in range(0, len(gens), 4)]
+    assert sum(len(set(group)) > 1 for group in groups) >= len(groups) // 2  # a group's samples are its own
     exp = build_experience(prompts, gens, tokenizer.pad_token_id, "cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         trainer = batched_logprobs(model, exp, temperature=1.0, micro_batch_size=32)

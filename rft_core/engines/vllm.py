@@ -21,14 +21,17 @@ expands the placeholders from its own processing, and the prompt it ends up with
 trainer's, token for token, or generate raises naming the prompt.
 """
 
+import contextlib
+import gc
 import os
 import socket
+from dataclasses import dataclass
 
 import torch
 
 from rft_core.engines.base import Generation, wants_logprobs
-from rft_core.engines.sync import (buckets, engine_group, flatten_group, iter_weights, memory_error,
-                                   short_for_training, slice_for_rank, wake_error)
+from rft_core.engines.sync import (buckets, engine_group, iter_weights, memory_error, short_for_training,
+                                   slice_for_rank, wake_error)
 from rft_core.errors import ConfigError
 from rft_core.models import pin_triton_cache
 from rft_core.multimodal import vllm_prompt
@@ -54,6 +57,45 @@ def _ensure_dist_env():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+@dataclass
+class Request:
+    """One vLLM request: n samples of one prompt (a group's samples share their settings: one request of n
+    costs vLLM's host a fraction of n requests of one)."""
+    ids: list  # the trainer's prompt token ids
+    prompt: dict  # the request vLLM takes (vllm_prompt)
+    limit: int  # new tokens at most
+    want: bool  # its samples return their logprobs
+    n: int = 1
+
+
+def engine_requests(prompt_token_ids, limits, mm, logprob_every, group=True):
+    """The requests of a generate call: a run of consecutive prompts with the same token ids, images (the
+    same objects), limit and want of logprobs (wants_logprobs: by the sample's index) becomes one request of
+    n samples, in order, so the samples come back in the order of the prompts (group=False: one each)."""
+    requests = []
+    for i, (p, m, limit) in enumerate(zip(prompt_token_ids, mm, limits)):
+        ids, want, last = list(p), wants_logprobs(i, logprob_every), requests[-1] if requests else None
+        if group and last and last.ids == ids and (last.limit, last.want) == (limit, want) and m is mm[i - 1]:
+            last.n += 1
+        else:
+            requests.append(Request(ids, vllm_prompt(ids, m, sample=i), limit, want))
+    return requests
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """No garbage collection inside a generate call: vLLM's decode loop allocates objects per token and
+    request, so collections come every few steps, and the older ones walk the trainer's whole heap. Cycles
+    the call leaves are collected after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class VLLMEngine:
@@ -102,42 +144,44 @@ class VLLMEngine:
 
         mm = mm or [None] * len(prompt_token_ids)
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(mm)
-        rows = [(list(p), vllm_prompt(p, m, sample=i), limit, wants_logprobs(i, logprob_every))
-                for i, (p, m, limit) in enumerate(zip(prompt_token_ids, mm, limits))]
+        # greedy: vLLM takes no request of n (a sample each)
+        requests = engine_requests(prompt_token_ids, limits, mm, logprob_every, group=temperature > 0)
         sizes = None
         if self.tp_group is not None:  # every rank of the group must submit the same requests
             per_rank = [None] * len(self.group_ranks)
-            torch.distributed.all_gather_object(per_rank, rows, group=self.tp_group)
-            rows, sizes = flatten_group(per_rank)
+            torch.distributed.all_gather_object(per_rank, requests, group=self.tp_group)
+            requests = [r for mine in per_rank for r in mine]
+            sizes = [sum(r.n for r in mine) for mine in per_rank]  # in samples
         self.calls += 1
-        if not rows:  # (partial rollout: a rank may have nothing left to generate in a round)
+        if not requests:  # (partial rollout: a rank may have nothing left to generate in a round)
             return []
-        params = SamplingParams(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
-                                max_tokens=rows[0][2], logprobs=0, detokenize=False,
-                                stop_token_ids=[self.eos_token_id], logit_bias=self.logit_bias)
-        if self.tp_group is not None or isinstance(max_new_tokens, list):
-            # per-request limits; per-request seeds, identical across a TP group, keep its ranks in step
-            base = self.seed * 1_000_003 + self.calls * 10_007
-            params = [params.clone() for _ in rows]
-            for i, (p, (_, _, limit, want)) in enumerate(zip(params, rows)):
-                p.max_tokens, p.logprobs = limit, 0 if want else None
-                if self.tp_group is not None:
-                    p.seed = (base + i) % (2**31)
-        elif not all(want for *_, want in rows):  # two shared parameter sets, with logprobs and without
-            bare = params.clone()
-            bare.logprobs = None
-            params = [params if want else bare for *_, want in rows]
-        outputs = self.llm.generate([request for _, request, _, _ in rows], params, use_tqdm=False)
+        # flat_logprobs: a request's logprobs as flat lists of floats, not a dict and an object per token
+        common = dict(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
+                      detokenize=False, stop_token_ids=[self.eos_token_id], logit_bias=self.logit_bias,
+                      flat_logprobs=True)
+        seed = self.seed * 1_000_003 + self.calls * 10_007
+        params, shared, first = [], {}, 0
+        for r in requests:
+            # per-request seeds, identical across a TP group, keep its ranks in step; vLLM gives sample j of
+            # a request of n the seed + j, so each sample has the seed of its place in the call
+            key = (r.limit, r.want, r.n, (seed + first) % 2**31 if self.tp_group is not None else None)
+            if key not in shared:
+                shared[key] = SamplingParams(max_tokens=r.limit, logprobs=0 if r.want else None, n=r.n,
+                                             seed=key[3], **common)
+            params.append(shared[key])
+            first += r.n
+        with collector_paused():
+            outputs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False)
         gens = []
-        for i, ((ids, request, _, want), out) in enumerate(zip(rows, outputs)):
-            if "multi_modal_data" in request and list(out.prompt_token_ids) != ids:  # image-token accounting
-                raise ConfigError(f"prompt {i}: vLLM expanded it to {len(out.prompt_token_ids)} tokens, "
-                                 f"the trainer's has {len(ids)}: "
+        for r, out in zip(requests, outputs):
+            # image-token accounting
+            if "multi_modal_data" in r.prompt and list(out.prompt_token_ids) != r.ids:
+                raise ConfigError(f"prompt {len(gens)}: vLLM expanded it to {len(out.prompt_token_ids)} "
+                                 f"tokens, the trainer's has {len(r.ids)}: "
                                  "is the engine's image processor (min / max pixels) the trainer's?")
-            c = out.outputs[0]
-            token_ids = list(c.token_ids)
-            logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, token_ids)] if want else None
-            gens.append(Generation(token_ids, logprobs))
+            for c in out.outputs:  # the n samples, in order
+                # logprobs=0: one entry per position, the sampled token's
+                gens.append(Generation(list(c.token_ids), list(c.logprobs.logprobs) if r.want else None))
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def sleep(self, needed_bytes=None):
