@@ -46,6 +46,7 @@ def main():
     parser.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
     parser.add_argument("--profile", help="a directory: profile the first two variants there")
     parser.add_argument("--variants", help="comma-separated: only these (engine is always run)")
+    parser.add_argument("--prefix_caching", type=int, default=0, help="vLLM's (off, as a single-turn run)")
     parser.add_argument("--logprob_every", type=int, default=8, help="the engine's: as the training loop's")
     args = parser.parse_args()
 
@@ -63,7 +64,7 @@ def main():
     prompts = [s.prompt_ids for s in samples for _ in range(8)]
     engine = create_engine(args.engine, model.cuda(), tokenizer, bf16=True, mem_util=0.3, sleep="never",
                            enforce_eager=args.enforce_eager, max_model_len=1024 + args.max_new,
-                           requests=len(prompts), seed=0)
+                           requests=len(prompts), seed=0, prefix_caching=bool(args.prefix_caching))
     engine.update_weights(model)
     del model
     torch.cuda.empty_cache()

@@ -175,10 +175,13 @@ def engine_options(args, bf16, sleep, requests, sp_size=1):
     if args.partial_rollout:  # a generation round holds --inflight_ratio steps' worth of groups
         start = args.partial_order == "start"  # (start order: K + 1 in its first step)
         requests = math.ceil(requests * (args.max_staleness + 1 if start else args.inflight_ratio))
+    # an episode's turns and a partial rollout's rounds send their context again: vLLM's prefix cache
+    # finds it; a single-turn rollout's never repeats, and caching costs vLLM's scheduler at every token
+    prefix_caching = args.env is not None or args.partial_rollout
     return dict(micro_batch_size=micro_batch_size, bf16=bf16, tp_size=args.engine_tp_size,
                 mem_util=args.engine_mem_util, sleep=sleep, sleep_level=args.engine_sleep_level,
                 enforce_eager=args.engine_enforce_eager, requests=requests, seed=args.seed,
-                max_model_len=args.prompt_max_len + response_limit(args))
+                max_model_len=args.prompt_max_len + response_limit(args), prefix_caching=prefix_caching)
 
 
 def with_memory_plan(plan, args, accelerator, model, nets):

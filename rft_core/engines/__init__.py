@@ -84,13 +84,15 @@ def resolve_engine_type(engine_type):
 
 def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_size=32, bf16=False,
                   tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, enforce_eager=False,
-                  max_model_len=2048, requests=None, limit_mm_per_prompt=None, static_prefix=None, seed=0):
+                  max_model_len=2048, requests=None, limit_mm_per_prompt=None, static_prefix=None, seed=0,
+                  prefix_caching=True):
     """The engine named by engine_type ("auto": resolve_engine_type's choice).
 
     micro_batch_size, bf16: the HF engine's generate batch and autocast. The rest is vLLM's: tp_size ranks per
     engine, mem_util of the GPU for weights and KV cache, sleep "auto" | "always" | "never" at sleep_level,
     max_model_len (prompt + response), requests (one generate call's, per rank: sizes the KV cache of a small
-    model), seed. processor: a vision-language model's image processor. vLLM processes the images itself,
+    model), seed, prefix_caching (vLLM's: off where no call repeats a context). processor: a vision-language
+    model's image processor. vLLM processes the images itself,
     with this processor's settings (so its image grids are the trainer's), at most limit_mm_per_prompt images
     per prompt; SGLang takes the trainer's pixels. Both never sample the vision placeholders (the trainer's
     model blocks them at its LM head: vision.py) and sync the parameters under static_prefix (a frozen vision
@@ -128,6 +130,6 @@ def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_
 
         engine = VLLMEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
                             max_len, enforce_eager, kv_bytes=kv_bytes, max_batch=(requests or 1) * tp_size,
-                            **vision)
+                            prefix_caching=prefix_caching, **vision)
     engine.update_weights(model)
     return engine

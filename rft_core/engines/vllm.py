@@ -102,7 +102,7 @@ class VLLMEngine:
     def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
                  max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256,
                  limit_mm_per_prompt=None, blocked_token_ids=(), static_prefix=None, kv_bytes=None,
-                 max_batch=256):
+                 max_batch=256, prefix_caching=True):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
         pin_triton_cache()  # its Triton kernels: the same cache on every run
@@ -131,7 +131,8 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=tp_size, dtype=dtype,
                        distributed_executor_backend="external_launcher", gpu_memory_utilization=mem_util,
                        enable_sleep_mode=sleep != "never", seed=self.seed, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **extra)
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                       enable_prefix_caching=prefix_caching, **extra)
         self.group_ranks, self.group_index, self.tp_group = engine_group(tp_size)
 
     def _runner_model(self):
