@@ -24,6 +24,14 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.skip(reason=f"needs {needs}"))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The process group an in-process vLLM engine set up (the GPU tests share one), torn down while the
+    interpreter is whole: left to the interpreter's exit, NCCL's teardown can hold the finished process
+    (PyTorch's shutdown notes; pytorch/pytorch#122358)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def save_tiny_model(path):
     """A 2-layer random Llama with the embedded SmolLM2 tokenizer, saved as an HF directory at path."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

@@ -72,6 +72,20 @@ def test_the_engine_holds_a_rounds_requests():
     assert engine_options(flags, True, "auto", 256, sp_size=2)["micro_batch_size"] == 1
 
 
+def test_the_prefix_cache_only_where_a_context_comes_again():
+    """vLLM's prefix cache hashes every sequence's blocks as it grows: on where a call sends a context again
+    (an episode's turns, a partial rollout's rounds), off for single-turn rollouts."""
+    flags = SimpleNamespace(micro_rollout_batch_size=8, engine_tp_size=1, engine_mem_util=0.3,
+                           engine_sleep_level=1, engine_enforce_eager=False, seed=0, prompt_max_len=64,
+                           generate_max_len=64, partial_rollout=False, inflight_ratio=1.0,
+                           partial_order="finish", max_staleness=2, env=None, max_episode_tokens=512)
+    assert engine_options(flags, True, "auto", 256)["prefix_caching"] is False
+    flags.env = "calculator"
+    assert engine_options(flags, True, "auto", 256)["prefix_caching"] is True
+    flags.env, flags.partial_rollout = None, True
+    assert engine_options(flags, True, "auto", 256)["prefix_caching"] is True
+
+
 @pytest.mark.parametrize("check, flags, says", [
     ("check_values", dict(temperature=0.0), "--temperature 0.0: must be > 0"),
     ("check_values", dict(loss_agg_mode="mean"), "--loss_agg_mode 'mean': choose one of"),

@@ -30,8 +30,8 @@ class Engine(Protocol):
         """One Generation per prompt, in order: the response token ids (ending with EOS unless the length
         limit cut it) and the logprob of each under the sampling distribution (temperature applied;
         temperature 0 means greedy, logprobs then at temperature 1), for every logprob_every-th prompt (0:
-        none; the others' logprobs are None: vLLM builds a Python object per token it returns a logprob for,
-        which costs up to 30% of a small model's generation). max_new_tokens: one for all, or a list (one per
+        none; the others' logprobs are None: returning them costs vLLM host work per token, up to 30% of a
+        small model's generation). max_new_tokens: one for all, or a list (one per
         prompt). mm: per-prompt image inputs of a vision-language model (Experience.mm's form) or None."""
         ...
 

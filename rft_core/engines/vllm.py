@@ -13,6 +13,9 @@ so old weights, new weights and the KV cache are never resident together. Sleep 
 (0.6 s measured on an H100), so in "auto" mode the engine sleeps only when the free memory is
 short of what the trainer needs.
 
+A group's samples (one prompt, n times in a row) go to vLLM as one request of n (engine_requests), the
+garbage collector off for the call: the decode loop is bound by vLLM's Python, not the GPU (docs/engines.md).
+
 The engine starts from `load_format="dummy"` (random weights): the first `update_weights`, before
 step 0, is what gives it the trained model, so the sync path runs from the start.
 
