@@ -183,7 +183,7 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
 def micro_batch_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=None, packed=False,
                          sp=None):
     """Response logprobs (and entropy, as response_logprobs) (B, T) of the micro-batch mb (an Experience):
-    from its padded rows or, packed, from one row without padding (models.packed_logprobs; text rows only);
+    from its padded rows or, packed, from one row without padding (logprobs.packed_logprobs; text rows only);
     with sp (sequence_parallel.SequenceParallel), those this rank's slice predicts, zeros elsewhere."""
     if sp is not None:
         return sp.logprobs(model, mb, temperature, with_entropy, chunk_size)

@@ -246,7 +246,7 @@ def _flat(config, prefix=""):
 
 def with_segments(path, config, step, log):
     """config, resumed after `step`, with "resumed": config.json's list (at path, before it is rewritten) and
-    this resume's {"step", "changed": {flag or plan.value: [before, now]}}; the flags that changed are said
+    this resume's {"step", "changed": {flag or plan field: [before, now]}}; the flags that changed are said
     (log). An attempt that trained nothing (the last entry at the same step) gives way to this one."""
     try:
         with open(path) as f:

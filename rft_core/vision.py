@@ -139,7 +139,7 @@ def block_tokens(model, token_ids, value=-1e4):
     index = {}  # device -> the ids there, built once (a host-to-device copy per forward would sync)
 
     def hook(module, inputs, logits):
-        if getattr(module, "computes_logprobs", False):  # models.LinearLogprobs applies blocked_token_ids
+        if getattr(module, "computes_logprobs", False):  # logprobs.LinearLogprobs applies blocked_token_ids
             return logits
         if logits.device not in index:
             index[logits.device] = torch.tensor(token_ids, device=logits.device)

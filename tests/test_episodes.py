@@ -26,8 +26,8 @@ def tokenizer(tiny_model_dir):
 
 
 class TurnEngine:
-    """Each call answers request j with `turn_ids(call, j)` (3 tokens, then EOS), cut at its limit; the
-    logprob of token k of a turn is -(k + 1) / 10. It records the prompts and limits it was given."""
+    """Each call answers every request with 3 tokens of its own (1000 + 10 x call + k), then EOS, cut at its
+    limit; the logprob of token k of a turn is -(k + 1) / 10. It records the prompts and limits it got."""
 
     def __init__(self, eos, length=3):
         self.eos, self.length, self.calls = eos, length, []
