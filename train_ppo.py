@@ -14,14 +14,14 @@ marked `# VL` (and the `# VL begin` ... `# VL end` blocks) are where the two dif
 tests/test_scripts_in_step.py fails on any other difference.
 
 The loop per step: rollout -> experience -> logprobs -> advantages -> update -> weight sync -> log ->
-eval/checkpoint. Every value derived from the flags, and every automatic choice, is made once, in
-rft_core/plan.py; `args` stays as typed. Where it departs from the papers:
+eval/checkpoint. Flags become decisions once, in rft_core/plan.py (the step count and warm-up, which need
+the data, in main()); `args` stays as typed. Where it departs from the papers:
 - KL: none by default for the per-sequence estimators (as DAPO and Dr.GRPO); the token-level ones
   (gae, reinforce, reinforce_baseline) put a k1 penalty into the per-token reward (InstructGPT,
   REINFORCE++); `--use_kl_loss` instead adds GRPO's k3 loss against the frozen reference.
 - When a rollout batch feeds exactly one optimizer step (train_batch_size == rollout_batch_size *
-  n_samples_per_prompt, max_epochs 1), the "old" logprobs are the update pass's own, detached:
-  the weights have not moved, so the ratio is exactly 1 and a forward pass is saved.
+  n_samples_per_prompt, max_epochs 1) and no KL is in the reward, the "old" logprobs are the update
+  pass's own, detached: the weights have not moved, so the ratio is exactly 1 and a forward pass is saved.
 - Logprobs are those of softmax(logits / temperature), without top-p truncation, in the rollout
   and the trainer alike.
 - --high_entropy_token_ratio picks the top tokens within each micro-batch (the paper: each batch;
@@ -34,6 +34,7 @@ continued from its token ids, its stale tokens weighted by importance; docs/part
 import math
 import os
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
@@ -254,17 +255,17 @@ class Args:
     """rollout engine: vllm | sglang | hf (transformers generate) | auto (with a GPU: vllm where installed,
     else sglang where installed; else hf)"""
     engine_tp_size: int = 1
-    """vLLM tensor-parallel size: groups of this many consecutive ranks share one engine"""
+    """the engine's (vLLM / SGLang) tensor-parallel size: groups of this many consecutive ranks share one"""
     engine_mem_util: float = 0.3
-    """fraction of GPU memory vLLM takes for weights and KV cache"""
+    """fraction of GPU memory the engine (vLLM / SGLang) takes for weights and KV cache"""
     enable_engine_sleep: bool = False
-    """always sleep the vLLM engine during training"""
+    """always sleep the engine (vLLM / SGLang) during training"""
     disable_engine_sleep: bool = False
     """never sleep it (default: auto, sleep only when training needs the memory)"""
     engine_sleep_level: int = 1
-    """vLLM sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
+    """engine sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
     engine_enforce_eager: bool = False
-    """vLLM without CUDA graphs and torch.compile: fast start, slower decode"""
+    """the engine (vLLM / SGLang) without CUDA graphs and compiling: fast start, slower decode"""
     bf16: Optional[bool] = None
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     packing_samples: bool = False
@@ -286,7 +287,7 @@ class Args:
     """keep the optimizer state on the CPU outside the update, away from the rollout's KV cache (default: on
     only if the engine could not wake beside it after the first update)"""
     lora_rank: int = 0
-    """train LoRA adapters of this rank (0: every weight); vLLM gets the merged weights"""
+    """train LoRA adapters of this rank (0: every weight); the engine gets the merged weights"""
     lora_alpha: int = 16
     """LoRA scaling numerator (the update is alpha / rank * B A)"""
     target_modules: str = "all-linear"
@@ -399,7 +400,7 @@ def main():
                               project_dir=args.use_tensorboard, kwargs_handlers=process_group_kwargs())
     rank, device = accelerator.process_index, accelerator.device
 
-    # ---- the plan: the flags checked, every derived value and automatic choice made (rft_core/plan.py) ----
+    # ---- the plan: the flags checked, batch sizes, engine and other choices made (rft_core/plan.py) ----
     plan = resolve(args, accelerator)  # VL
     world, deepspeed = plan.world, accelerator.state.deepspeed_plugin
     kl_coef = args.init_kl_coef
@@ -418,7 +419,7 @@ def main():
     score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_timeout,
                              args.reward_failure_limit, log=tqdm.write)  # score_all(samples)
     moments = RunningMoments() if args.normalize_reward else None
-    env = load_env(args.env) if args.env else None  # multi-turn: the environment (rft_core/episodes.py)
+    env = load_env(args.env) if args.env else None  # multi-turn: the environment (rft_core/environments.py)
     model, tokenizer, processor, ref_model, critic = load_models(args, plan, accelerator)
     for net in [net for net in (model, critic) if net is not None and plan.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
@@ -557,7 +558,7 @@ def main():
                     accelerator.backward(loss * scale)  # the losses are already the step's
                     # clipped norms (finite, not exploding: checked) on the step's last micro-batch
                     step_optimizers(accelerator, stepped, args.max_norm, m,
-                                    check=lambda key, norm: guard.grad_norm(key, norm, step, exp))
+                                    check=partial(guard.grad_norm, step=step, experience=exp))
                 if ema is not None and accelerator.sync_gradients and not frozen:
                     torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1.0 - args.ema_beta)
                 stats.add(m)  # device tensors: read once, after the update

@@ -22,6 +22,7 @@ tokens) and partial rollout are as train_ppo.py's docstring says.
 import math
 import os
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
@@ -250,17 +251,17 @@ class Args:
     """rollout engine: vllm | sglang | hf (transformers generate) | auto (with a GPU: vllm where installed,
     else sglang where installed; else hf)"""
     engine_tp_size: int = 1
-    """vLLM tensor-parallel size: groups of this many consecutive ranks share one engine"""
+    """the engine's (vLLM / SGLang) tensor-parallel size: groups of this many consecutive ranks share one"""
     engine_mem_util: float = 0.3
-    """fraction of GPU memory vLLM takes for weights and KV cache"""
+    """fraction of GPU memory the engine (vLLM / SGLang) takes for weights and KV cache"""
     enable_engine_sleep: bool = False
-    """always sleep the vLLM engine during training"""
+    """always sleep the engine (vLLM / SGLang) during training"""
     disable_engine_sleep: bool = False
     """never sleep it (default: auto, sleep only when training needs the memory)"""
     engine_sleep_level: int = 1
-    """vLLM sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
+    """engine sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
     engine_enforce_eager: bool = False
-    """vLLM without CUDA graphs and torch.compile: fast start, slower decode"""
+    """the engine (vLLM / SGLang) without CUDA graphs and compiling: fast start, slower decode"""
     bf16: Optional[bool] = None
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     packing_samples: bool = False
@@ -282,7 +283,7 @@ class Args:
     """keep the optimizer state on the CPU outside the update, away from the rollout's KV cache (default: on
     only if the engine could not wake beside it after the first update)"""
     lora_rank: int = 0
-    """train LoRA adapters of this rank (0: every weight); vLLM gets the merged weights"""
+    """train LoRA adapters of this rank (0: every weight); the engine gets the merged weights"""
     lora_alpha: int = 16
     """LoRA scaling numerator (the update is alpha / rank * B A)"""
     target_modules: str = "all-linear"
@@ -396,7 +397,7 @@ def main():
                               project_dir=args.use_tensorboard, kwargs_handlers=process_group_kwargs())
     rank, device = accelerator.process_index, accelerator.device
 
-    # ---- the plan: the flags checked, every derived value and automatic choice made (rft_core/plan.py) ----
+    # ---- the plan: the flags checked, batch sizes, engine and other choices made (rft_core/plan.py) ----
     plan = resolve(args, accelerator, default_lr=1e-6 if args.pretrain else 3e-3)  # VL
     world, deepspeed = plan.world, accelerator.state.deepspeed_plugin
     kl_coef = args.init_kl_coef
@@ -415,7 +416,7 @@ def main():
     score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_timeout,
                              args.reward_failure_limit, log=tqdm.write)  # score_all(samples)
     moments = RunningMoments() if args.normalize_reward else None
-    env = load_env(args.env) if args.env else None  # multi-turn: the environment (rft_core/episodes.py)
+    env = load_env(args.env) if args.env else None  # multi-turn: the environment (rft_core/environments.py)
     model, tokenizer, processor, ref_model, critic = load_models(args, plan, accelerator)
     for net in [net for net in (model, critic) if net is not None and plan.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
@@ -556,7 +557,7 @@ def main():
                     accelerator.backward(loss * scale)  # the losses are already the step's
                     # clipped norms (finite, not exploding: checked) on the step's last micro-batch
                     step_optimizers(accelerator, stepped, args.max_norm, m,
-                                    check=lambda key, norm: guard.grad_norm(key, norm, step, exp))
+                                    check=partial(guard.grad_norm, step=step, experience=exp))
                 if ema is not None and accelerator.sync_gradients and not frozen:
                     torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1.0 - args.ema_beta)
                 stats.add(m)  # device tensors: read once, after the update

@@ -91,7 +91,7 @@ def main():
         if cuda:
             cuda.reset_peak_memory_stats()
         try:
-            for i in range(1 + args.repeats):
+            for _ in range(1 + args.repeats):
                 start = time.perf_counter()
                 step(length)
                 if cuda:

@@ -111,8 +111,8 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
     a list or an object as Python writes it), a directory's files of other kinds; each counted, the first
     named."""
     if not os.path.exists(path):
-        raise MissingPath(f"{flag} {path!r}: no such file or directory (built-in tasks: arithmetic in "
-                          "train_ppo.py, shapes in train_ppo_vl.py)")
+        raise MissingPath(f"{flag} {path!r}: no such file or directory (built-in tasks: "
+                          "train_ppo.py: arithmetic, multiply; train_ppo_vl.py: shapes)")
     ds = _load_dataset(path, flag, log)
     for key, key_flag in [(input_key, "--input_key"), (label_key, "--label_key"), *dict(extra_keys).items()]:
         if key is not None and key not in ds.column_names:

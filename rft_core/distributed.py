@@ -9,7 +9,8 @@ weights:
 - `sharding(model)`: "zero3", "fsdp2" or None, read off the parameters themselves.
 - `full_weights(model)`: every weight as a full tensor, gathering one unit at a time (a transformer
   layer, or one other module's own parameters), never the whole model on one rank. The weight sync
-  to vLLM and nothing else uses it; a LoRA model's adapters are merged unit by unit.
+  to vLLM and SGLang (engines/sync.py: iter_weights) and nothing else uses it; a LoRA model's adapters are
+  merged unit by unit.
 - `prepare_frozen`: the reference model sharded like the actor (ZeRO-3: its own inference engine;
   FSDP2: accelerate's fully_shard recipe), else a replica on the device.
 The optimizer (AdamW, accumulation, its state's offload) is rft_core/optim.py's.

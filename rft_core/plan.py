@@ -1,5 +1,6 @@
-"""The run's plan: every value a training script derives from its flags and every automatic choice, resolved
-in one place into a frozen record that the loop reads. The flags (`args`) are never written after parsing;
+"""The run's plan: what a training script derives from its flags alone and every automatic choice, resolved
+in one place into a frozen record that the loop reads (the step count and warm-up need the data: main()
+computes them). The flags (`args`) are never written after parsing;
 config.json keeps the flags as typed and this plan, and the start-up prints what auto chose and why.
 
     plan = resolve(args, accelerator)          # right after the Accelerator exists; runs the flag checks

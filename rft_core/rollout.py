@@ -130,7 +130,7 @@ class Rollouts:
             return self._collect_partial(engine, tokenizer, score_all, reduce_sum, step)
         cfg, n = self.settings, self.settings.group_size
         kept, dropped, counts = [], [], [0, 0, 0]  # reward errors, samples scored, environment errors
-        for rounds in range(1, cfg.max_rounds + 1):
+        for rounds in range(1, cfg.max_rounds + 1):  # noqa: B007 (the last value is the rounds run)
             batch = self.draw()
             if self.episodes:
                 samples = self._episodes(engine, batch, reduce_sum)

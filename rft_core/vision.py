@@ -7,11 +7,11 @@ Qwen2-VL turns an image into a t x h x w grid of 14-pixel patches and merges 2 x
 language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tokens per image;
 `expand_image_tokens` writes them and `check_image_tokens` refuses any mismatch, naming the sample.
 A video (a list of frames) is the same with `<|video_pad|>`, its frames paired into temporal patches.
-vLLM expands the placeholders itself: it gets one per image or video (`vllm_prompt`) and the pixels.
+vLLM expands the placeholders itself: it gets one per image or video (`vllm_prompt`) and the PIL images.
 
 The policy never emits the vision placeholders (in a response they would be taken for image slots):
 `block_tokens` sets their logits to -1e4 at the LM head, so sampling, the trainer's logprobs and the
-reference model all use the one distribution without them; vLLM applies the same as a logit bias.
+reference model all use the one distribution without them; vLLM and SGLang apply a -100 logit bias instead.
 """
 
 import copy

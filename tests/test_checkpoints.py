@@ -353,7 +353,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, accel
                         (RuntimeError("basic_ios::clear: iostream error"), 1 << 20)):  # torch's writer
         monkeypatch.setattr(accelerator, "save_state", full(error))
         if free is not None:
-            monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+            monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: SimpleNamespace(free=free))
         with pytest.raises(CheckpointError) as caught:
             save_checkpoint(accelerator, str(out), 2, {"n": 2})
         said = str(caught.value)

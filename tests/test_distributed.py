@@ -324,7 +324,8 @@ def test_cpu_budget_follows_the_activations_and_the_memory_available(tiny_model_
     assert abs((memory.saved_bytes(model, 384) - large) / 128 - per_token) < 0.01 * per_token
     states = 12 * sum(p.numel() for p in model.parameters())
     for available, want in ((1 << 40, 16384), (2 * states + 2 * 2048 * per_token, 2048), (2 * states, 512)):
-        monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+        memory_left = SimpleNamespace(available=available)
+        monkeypatch.setattr(psutil, "virtual_memory", lambda memory_left=memory_left: memory_left)
         monkeypatch.setattr(memory, "CPU_ACTIVATIONS", 1 << 40)
         got = memory.plan_cpu_memory(model, 16384, log=lambda m: None)
         assert got == (False, want) or want == 2048 and got == (False, 1536), (available, got)

@@ -35,7 +35,7 @@ class TurnEngine:
     def generate(self, prompts, limits, temperature=1.0, top_p=1.0, mm=None, logprob_every=1):
         self.calls.append(([list(p) for p in prompts], list(limits)))
         out = []
-        for j, (p, limit) in enumerate(zip(prompts, limits)):
+        for limit in limits:
             ids = [1000 + 10 * len(self.calls) + k for k in range(self.length)] + [self.eos]
             ids = ids[:limit]
             out.append(Generation(ids, [-(k + 1) / 10 for k in range(len(ids))]))

@@ -1,5 +1,6 @@
 """The transformers engine (`--engine_type hf`): `generate` on the training model itself. Weights are shared,
-so sleep / wake_up / update_weights have nothing to do. It is the engine wherever vLLM is absent."""
+so sleep / wake_up / update_weights have nothing to do. It is the engine on a CPU, or where neither vLLM nor
+SGLang is installed."""
 
 from contextlib import nullcontext
 
