@@ -47,3 +47,20 @@ def test_the_size_budget_holds():
     assert {path: n for path, n in sizes.items() if n > 300} == {}
     with open(os.path.join(ROOT, "README.md")) as f:
         assert "each `rft_core` module at most 300" in f.read()
+
+
+def test_pip_install_e_packages_the_core():
+    """README: `pip install --no-deps -e .` makes rft_core importable from a script copied anywhere: the
+    packages pyproject.toml finds are the core and its subpackages, its dependencies requirements.txt's."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        config = tomllib.load(f)
+    found = set(find_packages(ROOT, **config["tool"]["setuptools"]["packages"]["find"]))
+    walk = os.walk(os.path.join(ROOT, "rft_core"))
+    core = {os.path.relpath(d, ROOT).replace(os.sep, ".") for d, _, files in walk if "__init__.py" in files}
+    assert found == core and "rft_core.engines" in found
+    assert config["tool"]["setuptools"]["dynamic"]["dependencies"]["file"] == ["requirements.txt"]
+    assert "pip install --no-deps -e ." in read("README.md")
