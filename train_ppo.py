@@ -44,35 +44,38 @@ from tqdm import tqdm
 
 from rft_core.advantages import (RunningMoments, adaptive_kl_coef, outcome_scores, shape_rewards,
                                  token_level_advantages)
-from rft_core.calculator import multiply_task  # VL
-from rft_core.checkpoint import checkpoint_step, finished_run, load_checkpoint, resume_point, save_checkpoint
-from rft_core.cli import parse_args
-from rft_core.data import arithmetic_task, encode_rows, load_prompt_rows, text_batches  # VL
+from rft_core.data import encode_rows, load_prompt_rows, text_batches  # VL
 from rft_core.distributed import configure_deepspeed, end_run, prepare_frozen, process_group_kwargs
 from rft_core.engines import create_engine
 from rft_core.environments import load_env
 from rft_core.episodes import EpisodeRunner
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
-from rft_core.health import HealthGuard, check_resumed_weights
 from rft_core.experience import (build_experience, logprob_passes, micro_batch_logprobs,
                                  micro_batch_values, optimizer_chunks)
 from rft_core.losses import (actor_loss, kl_estimate, masked_mean, policy_token_counts, token_mean,
                              value_loss)
 from rft_core.memory import micro_batch_splits
-from rft_core.metrics import Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics, update_metrics
 from rft_core.model_training import compile_blocks, text_lm_loss
 from rft_core.models import export_hf, lora_model, named_like
 from rft_core.model_training import load_value_model  # VL
 from rft_core.models import load_model_and_tokenizer  # VL
 from rft_core.optim import (accumulate_over, accumulation_divisor, adamw_with_warmup, move_optimizer_state,
                             offload_after_update, step_optimizers)
+from rft_core.plan import default_bf16, resolve, with_memory_plan
 from rft_core.reward_sources import reward_sources
 from rft_core.rewards import RewardScorer
-from rft_core.plan import default_bf16, resolve, with_memory_plan
 from rft_core.rollout import Rollouts
-from rft_core.run import StopSignals, run_main, stop_error
+from rft_core.runs.checkpoint import (checkpoint_step, finished_run, load_checkpoint, resume_point,
+                                      save_checkpoint)
+from rft_core.runs.cli import parse_args
+from rft_core.runs.health import HealthGuard, check_resumed_weights
+from rft_core.runs.metrics import (Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics,
+                                   update_metrics)
+from rft_core.runs.run import StopSignals, run_main, stop_error
 from rft_core.sequence_parallel import SequenceParallel, sliced
+from rft_core.tasks.arithmetic import arithmetic_task  # VL
+from rft_core.tasks.calculator import multiply_task  # VL
 
 
 @dataclass
@@ -81,8 +84,8 @@ class Args:
     pretrain: Optional[str] = None
     """HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"""
     prompt_data: str = "arithmetic"
-    """built-in task name (arithmetic; multiply, the calculator's: rft_core/calculator.py) or a local JSONL /
-    JSON / parquet file or directory"""
+    """built-in task name (arithmetic; multiply, the calculator's: rft_core/tasks/calculator.py) or a local
+    JSONL / JSON / parquet file or directory"""
     reward_fn: Optional[str] = None
     """answer (exact match in <answer> tags, the default) | math (math-verify equivalence; GSM8K/MATH
     labels) | path/to/file.py:function, called as fn(prompts, completions, labels) -> list of floats or dict

@@ -53,7 +53,8 @@ def main():
     import torch
 
     from bench.bench_sizes import make_model
-    from rft_core.data import arithmetic_task, encode_rows
+    from rft_core.data import encode_rows
+    from rft_core.tasks.arithmetic import arithmetic_task
     from rft_core.engines import create_engine
     from rft_core.models import load_model_and_tokenizer
 

@@ -57,7 +57,8 @@ def timed(fn, repeats):
 def bench_engine(args):
     from vllm import SamplingParams
 
-    from rft_core.data import arithmetic_task, encode_prompt
+    from rft_core.data import encode_prompt
+    from rft_core.tasks.arithmetic import arithmetic_task
     from rft_core.engines.vllm import VLLMEngine
 
     model, tokenizer = build(args.model)

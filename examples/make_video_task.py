@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
-    from rft_core.data import COLOURS, draw_shapes
+    from rft_core.tasks.shapes import COLOURS, draw_shapes
 
     parser = argparse.ArgumentParser()
     parser.add_argument("dir")

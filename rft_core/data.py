@@ -1,5 +1,5 @@
-"""Prompt data: the built-in tasks (arithmetic for text, shapes for images), local files through `datasets`,
-and prompt encoding.
+"""Prompt data: local files through `datasets`, the prompt stream, and prompt encoding (the built-in tasks:
+rft_core/tasks/).
 
 A prompt row is {"prompt": str | list of chat messages, "label": str} (and "images" for the shapes task).
 """
@@ -10,96 +10,6 @@ import os
 import random
 
 from rft_core.errors import DataError, MissingColumn, MissingPath
-
-# Few-shot turns: SmolLM2-135M never emits <answer> tags unprompted (0 of 2,560 samples measured),
-# but copies the format from two worked examples and gets easy problems right. The worked form
-# "a + b = c" lets the model use the arithmetic it knows before committing to the tagged answer.
-ARITHMETIC_SYSTEM = ("Solve the arithmetic problem. Write the equation, then the final answer in "
-                     "<answer></answer> tags.")
-ARITHMETIC_SHOTS = (("2 + 3", 5), ("4 * 2", 8))
-
-
-def _arithmetic_pools():
-    """All problems, by family: 2-digit +/- 1-digit and 1-digit x 1-digit (784 in all)."""
-    pools = {
-        "+": [(a, b, a + b) for a in range(10, 50) for b in range(1, 10)],
-        "-": [(a, b, a - b) for a in range(10, 50) for b in range(1, 10)],
-        "*": [(a, b, a * b) for a in range(2, 10) for b in range(2, 10)],
-    }
-    shots = {q for q, _ in ARITHMETIC_SHOTS}
-    return {op: [p for p in ps if f"{p[0]} {op} {p[1]}" not in shots] for op, ps in pools.items()}
-
-
-def _arithmetic_row(a, op, b, c):
-    messages = [{"role": "system", "content": ARITHMETIC_SYSTEM}]
-    for question, answer in ARITHMETIC_SHOTS:
-        messages += [{"role": "user", "content": f"What is {question}?"},
-                     {"role": "assistant", "content": f"{question} = {answer}\n<answer>{answer}</answer>"}]
-    messages.append({"role": "user", "content": f"What is {a} {op} {b}?"})
-    return {"prompt": messages, "label": str(c)}
-
-
-def arithmetic_task(num_train=4096, num_eval=96, seed=0):
-    """Seeded train/eval rows; eval problems (fixed, family-balanced) never appear in train."""
-    pools = _arithmetic_pools()
-    eval_rng = random.Random(1234)  # the eval split is the same whatever --seed is
-    eval_rows, train_pools = [], {}
-    for op, problems in pools.items():
-        held = set(eval_rng.sample(range(len(problems)), num_eval // len(pools)))
-        eval_rows += [_arithmetic_row(a, op, b, c) for i, (a, b, c) in enumerate(problems) if i in held]
-        train_pools[op] = [p for i, p in enumerate(problems) if i not in held]
-    rng = random.Random(seed)
-    train_rows = []
-    for _ in range(num_train):  # families equally likely, so easy and hard problems mix in a batch
-        op = rng.choice(sorted(train_pools))
-        a, b, c = rng.choice(train_pools[op])
-        train_rows.append(_arithmetic_row(a, op, b, c))
-    return train_rows, eval_rows
-
-
-# The shapes task (train_ppo_vl.py's default): drawn shapes, a colour or a count to name in one word.
-COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
-NUMBERS = ("one", "two", "three")
-IMAGE_SIZE = 84  # 6 x 6 patches of 14 px -> 9 language-model tokens per image
-
-
-def draw_shapes(colour, count, rng, size=IMAGE_SIZE):
-    """A white image with `count` non-overlapping filled shapes (circle, square or triangle) of one colour."""
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (size, size), "white")
-    draw, cell = ImageDraw.Draw(image), size // 2
-    for i in rng.sample(range(4), count):  # one shape per quadrant
-        x0, y0 = (i % 2) * cell + rng.randint(2, 8), (i // 2) * cell + rng.randint(2, 8)
-        side = rng.randint(cell // 2, cell - 12)
-        box, kind = (x0, y0, x0 + side, y0 + side), rng.choice(("circle", "square", "triangle"))
-        if kind == "circle":
-            draw.ellipse(box, fill=COLOURS[colour])
-        elif kind == "square":
-            draw.rectangle(box, fill=COLOURS[colour])
-        else:
-            draw.polygon([(x0, y0 + side), (x0 + side, y0 + side), (x0 + side // 2, y0)],
-                         fill=COLOURS[colour])
-    return image
-
-
-def shapes_task(num_train=2048, num_eval=64, seed=0):
-    """(train rows, eval rows) of {"images": [PIL image], "prompt": str, "label": str}: "what colour is the
-    shape?" (one shape, 4 colours) and "how many shapes are there?" (1-3 shapes). The eval split comes from
-    its own fixed seed, whatever `seed` is."""
-    def rows(n, rng):
-        out = []
-        for i in range(n):
-            colour = rng.choice(list(COLOURS))
-            if i % 2 == 0:
-                out.append({"images": [draw_shapes(colour, 1, rng)],
-                            "prompt": "what colour is the shape ?", "label": colour})
-            else:
-                count = rng.randint(1, 3)
-                out.append({"images": [draw_shapes(colour, count, rng)],
-                            "prompt": "how many shapes are there ?", "label": NUMBERS[count - 1]})
-        return out
-    return rows(num_train, random.Random(seed)), rows(num_eval, random.Random(10**6 + 7))
 
 
 def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(),

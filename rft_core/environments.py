@@ -10,10 +10,10 @@ from rft_core.errors import MissingName
 
 
 def load_env(spec):
-    """The environment --env names: "calculator" (rft_core/calculator.py), or 'path/to/file.py:NAME', an
+    """The environment --env names: "calculator" (rft_core/tasks/calculator.py), or 'path/to/file.py:NAME', an
     object with step (and optionally reset), or a class of them (made with no arguments)."""
     if spec == "calculator":
-        from rft_core.calculator import Calculator
+        from rft_core.tasks.calculator import Calculator
 
         return Calculator()
     from rft_core.reward_sources import load_from_file

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from rft_core.advantages import TOKEN_LEVEL
-from rft_core.checks import check_args, kl_in_reward
+from rft_core.runs.checks import check_args, kl_in_reward
 from rft_core.engines import resolve_engine_type
 from rft_core.episodes import EpisodeSettings
 from rft_core.losses import LossSettings
@@ -82,7 +82,7 @@ def default_bf16(args):
 
 def resolve(args, accelerator, default_lr=None):
     """The plan of a run from its flags, the Accelerator (processes, DeepSpeed / FSDP2, parallelism) and the
-    machine; checks the flags first (rft_core/checks.py). default_lr: the actor's learning rate where the
+    machine; checks the flags first (rft_core/runs/checks.py). default_lr: the actor's learning rate where the
     flag is unset (the VL script's default depends on the model)."""
     world, parallelism = accelerator.num_processes, accelerator.parallelism_config
     deepspeed = accelerator.state.deepspeed_plugin

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from rft_core.data import COLOURS, IMAGE_SIZE, NUMBERS
+from rft_core.tasks.shapes import COLOURS, IMAGE_SIZE, NUMBERS
 from rft_core.errors import DataError, MissingPath
 from rft_core.model_training import checkpointing_on
 from rft_core.models import check_model_path

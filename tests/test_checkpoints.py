@@ -19,11 +19,11 @@ import pytest
 import torch
 from conftest import ROOT, run_script
 
-from rft_core.checkpoint import (_manifest, check_identity, latest_checkpoint, load_checkpoint, resume_point,
-                                 run_identity, save_checkpoint)
+from rft_core.runs.checkpoint import (_manifest, check_identity, latest_checkpoint, load_checkpoint,
+                                      resume_point, run_identity, save_checkpoint)
 from rft_core.errors import CheckpointError, ConfigError
-from rft_core.metrics import MetricsLog
-from rft_core.run_dir import LOCK, _start_ticks, check_free, release_lock, take_lock
+from rft_core.runs.metrics import MetricsLog
+from rft_core.runs.run_dir import LOCK, _start_ticks, check_free, release_lock, take_lock
 
 TINY = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt", "2",
         "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "8"]
@@ -218,7 +218,7 @@ def test_a_second_live_run_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, 
 def test_the_lock_is_given_back_on_every_exit(tmp_path, end):
     """At exit, by an error too; a process killed outright leaves a lock the next run takes over."""
     out = tmp_path / "run"
-    code = (f"import os, sys; from rft_core.run_dir import take_lock; take_lock({str(out)!r})\n"
+    code = (f"import os, sys; from rft_core.runs.run_dir import take_lock; take_lock({str(out)!r})\n"
             f"def main():\n    {end}\nmain()")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True)
     assert (out / LOCK).exists() == end.startswith("os.kill")
@@ -366,7 +366,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, accel
 
 
 def test_a_full_disk_never_leaves_half_a_metrics_row_and_a_cut_one_is_dropped(tmp_path, monkeypatch, capsys):
-    import rft_core.integrity
+    import rft_core.runs.integrity
 
     log = MetricsLog(str(tmp_path))
     log.write(1, {"rollout/reward_mean": 1.0})
@@ -377,7 +377,7 @@ def test_a_full_disk_never_leaves_half_a_metrics_row_and_a_cut_one_is_dropped(tm
             f.write(text[:len(text) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rft_core.integrity, "_write", half_then_full)
+    monkeypatch.setattr(rft_core.runs.integrity, "_write", half_then_full)
     with pytest.raises(ConfigError, match=re.escape(f"no space left on {tmp_path} (")) as caught:
         log.write(2, {"rollout/reward_mean": 2.0})
     assert "the row of step 2 could not be appended to" in str(caught.value)

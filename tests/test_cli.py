@@ -3,8 +3,8 @@ from typing import Optional, Tuple
 
 import pytest
 
-from rft_core.cli import parse_args
-from rft_core.metrics import MetricsLog
+from rft_core.runs.cli import parse_args
+from rft_core.runs.metrics import MetricsLog
 
 
 @dataclass

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from rft_core.data import arithmetic_task, encode_prompt, load_prompt_rows
+from rft_core.data import encode_prompt, load_prompt_rows
+from rft_core.tasks.arithmetic import arithmetic_task
 
 
 def question(row):

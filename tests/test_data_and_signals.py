@@ -81,7 +81,7 @@ def test_a_repeated_key_is_named_with_its_line(tmp_path):
 # ---- the output directory ----
 
 def test_an_output_dir_that_leads_nowhere_or_into_proc_is_refused(tmp_path):
-    from rft_core.checks import check_output_dir
+    from rft_core.runs.checks import check_output_dir
 
     (tmp_path / "link").symlink_to(tmp_path / "gone" / "deeper")
     for path in (tmp_path / "link", tmp_path / "link" / "run"):
@@ -107,7 +107,7 @@ class OneProcess:
 
 
 def test_nan_weights_in_a_resumed_checkpoint_are_one_line(tmp_path):
-    from rft_core.health import check_resumed_weights
+    from rft_core.runs.health import check_resumed_weights
 
     for step in (2, 4):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -150,7 +150,7 @@ def intact_checkpoint(output_dir, step):
 
 
 def test_a_signal_during_start_up_stops_at_once_in_one_line(tmp_path, own_handlers, capfd):
-    from rft_core.run import StopNow, StopSignals, run_main
+    from rft_core.runs.run import StopNow, StopSignals, run_main
 
     StopSignals(flags(tmp_path), at_once=True)
     with pytest.raises(StopNow) as caught:
@@ -172,7 +172,7 @@ def test_a_signal_during_start_up_stops_at_once_in_one_line(tmp_path, own_handle
 
 
 def test_ctrl_c_twice_names_the_checkpoint_only_if_there_is_one(tmp_path, own_handlers, capfd):
-    from rft_core.run import StopNow, StopSignals
+    from rft_core.runs.run import StopNow, StopSignals
 
     stops = StopSignals(flags(tmp_path, save_steps=2))
     signal.raise_signal(signal.SIGINT)  # the first: at the end of the step
@@ -188,7 +188,7 @@ def test_ctrl_c_twice_names_the_checkpoint_only_if_there_is_one(tmp_path, own_ha
 
 
 def test_a_stop_says_why_there_is_no_checkpoint(tmp_path):
-    from rft_core.run import stop_error
+    from rft_core.runs.run import stop_error
 
     said = lambda signal_name, step, **kw: str(stop_error(signal_name, step, flags(tmp_path, **kw)))  # noqa
     assert said("SIGTERM", 3, save_steps=5) == (

@@ -23,7 +23,7 @@ ENGINE = dict(bf16=True, micro_batch_size=64, mem_util=0.2, sleep="never", enfor
 @pytest.fixture(scope="module", params=ENGINES)
 def vl(request):
     from rft_core.engines import create_engine
-    from rft_core.data import shapes_task
+    from rft_core.tasks.shapes import shapes_task
     from rft_core.vision import encode_vl_prompt, load_vl_model
 
     arch = os.environ.get("RFT_TEST_VL_ARCH", "qwen2_vl")  # or qwen2_5_vl
@@ -116,7 +116,7 @@ def test_sync_covers_the_vision_tower(vl):
 def test_image_token_mismatch_names_the_prompt(vl):
     """A prompt encoded with another processor (112 px images kept whole: 16 tokens) than the engine's (84 x
     84 at most: 9 tokens) is refused, naming it, instead of generating from a corrupted prompt."""
-    from rft_core.data import draw_shapes
+    from rft_core.tasks.shapes import draw_shapes
     from rft_core.vision import encode_vl_prompt, load_vl_model
 
     engine, model, tokenizer, prompts, mm = vl

@@ -15,7 +15,7 @@ from rft_core.environments import call_all, parse_step
 from rft_core.episodes import EpisodeRunner, EpisodeSettings, episode_metrics, score
 from rft_core.experience import Experience, Sample, build_experience
 from rft_core.losses import LossSettings, actor_loss
-from rft_core.metrics import rollout_metrics
+from rft_core.runs.metrics import rollout_metrics
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +362,7 @@ def test_experience_layout_with_environment_tokens(tiny_model_dir):
 
 
 def test_calculator():
-    from rft_core.calculator import Calculator, calculate, multiply_task
+    from rft_core.tasks.calculator import Calculator, calculate, multiply_task
     from rft_core.episodes import State
 
     assert calculate("773 * 38") == 29374 and calculate("(1 + 2) / 4") == 0.75 and calculate("-3 // 2") == -2
@@ -423,8 +423,8 @@ def test_greedy_episodes_reproduce_and_the_trainer_scores_the_sampled_tokens(eos
     (["--env", "calculator", "--max_episode_tokens", "16"], "--max_episode_tokens 16: one turn"),
     (["--env", "calculator", "--env_timeout", "0"], "--env_timeout 0.0: must be > 0")])
 def test_flags_that_cannot_work_with_episodes(flags, why):
-    from rft_core.checks import check_args
-    from rft_core.cli import parse_args
+    from rft_core.runs.checks import check_args
+    from rft_core.runs.cli import parse_args
     from rft_core.errors import ConfigError
     from train_ppo import Args
 

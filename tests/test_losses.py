@@ -422,7 +422,7 @@ def test_the_engine_trainer_gap_is_a_token_mean_over_the_rows_with_engine_logpro
     """Rows whose engine logprobs were not asked for (NaN) leave the logprob_diff metrics, the loss finite;
     over micro-batches the mean is weighted by their known tokens (the per-sample gap's by their samples), the
     max is the largest micro-batch's; a micro-batch with none adds nothing."""
-    from rft_core.metrics import Means
+    from rft_core.runs.metrics import Means
 
     mbs = [_micro_batch(seed) for seed in (3, 4, 5)]
     mbs[0].rollout_logprobs[[1, 4]] = math.nan
@@ -455,7 +455,7 @@ def test_token_metrics_add_nothing_for_a_micro_batch_without_tokens():
     """Under sequence parallelism a rank's slice may hold none of a micro-batch's response tokens: its
     token-weighted metrics (entropy, clip fraction, the weights' mean, max and capped fraction) add nothing to
     the step's means, where a mean over no tokens used to add a 0."""
-    from rft_core.metrics import Means
+    from rft_core.runs.metrics import Means
 
     full, empty = _micro_batch(3), _micro_batch(4)
     empty.action_mask = torch.zeros_like(empty.action_mask)
@@ -476,7 +476,7 @@ def test_maxima_merge_by_max_over_micro_batches_and_ranks(monkeypatch):
     negative maximum too) and over the ranks; means stay means and counts sums."""
     import accelerate.utils
 
-    from rft_core.metrics import Means, gather_metrics
+    from rft_core.runs.metrics import Means, gather_metrics
 
     stats = Means()
     stats.add({"is_weight_max": (torch.tensor(1.5), torch.tensor(1.0)), "entropy": torch.tensor(1.0),

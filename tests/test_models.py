@@ -364,7 +364,7 @@ def test_the_health_check_runs_compiled_layers_eagerly(tiny_model_dir, tmp_path)
 
     from rft_core.engines.base import Generation
     from rft_core.experience import build_experience
-    from rft_core.health import HealthGuard
+    from rft_core.runs.health import HealthGuard
     from rft_core.model_training import compile_blocks
 
     torch._dynamo.reset()
@@ -389,7 +389,7 @@ def test_the_health_check_measures_the_update_on_rows_with_engine_logprobs(tiny_
     from rft_core.engines.base import Generation
     from rft_core.errors import TrainingDiverged
     from rft_core.experience import batched_logprobs, build_experience
-    from rft_core.health import HealthGuard
+    from rft_core.runs.health import HealthGuard
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     exp = build_experience([[3, 4, 5], [3, 4]], [Generation([7, 8, 9], None), Generation([7, 8], None)], 0)

@@ -95,8 +95,8 @@ def test_the_prefix_cache_only_where_a_context_comes_again():
     ("check_inert", dict(gamma=0.9), "--gamma 0.9: it discounts the token-level estimators"),
 ])
 def test_each_check_refuses_on_its_own(check, flags, says, tmp_path):
-    """Each of rft_core/checks.py's checks refuses its case alone, and passes the defaults."""
-    import rft_core.checks as checks
+    """Each of rft_core/runs/checks.py's checks refuses its case alone, and passes the defaults."""
+    import rft_core.runs.checks as checks
 
     context = {"check_values": (), "check_algorithm": (), "check_batches": (1, 32),
                "check_setup": (1, None, False, "hf"), "check_inert": ("hf",)}[check]

@@ -28,7 +28,7 @@ def test_image_prompts_go_in_preprocessed():
     """An image prompt reaches SGLang as the trainer's own pixels and grids (its ids are kept, no processor
     runs), vision placeholders get a -100 logit bias, and a VL model's weights take SGLang's names."""
     from rft_core.vision import encode_vl_prompt, load_vl_model
-    from rft_core.data import shapes_task
+    from rft_core.tasks.shapes import shapes_task
 
     model, tokenizer, processor = load_vl_model(tiny="qwen2_vl")
     _, rows = shapes_task(num_eval=2)

@@ -229,7 +229,7 @@ def test_default_model_one_step(tmp_path):
     prompts instead of 8 (the update of 32 samples took a minute of CI's two cores), evaluated on 8 of the
     built-in task's held-out problems instead of 96 (two evals took 140 of the test's 200 s; the tiny-model
     runs evaluate all 96)."""
-    from rft_core.data import arithmetic_task
+    from rft_core.tasks.arithmetic import arithmetic_task
 
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_task(seed=0)[1][:8]))

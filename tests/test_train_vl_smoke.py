@@ -36,7 +36,7 @@ def test_builtin_shapes(tmp_path):
 def test_file_dataset_with_images(tmp_path, chars_reward):
     import random
 
-    from rft_core.data import draw_shapes
+    from rft_core.tasks.shapes import draw_shapes
     for i in range(3):
         draw_shapes("red", i + 1, random.Random(i)).save(tmp_path / f"img{i}.png")
     rows = [{"prompt": "what colour is the shape ?", "images": ["img0.png"], "label": "red"},

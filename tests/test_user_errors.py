@@ -121,7 +121,7 @@ def test_cuda_out_of_memory_is_one_line_naming_the_flags(monkeypatch, capsys):
     """An out-of-memory error the memory plan did not foresee (seen: ZeRO-3's optimizer step, 3B shape, one
     H100) ends with one line: what torch tried and had free, and the flags that make room; --debug / RFT_DEBUG
     keep the traceback."""
-    from rft_core.run import run_main
+    from rft_core.runs.run import run_main
 
     def main():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.74 GiB. GPU 0 has a total "
@@ -221,7 +221,7 @@ def test_trackers_that_cannot_start_leave_the_output_dir_alone(tmp_path):
     from types import SimpleNamespace
 
     from rft_core.errors import ConfigError
-    from rft_core.metrics import MetricsLog
+    from rft_core.runs.metrics import MetricsLog
 
     def init_trackers(project, config):
         raise RuntimeError("No API key configured. Use `wandb login` to log in.")
@@ -241,7 +241,7 @@ def test_a_step_that_trains_nothing_is_said_once(tmp_path, capsys):
     """A step whose actor gradient is exactly 0 (every advantage 0: a reward that never varies) is said once,
     with its cause, and so is a step whose responses were all cut at the length limit; later ones only show in
     their metrics."""
-    from rft_core.metrics import MetricsLog
+    from rft_core.runs.metrics import MetricsLog
 
     log = MetricsLog(str(tmp_path), max_len=8)
     for step, norm, cut in ((1, 0.5, 0.5), (2, 0.0, 1.0), (3, 0.0, 1.0)):
@@ -285,7 +285,7 @@ def test_resuming_with_other_settings_is_refused(tiny_model_dir, tmp_path, monke
 def test_vl_image_rows(tmp_path, monkeypatch):
     """An absent --images_key column is an error; a missing or corrupt image skips its row (counted, the first
     named), or with --strict_data stops the run naming row, column and file."""
-    from rft_core.data import draw_shapes
+    from rft_core.tasks.shapes import draw_shapes
     from rft_core.vision import load_image_rows
 
     draw_shapes("red", 1, random.Random(0)).save(tmp_path / "ok.png")
@@ -453,7 +453,7 @@ def test_non_finite_gradients_stop_before_the_update_and_name_the_intact_checkpo
 
 
 def test_health_guard_catches_explosion_and_collapse(tmp_path):
-    from rft_core.health import HealthGuard
+    from rft_core.runs.health import HealthGuard
 
     guard = HealthGuard(str(tmp_path), vocab_size=1000)
     for norm in (1.0, 2.0, 1.5, 0.0):
@@ -476,7 +476,7 @@ def test_nonfinite_gradients_name_the_nonfinite_inputs(tmp_path):
     """The stop on a NaN gradient names what of the step's experience is not finite on response tokens; NaN
     engine logprobs of a row the engine returned none for (one sample in 8) are no finding."""
     from rft_core.experience import Experience
-    from rft_core.health import HealthGuard, nonfinite_inputs
+    from rft_core.runs.health import HealthGuard, nonfinite_inputs
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
     exp = Experience(torch.zeros(3, 6, dtype=torch.long), torch.ones(3, 6), mask,
@@ -498,7 +498,7 @@ def test_a_nan_gradient_before_any_update_is_not_blamed_on_the_learning_rate(tmp
     """A non-finite gradient with finite inputs at a process's first update (the weights as loaded) names the
     forward or backward and --torch_compile false; after an update it points at the learning rate."""
     from rft_core.experience import Experience
-    from rft_core.health import HealthGuard
+    from rft_core.runs.health import HealthGuard
 
     exp = Experience(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), torch.ones(1, 2),
                      torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.tensor([1.0]))
@@ -536,7 +536,7 @@ def test_damaged_checkpoints_are_named_and_skipped(tiny_model_dir, tmp_path):
 
 
 def test_no_intact_checkpoint_is_an_error_naming_the_fix(tmp_path):
-    from rft_core.checkpoint import _manifest, latest_checkpoint, verify_checkpoint
+    from rft_core.runs.checkpoint import _manifest, latest_checkpoint, verify_checkpoint
 
     ckpt = tmp_path / "checkpoint-5"
     ckpt.mkdir()
@@ -567,7 +567,7 @@ def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, s
     """SIGINT / SIGTERM during step 2: the step finishes, one line says what is intact, the exit status says
     which signal; with --save_on_sigterm a checkpoint of that step is written first. SIGUSR1 before it only
     prints the stacks (where a stuck run waits)."""
-    from rft_core.checkpoint import verify_checkpoint
+    from rft_core.runs.checkpoint import verify_checkpoint
 
     (tmp_path / "rw.py").write_text(SLOW)
     out = tmp_path / "out"
@@ -603,7 +603,7 @@ def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, s
 
 
 def test_a_deleted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
-    from rft_core.checkpoint import _manifest, latest_checkpoint
+    from rft_core.runs.checkpoint import _manifest, latest_checkpoint
 
     for step in (2, 4):
         ckpt = tmp_path / f"checkpoint-{step}"
@@ -624,7 +624,7 @@ def test_engine_groups_must_divide_the_processes():
     the processes; refused before anything starts (the transformers engine ignores it, with its own
     message)."""
     import train_ppo
-    from rft_core.checks import check_args
+    from rft_core.runs.checks import check_args
 
     args = train_ppo.Args(engine_tp_size=2, rollout_batch_size=12)  # 12 prompts: over 3 or 4 processes
     args = replace(args, train_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
@@ -643,7 +643,7 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
 
     import train_ppo
     import train_ppo_vl
-    from rft_core.checks import check_args
+    from rft_core.runs.checks import check_args
 
     def config(**sizes):
         return types.SimpleNamespace(**{"sp_size": 1, "cp_size": 1, "tp_size": 1, **sizes})
@@ -689,7 +689,7 @@ def test_optimizer_offload_under_deepspeed():
     import types
 
     import train_ppo
-    from rft_core.checks import check_args
+    from rft_core.runs.checks import check_args
     from rft_core.distributed import zero_offloads_optimizer
     from rft_core.optim import offload_after_update
 

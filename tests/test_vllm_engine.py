@@ -205,7 +205,8 @@ def engine_and_model():
 
 
 def _prompts(tokenizer):
-    from rft_core.data import arithmetic_task, encode_prompt
+    from rft_core.data import encode_prompt
+    from rft_core.tasks.arithmetic import arithmetic_task
 
     _, rows = arithmetic_task(num_train=1)
     return [encode_prompt(tokenizer, r["prompt"]) for r in rows[:8]]
@@ -282,7 +283,7 @@ def test_episodes_through_vllm(engine_and_model):
     """The calculator task's episodes through vLLM: greedy episodes reproduce token for token, the model calls
     the calculator, and sampled episodes' policy tokens score alike in the engine and the trainer (the
     environment's tokens between them)."""
-    from rft_core.calculator import Calculator, multiply_task
+    from rft_core.tasks.calculator import Calculator, multiply_task
     from rft_core.data import encode_rows
     from rft_core.episodes import EpisodeRunner, EpisodeSettings
     from rft_core.experience import batched_logprobs, build_experience

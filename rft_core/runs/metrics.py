@@ -10,9 +10,9 @@ import torch
 from tqdm import tqdm
 
 from rft_core.errors import ConfigError
-from rft_core.integrity import append, read_rows, write_error
-from rft_core.run_dir import (move_previous, on_main, previous_run, refuse_overwrite, release_lock, take_lock,
-                              with_segments)
+from rft_core.runs.integrity import append, read_rows, write_error
+from rft_core.runs.run_dir import (move_previous, on_main, previous_run, refuse_overwrite, release_lock, take_lock,
+                                   with_segments)
 
 
 class StepTimer:
@@ -170,7 +170,7 @@ class MetricsLog:
 
     def __init__(self, output_dir, config=None, accelerator=None, project=None, keep_until=None,
                  samples_every=0, plot_every=0, max_len=None):
-        """Starts the record where that is safe (rft_core/run_dir.py): the main process takes output_dir's
+        """Starts the record where that is safe (rft_core/runs/run_dir.py): the main process takes output_dir's
         lock (a second live run is refused in one line); a new run (keep_until None) over a previous run's
         steps is refused unless config["no_resume"], which moves that run into previous-N/ first. Then config
         (a dict) goes to config.json and metrics.jsonl starts: a resumed run (keep_until, its checkpoint's
@@ -288,7 +288,7 @@ class MetricsLog:
         """curves.png and gen_len.png in the output directory (with plot_every; lengths: the latest
         rollout's response lengths)."""
         if self.enabled and self.plot_every:
-            from rft_core.plots import write_plots
+            from rft_core.runs.plots import write_plots
 
             write_plots(os.path.dirname(self.path), lengths, self.max_len)
 

@@ -10,7 +10,7 @@ Each checkpoint records in `manifest.json` the size and SHA-256 of every file it
 runs at about 750 MB/s a core, files in parallel). Resuming verifies them: a damaged or missing checkpoint is
 named and the newest intact one before it is used instead (found by their manifests where `latest` is
 missing), never a damaged RNG state. Loading reads pickles as plain data only (torch.load's weights_only=True)
-and checks that the RNG states are the saved ones (rft_core/integrity.py). A save that fails (a full
+and checks that the RNG states are the saved ones (rft_core/runs/integrity.py). A save that fails (a full
 disk) is one line and leaves the previous checkpoint as it was; pruning never deletes the one just written.
 
 The trainer state also records the settings the checkpoint's contents depend on (`run_identity`): the data
@@ -27,10 +27,10 @@ import shutil
 import torch
 
 from rft_core.errors import CheckpointError
-from rft_core.integrity import (MANIFEST, check_rng_restored, is_full, load_plain, mark_written, size_text,
-                                verify_checkpoint)
-from rft_core.integrity import manifest as _manifest
-from rft_core.run_dir import check_free, on_main
+from rft_core.runs.integrity import (MANIFEST, check_rng_restored, is_full, load_plain, mark_written, size_text,
+                                     verify_checkpoint)
+from rft_core.runs.integrity import manifest as _manifest
+from rft_core.runs.run_dir import check_free, on_main
 
 LATEST = "latest"
 RESUME_FLAGS = ("pretrain", "prompt_data", "input_key", "label_key", "images_key", "seed",

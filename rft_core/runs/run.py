@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from rft_core.checkpoint import latest_checkpoint
+from rft_core.runs.checkpoint import latest_checkpoint
 from rft_core.errors import CheckpointError, Stopped, UserError
 
 

@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from rft_core.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
+from rft_core.runs.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
 from rft_core.errors import CheckpointError, TrainingDiverged
 from rft_core.experience import micro_batch_logprobs
 

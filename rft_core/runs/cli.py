@@ -1,4 +1,4 @@
-"""Flags from a dataclass: each field becomes `--name`, its docstring the help; rft_core/checks.py checks
+"""Flags from a dataclass: each field becomes `--name`, its docstring the help; rft_core/runs/checks.py checks
 the values."""
 
 import argparse

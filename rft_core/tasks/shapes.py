@@ -1,0 +1,46 @@
+"""The shapes task, train_ppo_vl.py's default: drawn shapes, a colour or a count to name in one word."""
+
+import random
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
+NUMBERS = ("one", "two", "three")
+IMAGE_SIZE = 84  # 6 x 6 patches of 14 px -> 9 language-model tokens per image
+
+
+def draw_shapes(colour, count, rng, size=IMAGE_SIZE):
+    """A white image with `count` non-overlapping filled shapes (circle, square or triangle) of one colour."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), "white")
+    draw, cell = ImageDraw.Draw(image), size // 2
+    for i in rng.sample(range(4), count):  # one shape per quadrant
+        x0, y0 = (i % 2) * cell + rng.randint(2, 8), (i // 2) * cell + rng.randint(2, 8)
+        side = rng.randint(cell // 2, cell - 12)
+        box, kind = (x0, y0, x0 + side, y0 + side), rng.choice(("circle", "square", "triangle"))
+        if kind == "circle":
+            draw.ellipse(box, fill=COLOURS[colour])
+        elif kind == "square":
+            draw.rectangle(box, fill=COLOURS[colour])
+        else:
+            draw.polygon([(x0, y0 + side), (x0 + side, y0 + side), (x0 + side // 2, y0)],
+                         fill=COLOURS[colour])
+    return image
+
+
+def shapes_task(num_train=2048, num_eval=64, seed=0):
+    """(train rows, eval rows) of {"images": [PIL image], "prompt": str, "label": str}: "what colour is the
+    shape?" (one shape, 4 colours) and "how many shapes are there?" (1-3 shapes). The eval split comes from
+    its own fixed seed, whatever `seed` is."""
+    def rows(n, rng):
+        out = []
+        for i in range(n):
+            colour = rng.choice(list(COLOURS))
+            if i % 2 == 0:
+                out.append({"images": [draw_shapes(colour, 1, rng)],
+                            "prompt": "what colour is the shape ?", "label": colour})
+            else:
+                count = rng.randint(1, 3)
+                out.append({"images": [draw_shapes(colour, count, rng)],
+                            "prompt": "how many shapes are there ?", "label": NUMBERS[count - 1]})
+        return out
+    return rows(num_train, random.Random(seed)), rows(num_eval, random.Random(10**6 + 7))
