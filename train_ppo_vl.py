@@ -257,10 +257,9 @@ class Args:
     """the engine's (vLLM / SGLang) tensor-parallel size: groups of this many consecutive ranks share one"""
     engine_mem_util: float = 0.3
     """fraction of GPU memory the engine (vLLM / SGLang) takes for weights and KV cache"""
-    enable_engine_sleep: bool = False
-    """always sleep the engine (vLLM / SGLang) during training"""
-    disable_engine_sleep: bool = False
-    """never sleep it (default: auto, sleep only when training needs the memory)"""
+    engine_sleep: str = "auto"
+    """when the engine (vLLM / SGLang) sleeps during updates: auto (only when an update needs its memory),
+    always or never"""
     engine_sleep_level: int = 1
     """engine sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
     engine_enforce_eager: bool = False

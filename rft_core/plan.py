@@ -107,7 +107,7 @@ def resolve(args, accelerator, default_lr=None):
     tis_cap, tis_level = importance_weights(args)
     if args.partial_rollout and (args.tis_cap is None or args.tis_level is None):
         why.append(f"importance weights per {tis_level}, capped at {tis_cap}: partial rollout's default")
-    sleep = "always" if args.enable_engine_sleep else "never" if args.disable_engine_sleep else "auto"
+    sleep = args.engine_sleep
     if engine_type != "hf" and sleep == "auto":
         why.append("engine sleep auto: the engine sleeps only when an update needs its memory")
     if args.optimizer_offload is None and engine_type != "hf":
@@ -193,9 +193,10 @@ def with_memory_plan(plan, args, accelerator, model, nets):
     checkpointing. A --gradient_checkpointing or --max_tokens_per_micro_batch given is kept."""
     checkpointing, budget = plan.gradient_checkpointing, plan.max_tokens_per_micro_batch
     if budget and checkpointing is None:
-        share = 0.0 if args.enable_engine_sleep else args.engine_mem_util  # of the GPU, an awake engine's
+        # of the GPU, an awake engine's
+        share = 0.0 if args.engine_sleep == "always" else args.engine_mem_util
         checkpointing, budget = plan_update_memory(
-            model, budget, plan.chunk_size, accelerator.autocast, share, not args.disable_engine_sleep,
+            model, budget, plan.chunk_size, accelerator.autocast, share, args.engine_sleep != "never",
             fixed_budget=args.max_tokens_per_micro_batch is not None, log=accelerator.print,
             sliced=plan.sp_size > 1)
     for net in nets if checkpointing else []:

@@ -91,7 +91,7 @@ def test_the_prefix_cache_only_where_a_context_comes_again():
     ("check_values", dict(loss_agg_mode="mean"), "--loss_agg_mode 'mean': choose one of"),
     ("check_algorithm", dict(n_samples_per_prompt=1), "--n_samples_per_prompt 1 with group_norm"),
     ("check_batches", dict(rollout_batch_size=3), "= 12 must be a multiple of --train_batch_size 32"),
-    ("check_setup", dict(enable_engine_sleep=True, disable_engine_sleep=True), "pick one"),
+    ("check_setup", dict(engine_sleep="sometimes"), "choose auto, always or never"),
     ("check_inert", dict(gamma=0.9), "--gamma 0.9: it discounts the token-level estimators"),
 ])
 def test_each_check_refuses_on_its_own(check, flags, says, tmp_path):

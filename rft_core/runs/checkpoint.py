@@ -27,8 +27,8 @@ import shutil
 import torch
 
 from rft_core.errors import CheckpointError
-from rft_core.runs.integrity import (MANIFEST, check_rng_restored, is_full, load_plain, mark_written, size_text,
-                                     verify_checkpoint)
+from rft_core.runs.integrity import (MANIFEST, check_rng_restored, is_full, load_plain, mark_written,
+                                     size_text, verify_checkpoint)
 from rft_core.runs.integrity import manifest as _manifest
 from rft_core.runs.run_dir import check_free, on_main
 

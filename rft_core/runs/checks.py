@@ -175,8 +175,8 @@ def check_setup(args, world, deepspeed, sharded, engine_type):
     check(engine_type == "hf" or world % tp == 0, f"--engine_tp_size {tp}: must divide the {world} processes "
           "(groups of consecutive ranks share an engine)")
     check_output_dir(args.output_dir)
-    check(not (args.enable_engine_sleep and args.disable_engine_sleep),
-          "--enable_engine_sleep or --disable_engine_sleep: pick one")
+    check(args.engine_sleep in ("auto", "always", "never"),
+          f"--engine_sleep {args.engine_sleep!r}: choose auto, always or never")
 
 
 def check_env(args, engine_type, sharded):
@@ -229,8 +229,8 @@ def check_inert(args, engine_type):
     estimator = args.advantage_estimator
     token_level = estimator in TOKEN_LEVEL
     inert = [  # (whether they act here, the flags, why they do not)
-        (engine_type != "hf", ("engine_tp_size", "engine_mem_util", "enable_engine_sleep",
-                               "disable_engine_sleep", "engine_sleep_level", "engine_enforce_eager"),
+        (engine_type != "hf", ("engine_tp_size", "engine_mem_util", "engine_sleep",
+                               "engine_sleep_level", "engine_enforce_eager"),
          "it sets the vLLM / SGLang engine, but this run uses the transformers engine (--engine_type hf, or "
          "auto without a GPU or without vllm)"),
         (estimator == "gae", ("critic_pretrain", "critic_learning_rate", "value_clip", "lambd",

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from rft_core.errors import ConfigError
 from rft_core.runs.integrity import append, read_rows, write_error
-from rft_core.runs.run_dir import (move_previous, on_main, previous_run, refuse_overwrite, release_lock, take_lock,
-                                   with_segments)
+from rft_core.runs.run_dir import (move_previous, on_main, previous_run, refuse_overwrite, release_lock,
+                                   take_lock, with_segments)
 
 
 class StepTimer:
@@ -170,15 +170,15 @@ class MetricsLog:
 
     def __init__(self, output_dir, config=None, accelerator=None, project=None, keep_until=None,
                  samples_every=0, plot_every=0, max_len=None):
-        """Starts the record where that is safe (rft_core/runs/run_dir.py): the main process takes output_dir's
-        lock (a second live run is refused in one line); a new run (keep_until None) over a previous run's
-        steps is refused unless config["no_resume"], which moves that run into previous-N/ first. Then config
-        (a dict) goes to config.json and metrics.jsonl starts: a resumed run (keep_until, its checkpoint's
-        step) keeps the rows up to that step (a row cut by a full disk is dropped and said), and its
-        config.json keeps, under "resumed", each resume's step and the values that changed there; a new run
-        starts it empty. With a project name, the accelerator's trackers start first, with the config's
-        scalars and strings (TensorBoard's hparams refuse anything else). samples_every, plot_every (steps;
-        0: never), max_len (of a response): samples_and_plots below. Only the main process writes."""
+        """Starts the record where that is safe (rft_core/runs/run_dir.py): the main process takes
+        output_dir's lock (a second live run is refused in one line); a new run (keep_until None) over a
+        previous run's steps is refused unless config["no_resume"], which moves that run into previous-N/
+        first. Then config (a dict) goes to config.json and metrics.jsonl starts: a resumed run (keep_until,
+        its checkpoint's step) keeps the rows up to that step (a row cut by a full disk is dropped and said),
+        and its config.json keeps, under "resumed", each resume's step and the values that changed there; a
+        new run starts it empty. With a project name, the accelerator's trackers start first, with the
+        config's scalars and strings (TensorBoard's hparams refuse anything else). samples_every, plot_every
+        (steps; 0: never), max_len (of a response): samples_and_plots below. Only the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
         self.said = set()  # the notices given (each once): "idle", "cut"
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
