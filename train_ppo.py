@@ -206,8 +206,6 @@ class Args:
     inflight_ratio: float = 1.0
     """with --partial_rollout: groups in hand per round (generating or ready), in steps' worth of groups;
     fresh prompts fill it, so every round generates a full batch (1: draw only the groups still needed)"""
-    partial_order: str = "finish"
-    """with --partial_rollout: train groups as they finish (finish), or K steps after they started (start)"""
     env: Optional[str] = None
     """multi-turn episodes: an environment answers each assistant turn: calculator (built-in, with
     --prompt_data multiply) or path/to/file.py:NAME, with step(state, text) and optionally reset(sample)

@@ -14,7 +14,6 @@ line per run: samples trained per second, tokens generated per second, the decod
     python bench/bench_partial.py --warm_steps 12 --modes partial --inflight_ratio 2   # partial-r2-seed0
     python bench/bench_partial.py --warm_steps 12 --modes sync_tis    # synchronous with --tis_cap 2
     python bench/bench_partial.py --warm_steps 12 --frozen            # both arms at the warm-up's weights
-    python bench/bench_partial.py --warm_steps 12 --staleness 2 --modes sync_tis start   # start order, K = 2
     python bench/bench_partial.py --warm_steps 12 --tag drgrpo --arm_flags "--loss_agg_mode \
         seq-mean-token-sum-norm"                                     # flags for the measured runs only
     python bench/bench_partial.py --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \
@@ -118,7 +117,7 @@ def main():
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--root", default="/tmp/rft_partial")
     parser.add_argument("--modes", nargs="+", default=["sync", "partial"],
-                        choices=["sync", "sync_tis", "partial", "start"])
+                        choices=["sync", "sync_tis", "partial"])
     parser.add_argument("--warm_steps", type=int, default=0,
                         help="first train this many synchronous steps (seed 100); every run starts from them")
     parser.add_argument("--warm_max_len", type=int, help="the warm-up's --generate_max_len (else --max_len)")
@@ -148,10 +147,7 @@ def main():
     # the plain synchronous arm runs without
     modes = {"sync": [], "sync_tis": ["--tis_cap", "2"],
              "partial": ["--partial_rollout", "--max_token_budget", str(args.budget),
-                         "--max_staleness", str(args.staleness)],
-             # start order: each group trains K steps after it started; budget generate_max_len / (K + 1)
-             "start": ["--partial_rollout", "--partial_order", "start",
-                       "--max_staleness", str(args.staleness)]}
+                         "--max_staleness", str(args.staleness)]}
     ratio = f"{args.inflight_ratio:g}" if args.inflight_ratio else None
     if ratio:
         modes["partial"] += ["--inflight_ratio", ratio]

@@ -154,10 +154,7 @@ def response_limit(args):
 
 def rollout_settings(args, tis_cap):
     """The rollout's settings from its flags (the EOS token is the tokenizer's: set once it loads)."""
-    order = args.partial_order
-    # start order: every group finishes within the K + 1 rounds before it trains
-    default = (math.ceil(args.generate_max_len / (args.max_staleness + 1)) if order == "start"
-               else max(1, args.generate_max_len // 4))
+    default = max(1, args.generate_max_len // 4)  # the budget per round
     # TIS and partial rollout weight every token by its engine logprob; otherwise they feed only the
     # engine-vs-trainer metric, which one sample in 8 estimates for an eighth of their cost
     every = 1 if tis_cap else 8
@@ -165,7 +162,7 @@ def rollout_settings(args, tis_cap):
                            args.dynamic_sampling, args.max_num_gen_batches, args.overlong_buffer_len,
                            args.overlong_penalty_factor, args.strict_rewards, args.partial_rollout,
                            args.max_token_budget or default, args.max_staleness, None, args.inflight_ratio,
-                           every, order)
+                           every)
 
 
 def engine_options(args, bf16, sleep, requests, sp_size=1):
@@ -174,8 +171,7 @@ def engine_options(args, bf16, sleep, requests, sp_size=1):
     transformers engine generates one prompt at a time, without padding."""
     micro_batch_size = 1 if sp_size > 1 else args.micro_rollout_batch_size
     if args.partial_rollout:  # a generation round holds --inflight_ratio steps' worth of groups
-        start = args.partial_order == "start"  # (start order: K + 1 in its first step)
-        requests = math.ceil(requests * (args.max_staleness + 1 if start else args.inflight_ratio))
+        requests = math.ceil(requests * args.inflight_ratio)
     # an episode's turns and a partial rollout's rounds send their context again: vLLM's prefix cache
     # finds it; a single-turn rollout's never repeats, and caching costs vLLM's scheduler at every token
     prefix_caching = args.env is not None or args.partial_rollout

@@ -17,12 +17,7 @@ short, at most `max_rounds`; in the last one the oldest groups still needed gene
 every step has its k groups. Staleness: a group whose first tokens are `max_staleness` versions old
 generates without a budget (it finishes now, so no trained token is older than that); a finished group that
 waited past the bound (more were ready than a step takes) is dropped and its prompt drawn again later.
-
-That is `order="finish"`: groups train as they finish, so a group's delay follows its outcome (those with a
-long answer train late). `order="start"` trains groups in the order they were drawn: each step draws k
-fresh groups, holds (K + 1) x k (K = max_staleness) and trains the k drawn first, K steps after they
-started, whatever their length: a pure delay of K versions. With a budget of at least max_new_tokens /
-(K + 1) (its default) every group has finished by then, so a step is one round and no call waits on a tail.
+Groups train as they finish, so a group's delay follows its outcome (those with a long answer train late).
 """
 
 import math
@@ -57,7 +52,6 @@ class RolloutSettings:
     eos_token_id: Optional[int] = None  # a response that ends in it has finished
     inflight_ratio: float = 1.0  # groups in hand per round (generating or ready), in steps' worth of groups
     logprob_every: int = 1  # the engine's logprobs for every k-th sample (engine.generate's logprob_every)
-    order: str = "finish"  # which finished groups a step trains: "finish" or "start" (the docstring above)
 
 
 def answer_finished(new_ids, limit, length, max_new_tokens, eos_token_id):
@@ -74,7 +68,6 @@ class Group:
     version: int  # the policy version that sampled its first tokens
     done: list  # per sample: finished
     ready: bool = False  # finished and scored: it can be trained
-    drawn: int = 0  # its place in the order this rank drew groups (start order trains the first drawn)
 
 
 class Rollouts:
@@ -90,14 +83,13 @@ class Rollouts:
         self.rank, self.settings, self.device = rank, settings, device
         self.queue = []  # partial rollout: this rank's prompts drawn from the stream, not yet started
         self.buffer = []  # partial rollout: Groups unfinished, or finished and waiting
-        self.groups_drawn = 0  # partial rollout: Groups started on this rank (their order)
 
     def state_dict(self):
         return {"batches_drawn": self.drawn}
 
     def buffer_state(self):
         """The partial-rollout buffer and queue as plain containers (torch.load's weights_only takes them)."""
-        groups = [{"version": g.version, "done": g.done, "ready": g.ready, "drawn": g.drawn,
+        groups = [{"version": g.version, "done": g.done, "ready": g.ready,
                    "samples": [{**asdict(s), "generation": asdict(s.generation)} for s in g.samples]}
                   for g in self.buffer]
         return {"groups": groups, "queue": [asdict(s) for s in self.queue]}
@@ -109,10 +101,8 @@ class Rollouts:
         if buffer:
             self.queue = [Sample(**s) for s in buffer["queue"]]
             self.buffer = [Group([Sample(**{**s, "generation": Generation(**s["generation"])})
-                                  for s in g["samples"]], g["version"], g["done"], g["ready"],
-                                 g.get("drawn", 0))  # (a checkpoint from before start order: finish order)
+                                  for s in g["samples"]], g["version"], g["done"], g["ready"])
                            for g in buffer["groups"]]
-            self.groups_drawn = max((g.drawn + 1 for g in self.buffer), default=0)
 
     def draw(self):
         """This rank's next prompts, each repeated group_size times (a group stays on one rank)."""
@@ -231,19 +221,15 @@ class Rollouts:
         # groups to hold per round; where nothing is cut off (a budget of the whole length, or K = 0) only
         # what the step needs is drawn: the synchronous loop
         can_cut = cfg.token_budget < cfg.max_new_tokens and cfg.max_staleness > 0
-        start = cfg.order == "start"  # train the k groups drawn first, once all have finished
-        in_hand = (self.k if not can_cut else self.k * (cfg.max_staleness + 1) if start
-                   else math.ceil(self.k * cfg.inflight_ratio))
+        in_hand = math.ceil(self.k * cfg.inflight_ratio) if can_cut else self.k
         for rounds in range(1, cfg.max_rounds + 1):
             need = self.k - len(ready)
-            fresh = max(0 if start else need, in_hand - len(ready) - len(pending))
+            fresh = max(need, in_hand - len(ready) - len(pending))
             pending += [self._new_group(version) for _ in range(fresh)]
             # no budget for a group at the staleness bound, nor (last round) for the oldest ones still needed
             urgent = {g for g in pending if version - g.version >= cfg.max_staleness}
             if rounds == cfg.max_rounds:
-                oldest = (self._first_drawn(ready + pending) if start
-                          else sorted(pending, key=lambda g: g.version)[:max(0, need)])
-                urgent.update(g for g in oldest if not g.ready)
+                urgent.update(sorted(pending, key=lambda g: g.version)[:max(0, need)])
             requests = [(g, i) for g in pending for i in range(n) if not g.done[i]]
             limits = []
             for g, i in requests:
@@ -265,15 +251,10 @@ class Rollouts:
             for g in finished:
                 g.ready = id(g.samples) in kept_ids
             ready += [g for g in finished if g.ready]
-            if start:
-                head = self._first_drawn(ready + pending)
-                short = len(head) < self.k or not all(g.ready for g in head)
-            else:
-                short = len(ready) < self.k
+            short = len(ready) < self.k
             if not reduce_sum(torch.tensor(float(short), device=self.device)):
                 break  # every rank has its k groups
-        # start order: the last round's head; finish order: the oldest first (else in order of finishing)
-        trained = [g for g in head if g.ready] if start else sorted(ready, key=lambda g: g.version)[:self.k]
+        trained = sorted(ready, key=lambda g: g.version)[:self.k]  # the oldest first (else as they finished)
         self.buffer = [g for g in ready + pending if g not in trained]
         ages = [version - v for g in trained for s in g.samples for v in s.generation.versions]
         metrics = {"rollout/generation_rounds": rounds, "rollout/resumed": resumed,
@@ -291,9 +272,4 @@ class Rollouts:
         prompt = self.queue.pop(0)
         n = self.settings.group_size
         samples = [replace(prompt, generation=Generation([], [], [])) for _ in range(n)]
-        self.groups_drawn += 1
-        return Group(samples, version, [False] * n, drawn=self.groups_drawn - 1)
-
-    def _first_drawn(self, groups):
-        """The k groups drawn first among `groups` (ready or generating): start order's next batch."""
-        return sorted(groups, key=lambda g: g.drawn)[:self.k]
+        return Group(samples, version, [False] * n)

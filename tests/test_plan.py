@@ -60,15 +60,13 @@ def test_the_engine_holds_a_rounds_requests():
     flags = SimpleNamespace(micro_rollout_batch_size=8, engine_tp_size=1, engine_mem_util=0.3,
                            engine_sleep_level=1, engine_enforce_eager=False, seed=0, prompt_max_len=64,
                            generate_max_len=64, partial_rollout=False, inflight_ratio=2.5,
-                           partial_order="finish", max_staleness=2, env=None, max_episode_tokens=512)
+                           max_staleness=2, env=None, max_episode_tokens=512)
     assert engine_options(flags, True, "auto", 256)["requests"] == 256
     assert engine_options(flags, True, "auto", 256)["max_model_len"] == 128
     flags.env = "calculator"  # an episode's whole response: its turns and the environment's
     assert engine_options(flags, True, "auto", 256)["max_model_len"] == 64 + 512
     flags.partial_rollout = True  # a round holds --inflight_ratio steps' worth of groups
     assert engine_options(flags, True, "auto", 256)["requests"] == 640
-    flags.partial_order = "start"  # its first step draws K + 1 steps' worth
-    assert engine_options(flags, True, "auto", 256)["requests"] == 768
     assert engine_options(flags, True, "auto", 256, sp_size=2)["micro_batch_size"] == 1
 
 
@@ -78,7 +76,7 @@ def test_the_prefix_cache_only_where_a_context_comes_again():
     flags = SimpleNamespace(micro_rollout_batch_size=8, engine_tp_size=1, engine_mem_util=0.3,
                            engine_sleep_level=1, engine_enforce_eager=False, seed=0, prompt_max_len=64,
                            generate_max_len=64, partial_rollout=False, inflight_ratio=1.0,
-                           partial_order="finish", max_staleness=2, env=None, max_episode_tokens=512)
+                           max_staleness=2, env=None, max_episode_tokens=512)
     assert engine_options(flags, True, "auto", 256)["prefix_caching"] is False
     flags.env = "calculator"
     assert engine_options(flags, True, "auto", 256)["prefix_caching"] is True

@@ -65,11 +65,9 @@ def prompts():
     return [Sample([i, 0, 99], str(i), f"p{i}") for i in range(N_PROMPTS)]
 
 
-def make(partial=True, budget=4, staleness=1, rounds=2, max_len=24, prompts_=None, inflight=1.0,
-         order="finish"):
+def make(partial=True, budget=4, staleness=1, rounds=2, max_len=24, prompts_=None, inflight=1.0):
     settings = RolloutSettings(GROUP, max_len, max_rounds=rounds, partial=partial, token_budget=budget,
-                               max_staleness=staleness, eos_token_id=EOS, inflight_ratio=inflight,
-                               order=order)
+                               max_staleness=staleness, eos_token_id=EOS, inflight_ratio=inflight)
     r = Rollouts(prompts_ or prompts(), 4, seed=0, rank=0, world=1, settings=settings, device="cpu")
     return r
 
@@ -98,11 +96,9 @@ def per_sample(**kw):
     return r
 
 
-@pytest.mark.parametrize("staleness,inflight,order", [
-    (0, 1.0, "finish"), (1, 1.0, "finish"), (3, 1.0, "finish"), (0, 2.0, "finish"), (1, 2.0, "finish"),
-    (3, 2.5, "finish"), (0, 1.0, "start"), (1, 1.0, "start"), (3, 1.0, "start")])
-def test_every_step_trains_k_finished_groups_within_the_staleness_bound(staleness, inflight, order):
-    r, engine = per_sample(staleness=staleness, inflight=inflight, order=order), ScriptedEngine()
+@pytest.mark.parametrize("staleness,inflight", [(0, 1.0), (1, 1.0), (3, 1.0), (0, 2.0), (1, 2.0), (3, 2.5)])
+def test_every_step_trains_k_finished_groups_within_the_staleness_bound(staleness, inflight):
+    r, engine = per_sample(staleness=staleness, inflight=inflight), ScriptedEngine()
     seen = {"resumed": 0, "from_buffer": 0}
     for step in range(1, 13):
         samples, m = collect(r, engine, step)
@@ -124,13 +120,12 @@ def test_every_step_trains_k_finished_groups_within_the_staleness_bound(stalenes
         assert seen["resumed"] == 0 and seen["from_buffer"] == 0 and not r.buffer
 
 
-@pytest.mark.parametrize("order", ["finish", "start"])
-def test_a_budget_of_the_whole_length_is_the_synchronous_rollout(order):
+def test_a_budget_of_the_whole_length_is_the_synchronous_rollout():
     """With a budget >= max_len nothing is cut off: the same requests, the same samples as without (the
     in-flight ratio then draws only what a step needs)."""
     outs = []
     for partial in (False, True):
-        r, engine = make(partial=partial, budget=24, inflight=2.0, order=order), ScriptedEngine()
+        r, engine = make(partial=partial, budget=24, inflight=2.0), ScriptedEngine()
         r.__class__ = PerSample
         steps = [collect(r, engine, step)[0] for step in range(1, 4)]
         outs.append(([[(s.prompt_ids, s.generation.token_ids, s.reward) for s in ss] for ss in steps],
@@ -138,14 +133,13 @@ def test_a_budget_of_the_whole_length_is_the_synchronous_rollout(order):
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("order", ["finish", "start"])
-def test_the_buffer_survives_a_checkpoint(order):
-    r, engine = per_sample(order=order), ScriptedEngine()
+def test_the_buffer_survives_a_checkpoint():
+    r, engine = per_sample(), ScriptedEngine()
     for step in range(1, 4):
         collect(r, engine, step)
     assert r.buffer  # something is waiting
     state = torch.load(_roundtrip(r.buffer_state()), weights_only=True)
-    restored = make(order=order)
+    restored = make()
     restored.__class__ = PerSample
     restored.load_state_dict(r.state_dict(), state)
     for step in range(4, 8):
@@ -155,34 +149,6 @@ def test_the_buffer_survives_a_checkpoint(order):
                                                                         for s in b]
         ma.pop("perf/score_s"), mb.pop("perf/score_s")  # seconds: the rest is the same
         assert ma == mb
-
-
-@pytest.mark.parametrize("staleness", [1, 2, 3])
-def test_start_order_trains_each_group_k_steps_after_it_started_whatever_its_length(staleness):
-    """--partial_order start: groups train in the order they were drawn, every one exactly K versions after
-    its first tokens, short or long (a pure delay); with a budget of max_len / (K + 1) every group has
-    finished by then, so after the first step each step is one round of budgeted requests. Finish order, on
-    the same script, trains short groups at once and long ones late."""
-    budget = math.ceil(24 / (staleness + 1))
-    r, engine = per_sample(staleness=staleness, budget=budget, rounds=3, order="start"), ScriptedEngine()
-    trained = []
-    for step in range(1, 13):
-        calls = len(engine.calls)
-        samples, m = collect(r, engine, step)
-        groups = samples[::GROUP]
-        trained += [s.prompt_ids[0] for s in groups]
-        if step > staleness:  # the pipeline is full: one cohort of k trains, drawn K steps before
-            assert {step - 1 - min(s.generation.versions) for s in samples} == {staleness}
-            assert len(engine.calls) - calls == 1 and m["rollout/generation_rounds"] == 1
-            assert max(max(limits) for _, limits in engine.calls[calls:]) <= budget
-    # the prompt stream's order: a reshuffled episode, each prompt once, in the order drawn
-    stream = make().data
-    order = [p.prompt_ids[0] for batch in [next(stream) for _ in range(12)] for p in batch]
-    assert trained == order[:len(trained)]
-    finish = per_sample(staleness=staleness, budget=budget, rounds=3)
-    ages = {step - 1 - min(s.generation.versions) for step in range(1, 13)
-            for s in collect(finish, ScriptedEngine(), step)[0]}
-    assert ages != {staleness}  # finish order: the delay follows the length
 
 
 def _roundtrip(obj):
@@ -254,7 +220,7 @@ def test_engine_logprobs_for_all_samples_only_where_tokens_are_weighted_by_them(
                            temperature=1.0, top_p=1.0, dynamic_sampling=False, max_num_gen_batches=1,
                            overlong_buffer_len=0, overlong_penalty_factor=1.0, strict_rewards=False,
                            partial_rollout=partial, max_staleness=1, inflight_ratio=1.0, tis_cap=tis_cap,
-                           tis_level=None, partial_order="finish")
+                           tis_level=None)
     settings = replace(rollout_settings(args, importance_weights(args)[0]), eos_token_id=EOS)
     assert settings.logprob_every == every
     r = Rollouts(prompts(), 4, seed=0, rank=0, world=1, settings=settings, device="cpu")
@@ -267,17 +233,13 @@ def test_engine_logprobs_for_all_samples_only_where_tokens_are_weighted_by_them(
         assert with_logprobs == [i % every == 0 for i in range(len(samples))]
 
 
-@pytest.mark.parametrize("order,staleness,budget", [("finish", 2, 512), ("start", 2, 683), ("start", 1, 1024),
-                                                    ("start", 0, 2048)])
-def test_the_default_budget(order, staleness, budget):
-    """A quarter of the length in finish order; in start order the length / (K + 1), rounded up, so a group
-    finishes in the K + 1 rounds before it trains."""
+def test_the_default_budget():
+    """A quarter of the length, per round."""
     from types import SimpleNamespace
 
     args = SimpleNamespace(max_token_budget=None, generate_max_len=2048, n_samples_per_prompt=GROUP,
                            temperature=1.0, top_p=1.0, dynamic_sampling=False, max_num_gen_batches=1,
                            overlong_buffer_len=0, overlong_penalty_factor=1.0, strict_rewards=False,
-                           partial_rollout=True, max_staleness=staleness, inflight_ratio=1.0, tis_cap=None,
-                           tis_level=None, partial_order=order)
-    settings = rollout_settings(args, importance_weights(args)[0])
-    assert (settings.token_budget, settings.order) == (budget, order)
+                           partial_rollout=True, max_staleness=2, inflight_ratio=1.0, tis_cap=None,
+                           tis_level=None)
+    assert rollout_settings(args, importance_weights(args)[0]).token_budget == 512

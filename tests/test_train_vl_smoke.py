@@ -80,9 +80,8 @@ def test_estimators_with_images(tmp_path, estimator, chars_reward):
 @pytest.mark.slow
 def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
     """Every flag of train_ppo.py exists in train_ppo_vl.py; those that cannot apply are refused in one line,
-    the others run (--optimizer_offload, --system_prompt, --partial_rollout in start order: image prompts
-    continued from their token ids with their images, each group trained the step after it started, with a
-    weight per sample, --tis_level sequence)."""
+    the others run (--optimizer_offload, --system_prompt, --partial_rollout: image prompts continued from
+    their token ids with their images, with a weight per sample, --tis_level sequence)."""
     import dataclasses
 
     import train_ppo
@@ -97,15 +96,11 @@ def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
         with pytest.raises(ValueError, match=message):
             train_ppo_vl.main()
     run_vl([*VL_TINY, "--max_steps", "3", "--optimizer_offload", "--system_prompt", "answer with a word .",
-            "--reward_fn", chars_reward, "--partial_rollout", "--partial_order", "start",
-            "--max_staleness", "1", "--tis_level", "sequence",
-            "--output_dir", str(tmp_path / "out")])  # budget 4 / 2 tokens
+            "--reward_fn", chars_reward, "--partial_rollout", "--max_token_budget", "2",
+            "--max_staleness", "1", "--tis_level", "sequence", "--output_dir", str(tmp_path / "out")])
     rows, _ = read_metrics(str(tmp_path / "out"))
     assert rows[0]["train/grad_norm"] > 0
     assert sum(r["rollout/resumed"] for r in rows) > 0 and all(r["rollout/staleness_max"] <= 1 for r in rows)
-    # after the first step every trained group started a step before, in one generation round
-    assert all(r["rollout/finished_from_buffer"] == 8 and r["rollout/generation_rounds"] == 1
-               for r in rows[1:])
 
 
 @pytest.mark.slow

@@ -114,8 +114,6 @@ def check_values(args):
     check(args.tis_mode in ("truncate", "mask"), f"--tis_mode {args.tis_mode!r}: choose truncate or mask")
     check(args.tis_level in (None, *TIS_LEVELS),
           f"--tis_level {args.tis_level!r}: choose one of {TIS_LEVELS}")
-    check(args.partial_order in ("finish", "start"),
-          f"--partial_order {args.partial_order!r}: choose finish or start")
     check(args.kl_estimator in KL_ESTIMATORS,
           f"--kl_estimator {args.kl_estimator!r}: choose one of {KL_ESTIMATORS}")
 
@@ -243,10 +241,8 @@ def check_inert(args, engine_type):
         (args.use_kl_loss, ("kl_estimator",), "it is the KL loss's estimator, but --use_kl_loss is off"),
         (args.dynamic_sampling or args.partial_rollout, ("max_num_gen_batches",),
          "it bounds the rounds of --dynamic_sampling and --partial_rollout, which are off"),
-        (args.partial_rollout, ("max_token_budget", "max_staleness", "inflight_ratio", "partial_order"),
+        (args.partial_rollout, ("max_token_budget", "max_staleness", "inflight_ratio"),
          "--partial_rollout is off"),
-        (args.partial_order != "start", ("inflight_ratio",),
-         "--partial_order start holds --max_staleness + 1 steps' worth of groups"),
         (args.tis_cap is not None or args.partial_rollout, ("tis_mode", "tis_level"), "--tis_cap is off"),
         (args.env is not None, ("max_turns", "max_episode_tokens", "env_timeout"),
          "it limits the episodes of --env, which is not given"),
