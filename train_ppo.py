@@ -66,8 +66,8 @@ from rft_core.plan import default_bf16, resolve, with_memory_plan
 from rft_core.reward_sources import reward_sources
 from rft_core.rewards import RewardScorer
 from rft_core.rollout import Rollouts
-from rft_core.runs.checkpoint import (checkpoint_step, finished_run, load_checkpoint, resume_point,
-                                      save_checkpoint)
+from rft_core.runs.checkpoint import (LoopState, checkpoint_step, finished_run, load_checkpoint,
+                                      resume_point, save_checkpoint)
 from rft_core.runs.cli import parse_args
 from rft_core.runs.health import HealthGuard, check_resumed_weights
 from rft_core.runs.metrics import (Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics,
@@ -403,7 +403,6 @@ def main():
     # ---- the plan: the flags checked, batch sizes, engine and other choices made (rft_core/plan.py) ----
     plan = resolve(args, accelerator)  # VL
     world, deepspeed = plan.world, accelerator.state.deepspeed_plugin
-    kl_coef = args.init_kl_coef
     configure_deepspeed(accelerator, plan.rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
     resume_from, identity = resume_point(args, accelerator)  # identity: what a resume must share
@@ -418,7 +417,6 @@ def main():
                              default_rule="answer")  # VL
     score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_timeout,
                              args.reward_failure_limit, log=tqdm.write)  # score_all(samples)
-    moments = RunningMoments() if args.normalize_reward else None
     env = load_env(args.env) if args.env else None  # multi-turn: the environment (rft_core/environments.py)
     model, tokenizer, processor, ref_model, critic = load_models(args, plan, accelerator)
     for net in [net for net in (model, critic) if net is not None and plan.torch_compile]:  # what trains
@@ -475,22 +473,22 @@ def main():
     settings = replace(plan.rollout, eos_token_id=tokenizer.eos_token_id)
     rollouts = Rollouts(prompts["train"], args.rollout_batch_size, args.seed, rank, world, settings, device,
                         episodes)
-    start, first_eval = 0, None  # the last step done, the step-0 eval
+    # the rest of a checkpoint beside the models (rft_core/runs/checkpoint.py): a field declared there is
+    # saved and resumed; the loop reads and writes loop.<field>
+    loop = LoopState(rollouts, identity, args.init_kl_coef, ema=ema,
+                     moments=RunningMoments() if args.normalize_reward else None)
+    start = 0  # the last step done
     if resume_from:
         state, tensors = load_checkpoint(accelerator, resume_from)  # models, optimizers, schedulers, RNG
         check_resumed_weights(trained_nets, resume_from, accelerator)  # finite, or one line naming it
-        start, kl_coef, first_eval = state["step"], state["kl_coef"], state["first_eval"]
-        rollouts.load_state_dict(state, tensors["rollouts"])  # the prompt stream, partial rollout's buffer
-        if moments is not None:
-            moments.load_state_dict(state["moments"])
-        ema = tensors["ema"] if ema is not None else None
+        start = loop.load(state, tensors)  # the prompt stream, partial rollout's buffer, KL, moments, EMA
         engine.update_weights(accelerator.unwrap_model(model))
         accelerator.print(f"[resume] from {resume_from}: step {start}")
     accelerator.print(plan.describe())
     accelerator.print(f"[setup] {num_steps} steps x {plan.samples_per_step} samples | {world} processes | "
                       f"engine {type(engine).__name__} | bf16 {plan.bf16}")
     if prompts["eval"] and not resume_from:
-        first_eval = run_eval(0)
+        loop.first_eval = run_eval(0)
 
     reduce_sum = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
     perf, stops = StepTimer(), StopSignals(args)  # from here, a signal stops the loop at a step's end
@@ -512,7 +510,8 @@ def main():
         exp = build_experience([s.prompt_ids for s in samples], [s.generation for s in samples],
                                tokenizer.pad_token_id, device, mm=[s.mm for s in samples])
         rewards = torch.tensor([s.reward for s in samples], device=device, dtype=torch.float32)  # (B,)
-        exp.rewards = shape_rewards(rewards, moments, args.reward_clip, accelerator.gather)  # both optional
+        # both optional
+        exp.rewards = shape_rewards(rewards, loop.moments, args.reward_clip, accelerator.gather)
 
         # ---- logprobs (old, reference) and values ----
         perf.phase("logprob")
@@ -529,7 +528,8 @@ def main():
         exp.advantages = scores  # (B,)
         if plan.token_level:  # (B, T): the score on the last token, the KL penalty on all, then GAE / returns
             exp.advantages, exp.returns = token_level_advantages(
-                scores, exp.action_mask, reward_kl, kl_coef, exp.values, args.gamma, args.lambd, reduce_sum)
+                scores, exp.action_mask, reward_kl, loop.kl_coef, exp.values, args.gamma, args.lambd,
+                reduce_sum)
 
         # ---- update ----
         perf.phase("update")
@@ -549,8 +549,8 @@ def main():
             masks = [mb.action_mask for mb in micro_batches]
             totals = policy_token_counts(masks, args.high_entropy_token_ratio)
             totals = reduce_sum(torch.tensor(totals, device=device))  # (2,): tokens, policy-loss tokens
-            settings = replace(loss_settings, kl_coef=kl_coef, num_tokens=totals[0], num_pg_tokens=totals[1],
-                               micro_batches_per_step=len(micro_batches) * world)
+            settings = replace(loss_settings, kl_coef=loop.kl_coef, num_tokens=totals[0],
+                               num_pg_tokens=totals[1], micro_batches_per_step=len(micro_batches) * world)
             for mb in micro_batches:
                 with accelerator.accumulate(*trained_nets), accelerator.autocast(), sliced(sp, model, mb):
                     loss, m = micro_batch_loss(model, critic, mb, settings, frozen, args, plan, sp,
@@ -559,8 +559,9 @@ def main():
                     # clipped norms (finite, not exploding: checked) on the step's last micro-batch
                     step_optimizers(accelerator, stepped, args.max_norm, m,
                                     check=partial(guard.grad_norm, step=step, experience=exp))
-                if ema is not None and accelerator.sync_gradients and not frozen:
-                    torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1.0 - args.ema_beta)
+                if loop.ema is not None and accelerator.sync_gradients and not frozen:
+                    weights = [p.detach() for p in model.parameters()]
+                    torch._foreach_lerp_(loop.ema, weights, 1.0 - args.ema_beta)
                 stats.add(m)  # device tensors: read once, after the update
         # auto (None): decided once, now, by whether the engine can wake beside the optimizer state
         offload = offload_after_update(optimizers, offload, engine, deepspeed, accelerator.print)
@@ -571,17 +572,17 @@ def main():
 
         # ---- log ----
         perf.phase("log")
-        shaped = exp.rewards if moments is not None or args.reward_clip is not None else None  # (B,)
+        shaped = exp.rewards if loop.moments is not None or args.reward_clip is not None else None  # (B,)
         local = {**rollout_metrics(samples, args.generate_max_len, shaped, args.reward_clip), **rollout_stats,
                  **update_metrics(stats), "perf/tokens": exp.attention_mask.sum().item() / plan.sp_size}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
         metrics = gather_metrics(local)  # over the ranks: means, and sums of counts
-        metrics.update({"train/kl_coef": kl_coef, "train/lr": scheduler.get_last_lr()[0],
+        metrics.update({"train/kl_coef": loop.kl_coef, "train/lr": scheduler.get_last_lr()[0],
                         "perf/engine_slept": float(slept), **perf.metrics()})
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["rollout/kl"], args.kl_target, args.kl_horizon,
-                                       plan.samples_per_step)
+            loop.kl_coef = adaptive_kl_coef(loop.kl_coef, metrics["rollout/kl"], args.kl_target,
+                                            args.kl_horizon, plan.samples_per_step)
         log.write(step, metrics, print_line=step % args.logging_steps == 0)
         guard.entropy(metrics["train/entropy"], step)
         log.samples_and_plots(step, samples, tokenizer, exp.action_mask.sum(-1).tolist(), step == num_steps)
@@ -594,10 +595,7 @@ def main():
             # atomic: `latest` names only whole checkpoints, and only healthy weights are saved
             guard.before_checkpoint(model, exp, logprob_split, args.temperature, plan.chunk_size,
                                     accelerator, step)
-            state = {**rollouts.state_dict(), "kl_coef": kl_coef, "first_eval": first_eval, "run": identity,
-                     "moments": moments.state_dict() if moments is not None else None}
-            tensors = {"ema": ema, "rollouts": rollouts.buffer_state()}
-            save_checkpoint(accelerator, args.output_dir, step, state, tensors, args.max_ckpt_num)
+            save_checkpoint(accelerator, args.output_dir, step, *loop.save(), args.max_ckpt_num)
         if args.save_hf_steps and step % args.save_hf_steps == 0:
             export(os.path.join(args.output_dir, f"hf-step-{step}"))
         if stop and step < num_steps:
@@ -609,10 +607,12 @@ def main():
     log.plots(exp.action_mask.sum(-1).tolist())  # the curves again, with the final eval point
     accelerator.wait_for_everyone()
     export(os.path.join(args.output_dir, "model"))
-    if ema is not None:  # the same architecture with the averaged weights
-        export(os.path.join(args.output_dir, "ema_model"), named_like(accelerator.unwrap_model(model), ema))
-    if first_eval:
-        accelerator.print(f"[done] {eval_summary(first_eval, last_eval)}; model in {args.output_dir}/model")
+    if loop.ema is not None:  # the same architecture with the averaged weights
+        export(os.path.join(args.output_dir, "ema_model"),
+               named_like(accelerator.unwrap_model(model), loop.ema))
+    if loop.first_eval:
+        accelerator.print(f"[done] {eval_summary(loop.first_eval, last_eval)}; "
+                          f"model in {args.output_dir}/model")
     end_run(accelerator)  # last: every rank waits for the others, then the process groups are torn down
 
 

@@ -432,3 +432,51 @@ def test_resume_point_is_the_main_process_answer(tmp_path):
                                   print=print)
     fake_checkpoint(tmp_path, 2)
     assert resume_point(args, accelerator)[0] == str(tmp_path / "checkpoint-2")
+
+
+def test_loop_state_saves_and_resumes_every_declared_field(tmp_path):
+    """LoopState is the checkpoint's loop state: every field goes out through save and back through load (the
+    rollouts through their state_dict and buffer, the reward moments through theirs, the EMA weights as
+    tensors, plain values as JSON), so a controller added as a field needs no other edit; a checkpoint from
+    before it (the rollouts' entries at the top level) still resumes; EMA off in this run stays off."""
+    from dataclasses import dataclass
+
+    from rft_core.advantages import RunningMoments
+    from rft_core.runs.checkpoint import LoopState
+
+    class Stream:  # the Rollouts calls LoopState makes
+        def __init__(self, drawn=0, buffer=None):
+            self.drawn, self.buffer = drawn, buffer
+
+        def state_dict(self):
+            return {"batches_drawn": self.drawn}
+
+        def buffer_state(self):
+            return {"groups": self.buffer or []}
+
+        def load_state_dict(self, state, buffer=None):
+            self.drawn, self.buffer = state["batches_drawn"], buffer["groups"]
+
+    @dataclass
+    class WithController(LoopState):
+        controller: float = 1.0  # a new field: declared, nothing else
+
+    moments = RunningMoments()
+    moments.update([1.0, 3.0])
+    ema = [torch.arange(3.0), torch.ones(2, 2)]
+    loop = WithController(Stream(7, [{"version": 2}]), {"seed": 0}, 0.05, {"accuracy": 0.4}, moments, ema,
+                          controller=0.5)
+    state, tensors = loop.save()
+    assert json.loads(json.dumps(state)) == state  # trainer_state.json takes it whole
+    torch.save(tensors, tmp_path / "tensors.pt")
+    restored = WithController(Stream(), None, 0.001, moments=RunningMoments(), ema=[torch.zeros(3)])
+    step = restored.load({"step": 4, **state}, torch.load(tmp_path / "tensors.pt", weights_only=True))
+    assert step == 4 and restored.controller == 0.5 and restored.kl_coef == 0.05
+    assert (restored.rollouts.drawn, restored.rollouts.buffer) == (7, [{"version": 2}])
+    assert restored.first_eval == {"accuracy": 0.4} and restored.run == {"seed": 0}
+    assert restored.moments.state_dict() == moments.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(restored.ema, ema))
+    old = {"step": 3, "batches_drawn": 5, "kl_coef": 0.1, "first_eval": None, "run": None, "moments": None}
+    before = LoopState(Stream(), moments=None, ema=None)  # a checkpoint written before LoopState; EMA off
+    assert before.load(old, {"ema": ema, "rollouts": {"groups": []}}) == 3
+    assert before.rollouts.drawn == 5 and before.kl_coef == 0.1 and before.ema is None

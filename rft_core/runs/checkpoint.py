@@ -23,6 +23,8 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 
 import torch
 
@@ -102,6 +104,52 @@ def _write_atomically(path, text):
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from step to step beside the models, optimizers and schedulers (accelerate saves
+    those): the rest of a checkpoint. `save` and `load` go through every field, so a field added here (a new
+    controller's state) is saved and resumed by being declared: an object with state_dict / load_state_dict
+    through those (with buffer_state, its buffer to tensors.pt), a field marked TENSORS into tensors.pt, any
+    other, plain data, into trainer_state.json."""
+    rollouts: Any  # rollout.Rollouts: the prompt stream's position, partial rollout's buffer
+    run: Optional[dict] = None  # what a resume must share (run_identity)
+    kl_coef: float = 0.0  # the KL coefficient, adaptive with --kl_target
+    first_eval: Optional[dict] = None  # the step-0 held-out eval, for the run's summary
+    moments: Any = None  # advantages.RunningMoments with --normalize_reward
+    ema: Optional[list] = field(default=None, metadata={"tensors": True})  # the EMA weights, --ema_beta
+
+    def save(self):
+        """(trainer_state.json's entries, tensors.pt's)."""
+        state, tensors = {}, {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("tensors"):
+                tensors[f.name] = value
+            elif hasattr(value, "state_dict"):
+                state[f.name] = value.state_dict()
+                if hasattr(value, "buffer_state"):
+                    tensors[f.name] = value.buffer_state()
+            else:
+                state[f.name] = value
+        return state, tensors
+
+    def load(self, state, tensors):
+        """Every field from what load_checkpoint returned; a tensor field this run leaves off (None) stays
+        off. Returns the checkpoint's step."""
+        tensors = tensors or {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("tensors"):
+                setattr(self, f.name, tensors[f.name] if value is not None else None)
+            elif hasattr(value, "load_state_dict"):
+                saved = state.get(f.name, state)  # (before LoopState the rollouts' entries were top-level)
+                args = (saved, tensors[f.name]) if hasattr(value, "buffer_state") else (saved,)
+                value.load_state_dict(*args)
+            else:
+                setattr(self, f.name, state[f.name])
+        return state["step"]
 
 
 def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt_num=None):
