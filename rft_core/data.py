@@ -10,6 +10,7 @@ import os
 import random
 
 from rft_core.errors import DataError, MissingColumn, MissingPath
+from rft_core.experience import Sample
 
 
 def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(),
@@ -171,8 +172,6 @@ def _usable(prompt):
 def encode_rows(tokenizer, rows, max_len, apply_chat_template=True, system_prompt=None):
     """([Sample] of the rows' prompts encoded, number skipped for being longer than max_len tokens). The texts
     are tokenized in one batch: a call per prompt took 2 s of every run's start on the built-in task."""
-    from rft_core.experience import Sample
-
     texts = [prompt_text(tokenizer, r["prompt"], apply_chat_template, system_prompt) for r in rows]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     samples = [Sample(list(i), r["label"], r["prompt"]) for i, r in zip(ids, rows)]

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from rft_core.models import merged_state_dict
+
 
 def process_group_kwargs():
     """Accelerator kwargs_handlers: DeepSpeed without a GPU (the CPU tests) needs its backend named, or
@@ -91,8 +93,6 @@ def full_weights(model, dtype):
     """(name, full tensor cast to dtype) for every parameter and persistent buffer, under the names of
     model.state_dict() (a LoRA model: merged, under the base model's names). Collective under ZeRO-3 and
     FSDP2; the tensors are copies, valid after the gather is released."""
-    from rft_core.models import merged_state_dict
-
     served = set(model.state_dict().keys())  # parameters and persistent buffers; no communication
     for prefix, module, recurse in units(model):
         named = [(f"{prefix}.{n}" if prefix else n, t) for n, t in

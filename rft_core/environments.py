@@ -7,17 +7,15 @@ import threading
 import time
 
 from rft_core.errors import MissingName
+from rft_core.reward_sources import load_from_file
+from rft_core.tasks.calculator import Calculator
 
 
 def load_env(spec):
     """The environment --env names: "calculator" (rft_core/tasks/calculator.py), or 'path/to/file.py:NAME', an
     object with step (and optionally reset), or a class of them (made with no arguments)."""
     if spec == "calculator":
-        from rft_core.tasks.calculator import Calculator
-
         return Calculator()
-    from rft_core.reward_sources import load_from_file
-
     env = load_from_file(spec, "--env", "NAME", ["calculator"], "an environment file")
     if isinstance(env, type):
         env = env()

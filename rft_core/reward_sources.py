@@ -16,6 +16,8 @@ import urllib.parse
 import urllib.request
 
 from rft_core.errors import ConfigError, MissingName, MissingPath
+from rft_core.logprobs import positions
+from rft_core.model_training import load_value_model
 from rft_core.rewards import BUILTIN_REWARDS, ServerError, ServiceDown
 
 
@@ -131,8 +133,6 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
 
 def sequence_scores(model, input_ids, attention_mask):
     """Reward-model scores (B,): the head's output at each row's last attended token."""
-    from rft_core.logprobs import positions
-
     values = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=positions(attention_mask)).logits[..., 0]  # (B, L)
     last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(-1)  # (B,)
@@ -145,8 +145,6 @@ def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
     place(model) -> model puts it where it costs least (sharded like the actor); default: on `device`."""
     import torch
     from transformers import AutoTokenizer
-
-    from rft_core.model_training import load_value_model
 
     model = load_value_model(path, dtype=dtype or torch.float32, flag="--reward_pretrain")
     model = model.eval().requires_grad_(False)

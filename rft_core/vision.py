@@ -19,11 +19,13 @@ import os
 
 import torch
 
-from rft_core.tasks.shapes import COLOURS, IMAGE_SIZE, NUMBERS
+from rft_core.data import load_prompt_rows
 from rft_core.errors import DataError, MissingPath
+from rft_core.experience import Sample
 from rft_core.model_training import checkpointing_on
 from rft_core.models import check_model_path
 from rft_core.multimodal import VISION_TOKENS, video_processor_like, vision_token_ids
+from rft_core.tasks.shapes import COLOURS, IMAGE_SIZE, NUMBERS
 
 SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>", *VISION_TOKENS)
 WORDS = ("user", "assistant", "system", "what", "colour", "is", "the", "shape", "how", "many", "shapes",
@@ -37,8 +39,6 @@ def load_image_rows(path, input_key, label_key, images_key, flag, log=print, str
     A row whose image is missing or unreadable is skipped and counted, the first named through log; with
     strict, it is an error naming row, column and file."""
     from PIL import Image
-
-    from rft_core.data import load_prompt_rows
 
     rows, _ = load_prompt_rows(path, input_key, label_key, flag, {images_key: "--images_key"} if images_key
                                else {}, log=log)
@@ -212,8 +212,6 @@ def encode_vl_rows(tokenizer, processor, rows, image_token_id, max_len, max_imag
                    system_prompt=None):
     """([Sample] of the rows' prompts encoded with their images, number skipped: rows without images (unless
     mixed), with more than max_images, or longer than max_len tokens)."""
-    from rft_core.experience import Sample
-
     usable = [r for r in rows if (r["images"] or mixed) and len(r["images"]) <= max_images]
     samples = []
     for i, r in enumerate(usable):

@@ -115,7 +115,7 @@ def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_
                       static_prefix=static_prefix)  # a frozen vision tower is synced once
     budget = mem_util * torch.cuda.mem_get_info()[1]
     kv_bytes = kv_cache_bytes(model.config, max(1, requests or 1) * tp_size, max_len, budget)
-    if engine_type == "sglang":
+    if engine_type == "sglang":  # (each engine's module is imported only when it runs)
         from rft_core.engines.sglang import SGLangEngine
 
         # the same cap of a small model's KV cache, in tokens; bf16 weights, per engine

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from rft_core.errors import ConfigError
 from rft_core.runs.integrity import append, read_rows, write_error
+from rft_core.runs.plots import write_plots
 from rft_core.runs.run_dir import (move_previous, on_main, previous_run, refuse_overwrite, release_lock,
                                    take_lock, with_segments)
 
@@ -288,8 +289,6 @@ class MetricsLog:
         """curves.png and gen_len.png in the output directory (with plot_every; lengths: the latest
         rollout's response lengths)."""
         if self.enabled and self.plot_every:
-            from rft_core.runs.plots import write_plots
-
             write_plots(os.path.dirname(self.path), lengths, self.max_len)
 
     @staticmethod
