@@ -24,14 +24,17 @@ policy token is followed by the next policy token, as if they were absent (the d
 """
 
 import math
+from typing import Callable, Optional
 
 import torch
+from torch import Tensor
 
 ADVANTAGE_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "cpgd", "reinforce", "reinforce_baseline", "gae")
 TOKEN_LEVEL = ("reinforce", "reinforce_baseline", "gae")
 
 
-def outcome_scores(rewards, n_samples_per_prompt, estimator="group_norm", eps=1e-6):
+def outcome_scores(rewards: Tensor, n_samples_per_prompt: int, estimator: str = "group_norm",
+                   eps: float = 1e-6) -> Tensor:
     """Per-sequence scores (B,) from rewards (B,), groups of n_samples_per_prompt contiguous samples."""
     n = n_samples_per_prompt
     if rewards.numel() % n:
@@ -58,7 +61,8 @@ def outcome_scores(rewards, n_samples_per_prompt, estimator="group_norm", eps=1e
     return adv.masked_fill(tied, 0.0).view(-1)
 
 
-def token_rewards(scores, action_mask, kl=None, kl_coef=0.0):
+def token_rewards(scores: Tensor, action_mask: Tensor, kl: Optional[Tensor] = None,
+                  kl_coef: float = 0.0) -> Tensor:
     """Per-token rewards (B, T): -kl_coef * kl_t on every response token, plus the sequence score on
     its last token (the InstructGPT / PPO-RLHF reward shaping)."""
     mask = action_mask.to(torch.float32)
@@ -71,7 +75,7 @@ def token_rewards(scores, action_mask, kl=None, kl_coef=0.0):
     return rewards
 
 
-def discounted_returns(rewards, action_mask, gamma=1.0):
+def discounted_returns(rewards: Tensor, action_mask: Tensor, gamma: float = 1.0) -> Tensor:
     """G_t = r_t + gamma * G_{t'} over the response tokens (B, T), t' the next one in action_mask; 0 off
     the mask."""
     mask = action_mask.bool()
@@ -83,7 +87,8 @@ def discounted_returns(rewards, action_mask, gamma=1.0):
     return returns
 
 
-def gae(rewards, values, action_mask, gamma=1.0, lambd=0.95):
+def gae(rewards: Tensor, values: Tensor, action_mask: Tensor, gamma: float = 1.0,
+        lambd: float = 0.95) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016): (advantages, returns), each (B, T).
 
     delta_t = r_t + gamma V_{t'} - V_t, t' the next response token in action_mask (V = 0 past the last);
@@ -101,7 +106,7 @@ def gae(rewards, values, action_mask, gamma=1.0, lambd=0.95):
     return advantages, advantages + values
 
 
-def whiten(x, action_mask, reduce=None, eps=1e-8):
+def whiten(x: Tensor, action_mask: Tensor, reduce: Optional[Callable] = None, eps: float = 1e-8) -> Tensor:
     """(x - mean) / std over every response token of the global batch; 0 on padding.
 
     reduce: sums a tensor over data-parallel ranks (accelerator.reduce(t, "sum")); None for one
@@ -115,8 +120,9 @@ def whiten(x, action_mask, reduce=None, eps=1e-8):
     return (x - mean) / (var.sqrt() + eps) * mask
 
 
-def token_level_advantages(scores, action_mask, kl=None, kl_coef=0.0, values=None, gamma=1.0, lambd=0.95,
-                           reduce=None):
+def token_level_advantages(scores: Tensor, action_mask: Tensor, kl: Optional[Tensor] = None,
+                           kl_coef: float = 0.0, values: Optional[Tensor] = None, gamma: float = 1.0,
+                           lambd: float = 0.95, reduce: Optional[Callable] = None) -> tuple[Tensor, Tensor]:
     """(advantages, returns) (B, T) of the token-level estimators: per-token rewards, then GAE with the
     critic's values (returns: its targets) or discounted returns (REINFORCE++; returns None), the
     advantages whitened over the global batch."""
@@ -128,7 +134,8 @@ def token_level_advantages(scores, action_mask, kl=None, kl_coef=0.0, values=Non
     return whiten(advantages, action_mask, reduce), returns
 
 
-def adaptive_kl_coef(kl_coef, current_kl, kl_target, kl_horizon, n_steps):
+def adaptive_kl_coef(kl_coef: float, current_kl: float, kl_target: float, kl_horizon: float,
+                     n_steps: int) -> float:
     """The adaptive KL controller of Ziegler et al. 2019: move kl_coef by at most +-20% x n_steps /
     kl_horizon towards the value that makes the measured KL equal kl_target."""
     error = min(max(current_kl / kl_target - 1.0, -0.2), 0.2)
@@ -162,7 +169,8 @@ class RunningMoments:
         self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
 
 
-def shape_rewards(rewards, moments, clip, gather):
+def shape_rewards(rewards: Tensor, moments: Optional["RunningMoments"], clip: Optional[float],
+                  gather: Callable) -> Tensor:
     """rewards (B,) normalised by the running moments of every rank's rewards (gather: all ranks' values),
     when moments is given, then clipped to [-clip, clip], when clip is given."""
     if moments is not None:

@@ -10,9 +10,11 @@ not, so a response's length in the layout is its attention over the last T colum
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
+from typing import Optional, Union
 
 import torch
 
+from rft_core.engines.base import Generation
 from rft_core.logprobs import packed_logprobs, response_logprobs, unwrap
 from rft_core.model_training import response_values
 from rft_core.multimodal import mm_inputs
@@ -153,7 +155,8 @@ class Experience:
         return replace(self, **trimmed)
 
 
-def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=None):
+def build_experience(prompt_ids: list[list[int]], generations: list[Generation], pad_token_id: int,
+                     device: Union[str, torch.device] = "cpu", mm: Optional[list] = None) -> "Experience":
     """Pad prompts (left) and generations (right) into an Experience, P + T columns (a multiple of 8: a
     compiled model then sees one shape class); one generation per prompt. mm: per-prompt image inputs of a
     vision-language model (see Experience.mm)."""
@@ -180,8 +183,9 @@ def build_experience(prompt_ids, generations, pad_token_id, device="cpu", mm=Non
                       rollout_logprobs.to(device), mm=mm)
 
 
-def micro_batch_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_size=None, packed=False,
-                         sp=None):
+def micro_batch_logprobs(model: torch.nn.Module, mb: "Experience", temperature: float = 1.0,
+                         with_entropy: bool = False, chunk_size: Optional[int] = None, packed: bool = False,
+                         sp=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Response logprobs (and entropy, as response_logprobs) (B, T) of the micro-batch mb (an Experience):
     from its padded rows or, packed, from one row without padding (logprobs.packed_logprobs; text rows only);
     with sp (sequence_parallel.SequenceParallel), those this rank's slice predicts, zeros elsewhere."""
@@ -200,7 +204,7 @@ def micro_batch_logprobs(model, mb, temperature=1.0, with_entropy=False, chunk_s
     return logprobs, entropy
 
 
-def micro_batch_values(critic, mb, packed=False):
+def micro_batch_values(critic: torch.nn.Module, mb: "Experience", packed: bool = False) -> torch.Tensor:
     """The critic's values V(s_t) (B, T) on the micro-batch mb, padded or packed (as micro_batch_logprobs)."""
     if not packed:
         return response_values(critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1],
@@ -227,7 +231,8 @@ def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync
     return sp.sum(out) if sp is not None else out
 
 
-def batched_logprobs(model, experience, temperature=1.0, chunk_size=None, **split):
+def batched_logprobs(model: torch.nn.Module, experience: "Experience", temperature: float = 1.0,
+                     chunk_size: Optional[int] = None, **split) -> torch.Tensor:
     """Response logprobs (B, T) of `model` over the whole experience, in micro-batches (split:
     batched_forward's keywords; chunk_size: response_logprobs')."""
     packed, sp = split.get("packed", False), split.get("sp")
@@ -235,7 +240,7 @@ def batched_logprobs(model, experience, temperature=1.0, chunk_size=None, **spli
         model, mb, temperature, chunk_size=chunk_size, packed=packed, sp=sp)[0], **split)
 
 
-def batched_values(critic, experience, **split):
+def batched_values(critic: torch.nn.Module, experience: "Experience", **split) -> torch.Tensor:
     """The critic's values (B, T) over the whole experience, in micro-batches (as batched_logprobs)."""
     packed = split.get("packed", False)
     return batched_forward(experience, lambda mb: micro_batch_values(critic, mb, packed), **split)
@@ -256,7 +261,7 @@ def logprob_passes(experience, policy, reference, critic, temperature, chunk_siz
             batched_values(critic, experience, **split) if critic is not None else None)
 
 
-def optimizer_chunks(experience, rows_per_step, max_epochs, seed):
+def optimizer_chunks(experience: "Experience", rows_per_step: int, max_epochs: int, seed: int):
     """The rows of each optimizer step: every epoch a new permutation of the batch (seeded: a resumed run
     draws the same), cut into chunks of rows_per_step."""
     for epoch in range(max_epochs):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch import Tensor
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # the importance weight pi_old / pi_rollout: per token; per sample, the product of its tokens' ratios
@@ -26,7 +27,7 @@ TIS_LEVELS = ("token", "sequence", "geometric")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def masked_mean(x, mask, dim=None):
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     """Mean of x over positions where mask is 1 (all of them if dim is None)."""
     mask = mask.to(x.dtype)
     if dim is None:
@@ -34,15 +35,15 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def token_mean(x, mask):
+def token_mean(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """A metric's (sum, count) over the tokens where mask is 1: Means weighs it by its tokens, so a
     micro-batch (or, under sequence parallelism, a rank's slice) without tokens adds nothing, not a 0."""
     mask = mask.to(x.dtype)
     return (x * mask).sum(), mask.sum()
 
 
-def aggregate_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None, max_len=None,
-                   seq_lens=None):
+def aggregate_loss(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, num_tokens=None, num_seqs=None,
+                   max_len: Optional[int] = None, seq_lens: Optional[Tensor] = None) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar; see the module docstring for the formulas.
 
     num_tokens / num_seqs: the optimizer step's totals (default: this batch's own). max_len: the
@@ -65,7 +66,7 @@ def aggregate_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {LOSS_AGG_MODES}")
 
 
-def kl_estimate(logprobs, ref_logprobs, kl_estimator="k3"):
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kl_estimator: str = "k3") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, 'Approximating KL').
 
     k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r  with  log r = logprobs - ref_logprobs.
@@ -82,9 +83,12 @@ def kl_estimate(logprobs, ref_logprobs, kl_estimator="k3"):
     raise ValueError(f"unknown kl_estimator {kl_estimator!r}; choose one of {KL_ESTIMATORS}")
 
 
-def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.2, loss_agg_mode="token-mean",
-                num_tokens=None, num_seqs=None, max_len=None, eps_clip_high=None, dual_clip=None,
-                use_gspo=False, is_weights=None, use_cpg_loss=False, seq_lens=None):
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
+                eps_clip_low: float = 0.2, loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None,
+                max_len: Optional[int] = None, eps_clip_high: Optional[float] = None,
+                dual_clip: Optional[float] = None, use_gspo: bool = False,
+                is_weights: Optional[Tensor] = None, use_cpg_loss: bool = False,
+                seq_lens: Optional[Tensor] = None) -> tuple[Tensor, dict]:
     """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with
     variants:
 
@@ -134,8 +138,9 @@ def policy_loss(logprobs, old_logprobs, advantages, action_mask, eps_clip_low=0.
     return loss, metrics
 
 
-def value_loss(values, old_values, returns, action_mask, value_clip=None, loss_agg_mode="token-mean",
-               num_tokens=None, num_seqs=None, max_len=None, seq_lens=None):
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor,
+               value_clip: Optional[float] = None, loss_agg_mode: str = "token-mean", num_tokens=None,
+               num_seqs=None, max_len: Optional[int] = None, seq_lens: Optional[Tensor] = None) -> Tensor:
     """PPO critic loss 0.5 (V - R)^2 (B, T) -> scalar; with value_clip c, the pessimistic
     max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), as in OpenAI's PPO2 baselines."""
     loss_mat = (values - returns).square()  # (B, T)
@@ -145,7 +150,7 @@ def value_loss(values, old_values, returns, action_mask, value_clip=None, loss_a
     return 0.5 * aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len, seq_lens)
 
 
-def high_entropy_mask(entropy, action_mask, ratio):
+def high_entropy_mask(entropy: Tensor, action_mask: Tensor, ratio: float) -> Tensor:
     """Keep only the round(ratio * n) highest-entropy response tokens of the batch (at least one),
     as in 'Beyond the 80/20 rule' (Wang et al. 2025): the forking tokens carry the learning signal.
     entropy, action_mask: (B, T) -> mask (B, T)."""
@@ -156,7 +161,7 @@ def high_entropy_mask(entropy, action_mask, ratio):
     return keep.view_as(entropy) * action_mask
 
 
-def entropy_from_logits(logits, lse=None):
+def entropy_from_logits(logits: Tensor, lse: Optional[Tensor] = None) -> Tensor:
     """Per-position entropy of softmax(logits): logsumexp(z) - sum softmax(z) z.  (..., V) -> (...)
     lse: logsumexp(logits) if already computed (it saves passes over the vocabulary)."""
     logits = logits.float()
@@ -190,7 +195,8 @@ class LossSettings:
     sample_sum: Optional[Callable] = None  # SP / CP: sums (B, k) per-row values over a row's slices
 
 
-def tis_weights(old_logprobs, rollout_logprobs, mask, level="token", sample_sum=None):
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, level: str = "token",
+                sample_sum: Optional[Callable] = None) -> Tensor:
     """The uncapped importance weights pi_old / pi_rollout (B, T). token: each token's own ratio. sequence:
     every token of a sample gets the product of its tokens' ratios, the weight of the whole response, which
     also corrects for the prefixes an older policy chose (token weights correct each token given its prefix
@@ -209,7 +215,7 @@ def tis_weights(old_logprobs, rollout_logprobs, mask, level="token", sample_sum=
     return log_ratio.clamp(max=20.0).exp()
 
 
-def policy_token_counts(action_masks, ratio=0.0):
+def policy_token_counts(action_masks: list[Tensor], ratio: float = 0.0) -> tuple[float, float]:
     """(response tokens, tokens the policy loss keeps) in these micro-batches' action masks: high_entropy_mask
     keeps round(ratio * n) of a micro-batch's n tokens, at least one."""
     num_tokens = sum(int(mask.sum()) for mask in action_masks)
@@ -218,7 +224,7 @@ def policy_token_counts(action_masks, ratio=0.0):
     return float(num_tokens), float(sum(max(1, round(ratio * int(mask.sum()))) for mask in action_masks))
 
 
-def actor_loss(logprobs, entropy, mb, s):
+def actor_loss(logprobs: Tensor, entropy: Optional[Tensor], mb, s: LossSettings) -> tuple[Tensor, dict]:
     """The actor's loss on one micro-batch, normalised by the whole optimizer step's totals (LossSettings),
     and its metrics as detached 0-d tensors.
 

@@ -3,7 +3,9 @@ engine, so the scripts never branch on which one runs), the `Generation` record 
 `wants_logprobs`, which requests of a generate call return their logprobs."""
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol, Union
+
+import torch
 
 
 @dataclass
@@ -14,7 +16,7 @@ class Generation:
     mask: list = None  # multi-turn: 1 on the tokens the engine sampled, 0 on the environment's (None: all 1)
 
 
-def wants_logprobs(index, every):
+def wants_logprobs(index: int, every: int) -> bool:
     """Whether request `index` of a generate call returns its logprobs (every: 1 all, k every k-th, 0 none)"""
     return bool(every) and index % every == 0
 
@@ -25,8 +27,9 @@ class Engine(Protocol):
     exactly these (tests/test_engine_protocol.py checks both sides). Step lifecycle: generate -> sleep ->
     train -> update_weights -> wake_up -> generate."""
 
-    def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None,
-                 logprob_every=1) -> list[Generation]:
+    def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: Union[int, list[int]],
+                 temperature: float = 1.0, top_p: float = 1.0, mm: Optional[list] = None,
+                 logprob_every: int = 1) -> list[Generation]:
         """One Generation per prompt, in order: the response token ids (ending with EOS unless the length
         limit cut it) and the logprob of each under the sampling distribution (temperature applied;
         temperature 0 means greedy, logprobs then at temperature 1), for every logprob_every-th prompt (0:
@@ -35,12 +38,12 @@ class Engine(Protocol):
         prompt). mm: per-prompt image inputs of a vision-language model (Experience.mm's form) or None."""
         ...
 
-    def sleep(self, needed_bytes=None) -> bool:
+    def sleep(self, needed_bytes: Optional[int] = None) -> bool:
         """Free the engine's GPU memory for training; returns whether it slept. needed_bytes: the update's
         measured transient memory (None: unknown), by which the "auto" sleep mode decides."""
         ...
 
-    def wake_up(self, tags=None) -> None:
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Take the slept memory back: tags "weights", "kv_cache", or both (None)."""
         ...
 
@@ -49,7 +52,7 @@ class Engine(Protocol):
         to decide whether the optimizer state must leave the GPU between updates)."""
         ...
 
-    def update_weights(self, model) -> None:
+    def update_weights(self, model: "torch.nn.Module") -> None:
         """Load the trainer's current weights (the unwrapped model); collective under ZeRO-3 / FSDP2 and in a
         tensor-parallel engine group."""
         ...
