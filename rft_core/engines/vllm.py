@@ -24,7 +24,6 @@ expands the placeholders from its own processing, and the prompt it ends up with
 trainer's, token for token, or generate raises naming the prompt.
 """
 
-import contextlib
 import gc
 import os
 import socket
@@ -33,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from rft_core.engines.base import Generation, wants_logprobs
-from rft_core.engines.sync import (buckets, engine_group, iter_weights, memory_error, short_for_training,
-                                   slice_for_rank, wake_error)
+from rft_core.engines.sync import (buckets, engine_group, flatten_group, iter_weights, memory_error,
+                                   short_for_training, slice_for_rank, wake_error)
 from rft_core.errors import ConfigError
 from rft_core.models import pin_triton_cache
 from rft_core.multimodal import vllm_prompt
@@ -85,20 +84,6 @@ def engine_requests(prompt_token_ids, limits, mm, logprob_every, group=True):
         else:
             requests.append(Request(ids, vllm_prompt(ids, m, sample=i), limit, want))
     return requests
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """No garbage collection inside a generate call: vLLM's decode loop allocates objects per token and
-    request, so collections come every few steps, and the older ones walk the trainer's whole heap. Cycles
-    the call leaves are collected after it."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class VLLMEngine:
@@ -154,8 +139,8 @@ class VLLMEngine:
         if self.tp_group is not None:  # every rank of the group must submit the same requests
             per_rank = [None] * len(self.group_ranks)
             torch.distributed.all_gather_object(per_rank, requests, group=self.tp_group)
-            requests = [r for mine in per_rank for r in mine]
-            sizes = [sum(r.n for r in mine) for mine in per_rank]  # in samples
+            requests, _ = flatten_group(per_rank)
+            sizes = [sum(r.n for r in mine) for mine in per_rank]  # in samples, as the outputs come
         self.calls += 1
         if not requests:  # (partial rollout: a rank may have nothing left to generate in a round)
             return []
@@ -174,8 +159,15 @@ class VLLMEngine:
                                              seed=key[3], **common)
             params.append(shared[key])
             first += r.n
-        with collector_paused():
+        # no garbage collection in the call: vLLM's decode loop allocates per token and sequence, and each
+        # collection would walk the trainer's heap; what the call leaves cyclic is collected after it
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
             outputs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+        finally:
+            if collecting:
+                gc.enable()
         gens = []
         for r, out in zip(requests, outputs):
             # image-token accounting
