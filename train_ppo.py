@@ -51,7 +51,7 @@ from rft_core.environments import load_env
 from rft_core.episodes import EpisodeRunner
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
-from rft_core.experience import (build_experience, logprob_passes, micro_batch_logprobs,
+from rft_core.experience import (Forward, build_experience, logprob_passes, micro_batch_logprobs,
                                  micro_batch_values, optimizer_chunks)
 from rft_core.losses import (actor_loss, kl_estimate, masked_mean, policy_token_counts, token_mean,
                              value_loss)
@@ -369,20 +369,19 @@ def encode_prompts(args, rows, tokenizer, processor, model, log):
 # VL end
 
 
-def micro_batch_loss(model, critic, mb, settings, frozen, args, plan, sp, ptx_batches, tokenizer):
+def micro_batch_loss(model, critic, mb, settings, frozen, args, fwd, ptx_batches, tokenizer):
     """One micro-batch's loss, normalised by the whole optimizer step's totals (settings), and its metrics:
     the policy loss (and KL, entropy, TIS: actor_loss), the ptx loss, the critic's value loss."""
     with torch.set_grad_enabled(not frozen):  # PPO's warm-up: only the critic learns
         entropy_grad = "grad" if args.entropy_coef else True  # the entropy, with a gradient if it is a loss
-        logprobs, entropy = micro_batch_logprobs(model, mb, args.temperature, entropy_grad, plan.chunk_size,
-                                                 args.packing_samples, sp)  # (B, T) each
+        logprobs, entropy = micro_batch_logprobs(model, mb, fwd, entropy_grad)  # (B, T) each
     loss, m = actor_loss(logprobs, entropy, mb, settings)  # (B, T) each -> scalar
     if ptx_batches is not None and not frozen:  # a mean per micro-batch: average it over them
         ptx_loss = text_lm_loss(model, tokenizer, next(ptx_batches), args.prompt_max_len)
         loss = loss + args.ptx_coef * ptx_loss / settings.micro_batches_per_step
         m["ptx_loss"] = ptx_loss.detach()
     if critic is not None:
-        values = micro_batch_values(critic, mb, args.packing_samples)  # (B, T)
+        values = micro_batch_values(critic, mb, fwd)  # (B, T)
         v_loss = value_loss(values, mb.values, mb.returns, mb.action_mask, args.value_clip,
                             args.loss_agg_mode, settings.num_tokens, settings.num_seqs, settings.max_len)
         m["value_loss"] = v_loss.detach() * settings.micro_batches_per_step  # as policy_loss
@@ -443,10 +442,10 @@ def main():
     trained_nets = [net for net, _, _ in trained.values()]  # as prepared (DDP- or DeepSpeed-wrapped)
     # micro-batches by rows or by tokens (planned from the measured activations on a GPU), checkpointing
     plan = with_memory_plan(plan, args, accelerator, model, trained_nets)
-    split, logprob_split = micro_batch_splits(args, plan, accelerator, sp)
+    split, logprob_split = micro_batch_splits(args, plan, accelerator, sp)  # the micro-batches' sizes
+    fwd = Forward(args.temperature, plan.chunk_size, args.packing_samples, sp)  # how each forward runs
     optimizers = [opt for _, opt, _ in trained.values()]
-    engine = create_engine(plan.engine_type, accelerator.unwrap_model(model), tokenizer, processor,
-                           **plan.engine)
+    engine = create_engine(plan.engine, accelerator.unwrap_model(model), tokenizer, processor)
     episodes = EpisodeRunner(env, tokenizer, plan.episodes, args.env, tqdm.write) if env else None
 
     def run_eval(step):
@@ -517,7 +516,7 @@ def main():
         perf.phase("logprob")
         with accelerator.autocast():  # (B, T) each, or None where not needed
             exp.old_logprobs, exp.ref_logprobs, exp.values = logprob_passes(
-                exp, model, ref_model, critic, args.temperature, plan.chunk_size, logprob_split,
+                exp, model, ref_model, critic, fwd, logprob_split,
                 old=not plan.reuse_old_logprobs, ref=args.use_kl_loss or plan.kl_in_reward,
                 lora=bool(args.lora_rank))
 
@@ -541,7 +540,7 @@ def main():
         stats = Means()
         shuffle_seed = args.seed * 100003 + step * 101
         for chunk in optimizer_chunks(exp, plan.rows_per_update, args.max_epochs, shuffle_seed):
-            micro_batches = chunk.split(**split)  # as many on every rank
+            micro_batches = chunk.split(**split, fwd=fwd)  # as many on every rank
             accumulate_over(accelerator, len(micro_batches))  # the last one syncs and steps
             scale = world * accumulation_divisor(accelerator)  # the mean gradient accumulation and DDP apply
             stats.add({"micro_batches": len(micro_batches)})
@@ -553,8 +552,8 @@ def main():
                                num_pg_tokens=totals[1], micro_batches_per_step=len(micro_batches) * world)
             for mb in micro_batches:
                 with accelerator.accumulate(*trained_nets), accelerator.autocast(), sliced(sp, model, mb):
-                    loss, m = micro_batch_loss(model, critic, mb, settings, frozen, args, plan, sp,
-                                               ptx_batches, tokenizer)
+                    loss, m = micro_batch_loss(model, critic, mb, settings, frozen, args, fwd, ptx_batches,
+                                               tokenizer)
                     accelerator.backward(loss * scale)  # the losses are already the step's
                     # clipped norms (finite, not exploding: checked) on the step's last micro-batch
                     step_optimizers(accelerator, stepped, args.max_norm, m,
@@ -593,8 +592,7 @@ def main():
             run_eval(step)
         if args.save_steps and step % args.save_steps == 0 or stop == "SIGTERM" and args.save_on_sigterm:
             # atomic: `latest` names only whole checkpoints, and only healthy weights are saved
-            guard.before_checkpoint(model, exp, logprob_split, args.temperature, plan.chunk_size,
-                                    accelerator, step)
+            guard.before_checkpoint(model, exp, logprob_split, fwd, accelerator, step)
             save_checkpoint(accelerator, args.output_dir, step, *loop.save(), args.max_ckpt_num)
         if args.save_hf_steps and step % args.save_hf_steps == 0:
             export(os.path.join(args.output_dir, f"hf-step-{step}"))
@@ -602,7 +600,7 @@ def main():
             raise stop_error(stop, step, args)
 
     # the final weights pass the checks a checkpoint's do
-    guard.before_checkpoint(model, exp, logprob_split, args.temperature, plan.chunk_size, accelerator, step)
+    guard.before_checkpoint(model, exp, logprob_split, fwd, accelerator, step)
     last_eval = run_eval(num_steps) if prompts["eval"] else None
     log.plots(exp.action_mask.sum(-1).tolist())  # the curves again, with the final eval point
     accelerator.wait_for_everyone()

@@ -7,22 +7,16 @@ weights:
 - `configure_deepspeed`: the batch sizes and clipping DeepSpeed wants in its config, from our flags;
   `zero_offloads_optimizer`: whether that config keeps the optimizer on the CPU (ZeRO-Offload).
 - `sharding(model)`: "zero3", "fsdp2" or None, read off the parameters themselves.
-- `full_weights(model)`: every weight as a full tensor, gathering one unit at a time (a transformer
-  layer, or one other module's own parameters), never the whole model on one rank. The weight sync
-  to vLLM and SGLang (engines/sync.py: iter_weights) and nothing else uses it; a LoRA model's adapters are
-  merged unit by unit.
 - `prepare_frozen`: the reference model sharded like the actor (ZeRO-3: its own inference engine;
   FSDP2: accelerate's fully_shard recipe), else a replica on the device.
 The optimizer (AdamW, accumulation, its state's offload) is rft_core/optim.py's.
 """
 
-import contextlib
 import copy
 import os
 
 import torch
 
-from rft_core.models import merged_state_dict
 
 
 def process_group_kwargs():
@@ -53,58 +47,6 @@ def sharding(model):
     if hasattr(param, "ds_id"):
         return "zero3"
     return "fsdp2" if isinstance(param, DTensor) else None
-
-
-@contextlib.contextmanager
-def gathered(tensors):
-    """Full copies of `tensors` for the duration of the block: ZeRO-3 parameters are all-gathered in
-    place (and released after), FSDP2 DTensors all-gathered into new tensors, plain tensors passed through.
-    Collective: every rank must enter with the same tensors in the same order."""
-    from torch.distributed.tensor import DTensor
-
-    zero3 = [t for t in tensors if hasattr(t, "ds_id")]
-    with contextlib.ExitStack() as stack:
-        if zero3:
-            import deepspeed
-
-            stack.enter_context(deepspeed.zero.GatheredParameters(zero3, modifier_rank=None))
-        # CPU-offloaded FSDP2 shards gather through the GPU (NCCL), far faster than gloo on CPU tensors
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        yield [(t.to(device) if device and t.device.type == "cpu" else t).full_tensor()
-               if isinstance(t, DTensor) else t.data for t in tensors]
-
-
-def units(model):
-    """(prefix, module, recurse): the model cut into the pieces gathered one at a time. An element of
-    a ModuleList (a transformer layer) and a LoRA layer (base weight + adapters, merged together) are
-    whole units; any other module contributes its own parameters and buffers."""
-    whole = {id(child) for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
-    whole |= {id(m) for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
-    inside = None  # prefix of the whole unit being skipped over
-    for name, module in model.named_modules():
-        if inside is not None and name.startswith(inside):
-            continue
-        recurse = id(module) in whole
-        inside = f"{name}." if recurse else inside
-        yield name, module, recurse
-
-
-def full_weights(model, dtype):
-    """(name, full tensor cast to dtype) for every parameter and persistent buffer, under the names of
-    model.state_dict() (a LoRA model: merged, under the base model's names). Collective under ZeRO-3 and
-    FSDP2; the tensors are copies, valid after the gather is released."""
-    served = set(model.state_dict().keys())  # parameters and persistent buffers; no communication
-    for prefix, module, recurse in units(model):
-        named = [(f"{prefix}.{n}" if prefix else n, t) for n, t in
-                 [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]]
-        named = [(n, t) for n, t in named if n in served]
-        if not named:
-            continue
-        with gathered([t for _, t in named]) as full:
-            state = dict(zip([n for n, _ in named], full))
-            # only this unit's modules can hold its LoRA layers: no walk over the whole model per unit
-            for name, tensor in merged_state_dict(model, state, module.named_modules(prefix=prefix)).items():
-                yield name, tensor.detach().to(dtype, copy=True)
 
 
 def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm):

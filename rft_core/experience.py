@@ -20,6 +20,16 @@ from rft_core.model_training import response_values
 from rft_core.multimodal import mm_inputs
 
 
+@dataclass(frozen=True)
+class Forward:
+    """How the trainer's forwards over micro-batches run, the same in every pass (old, reference, values, the
+    update, the checkpoint's check)."""
+    temperature: float = 1.0  # logprobs of softmax(logits / temperature), the sampling distribution
+    chunk_size: Optional[int] = None  # the fused LM head's tokens per chunk (None: the model's own logits)
+    packed: bool = False  # a micro-batch's rows as one row without padding (text only)
+    sp: object = None  # sequence_parallel.SequenceParallel: this rank computes a slice of every row
+
+
 @dataclass
 class Sample:
     """One prompt and, once rolled out, one response to it with its reward."""
@@ -75,13 +85,13 @@ class Experience:
         """The model's image inputs for these rows (None for a text-only batch)."""
         return mm_inputs(self.mm, self.input_ids)
 
-    def split(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False, sp=None):
+    def split(self, micro_batch_size=None, max_tokens=None, sync_count=None, fwd=Forward()):
         """Micro-batches, each trimmed to its own longest prompt and response: micro_batch_size rows each, in
-        order, or by token budget (see micro_batch_rows); with sp, each narrowed to this rank's tokens
-        (SequenceParallel.shard)."""
+        order, or by token budget (see micro_batch_rows: fwd.packed counts packed tokens); with fwd.sp, each
+        narrowed to this rank's tokens (SequenceParallel.shard)."""
         batches = [self.select(rows)._trim()
-                   for rows in self.micro_batch_rows(micro_batch_size, max_tokens, sync_count, packed)]
-        return [sp.shard(mb) for mb in batches] if sp is not None else batches
+                   for rows in self.micro_batch_rows(micro_batch_size, max_tokens, sync_count, fwd.packed)]
+        return [fwd.sp.shard(mb) for mb in batches] if fwd.sp is not None else batches
 
     def micro_batch_rows(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
         """Row index lists of the micro-batches: micro_batch_size consecutive rows each, or, with max_tokens,
@@ -183,15 +193,16 @@ def build_experience(prompt_ids: list[list[int]], generations: list[Generation],
                       rollout_logprobs.to(device), mm=mm)
 
 
-def micro_batch_logprobs(model: torch.nn.Module, mb: "Experience", temperature: float = 1.0,
-                         with_entropy: bool = False, chunk_size: Optional[int] = None, packed: bool = False,
-                         sp=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def micro_batch_logprobs(model: torch.nn.Module, mb: "Experience", fwd: Forward = Forward(),
+                         with_entropy: Union[bool, str] = False) -> tuple:
     """Response logprobs (and entropy, as response_logprobs) (B, T) of the micro-batch mb (an Experience):
-    from its padded rows or, packed, from one row without padding (logprobs.packed_logprobs; text rows only);
-    with sp (sequence_parallel.SequenceParallel), those this rank's slice predicts, zeros elsewhere."""
-    if sp is not None:
-        return sp.logprobs(model, mb, temperature, with_entropy, chunk_size)
-    if not packed:
+    from its padded rows or, fwd.packed, from one row without padding (logprobs.packed_logprobs; text rows
+    only); with fwd.sp (sequence_parallel.SequenceParallel), those this rank's slice predicts, zeros
+    elsewhere."""
+    temperature, chunk_size = fwd.temperature, fwd.chunk_size
+    if fwd.sp is not None:
+        return fwd.sp.logprobs(model, mb, temperature, with_entropy, chunk_size)
+    if not fwd.packed:
         return response_logprobs(model, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1], temperature,
                                  with_entropy, mb.mm_inputs(), chunk_size)
     input_ids, position_ids, keep, where = mb.pack()
@@ -204,9 +215,9 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: "Experience", temperature: 
     return logprobs, entropy
 
 
-def micro_batch_values(critic: torch.nn.Module, mb: "Experience", packed: bool = False) -> torch.Tensor:
-    """The critic's values V(s_t) (B, T) on the micro-batch mb, padded or packed (as micro_batch_logprobs)."""
-    if not packed:
+def micro_batch_values(critic: torch.nn.Module, mb: "Experience", fwd: Forward = Forward()) -> torch.Tensor:
+    """The critic's values V(s_t) (B, T) on the micro-batch mb, padded or packed (fwd.packed)."""
+    if not fwd.packed:
         return response_values(critic, mb.input_ids, mb.attention_mask, mb.action_mask.shape[1],
                                mm_inputs=mb.mm_inputs())
     input_ids, position_ids, keep, where = mb.pack()
@@ -217,48 +228,41 @@ def micro_batch_values(critic: torch.nn.Module, mb: "Experience", packed: bool =
 
 
 @torch.no_grad()
-def batched_forward(experience, fn, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False,
-                    sp=None):
+def batched_forward(experience, fn, fwd=Forward(), micro_batch_size=None, max_tokens=None, sync_count=None):
     """fn(micro_batch) -> (b, t) per response token, over the whole experience in micro-batches (rows or a
-    token budget, as Experience.split): (B, T). sp: fn gives this rank's slice's tokens; summed over the
-    group."""
+    token budget, as Experience.split): (B, T). With fwd.sp, fn gives this rank's slice's tokens, summed over
+    the group."""
     out = torch.zeros_like(experience.rollout_logprobs)  # (B, T)
-    for rows in experience.micro_batch_rows(micro_batch_size, max_tokens, sync_count, packed):
+    for rows in experience.micro_batch_rows(micro_batch_size, max_tokens, sync_count, fwd.packed):
         mb = experience.select(rows)._trim()
         values = fn(mb)  # (b, t), t <= T after trimming
         # (fp32, whatever the pass computed in: FSDP2's bf16 reference model gives bf16)
         out[rows, :values.shape[1]] = (values * mb.action_mask).to(out.dtype)
-    return sp.sum(out) if sp is not None else out
+    return fwd.sp.sum(out) if fwd.sp is not None else out
 
 
-def batched_logprobs(model: torch.nn.Module, experience: "Experience", temperature: float = 1.0,
-                     chunk_size: Optional[int] = None, **split) -> torch.Tensor:
-    """Response logprobs (B, T) of `model` over the whole experience, in micro-batches (split:
-    batched_forward's keywords; chunk_size: response_logprobs')."""
-    packed, sp = split.get("packed", False), split.get("sp")
-    return batched_forward(experience, lambda mb: micro_batch_logprobs(
-        model, mb, temperature, chunk_size=chunk_size, packed=packed, sp=sp)[0], **split)
+def batched_logprobs(model: torch.nn.Module, experience: "Experience", fwd: Forward = Forward(),
+                     **split) -> torch.Tensor:
+    """Response logprobs (B, T) of `model` over the whole experience, in micro-batches (split: the sizes,
+    batched_forward's keywords)."""
+    return batched_forward(experience, lambda mb: micro_batch_logprobs(model, mb, fwd)[0], fwd, **split)
 
 
-def batched_values(critic: torch.nn.Module, experience: "Experience", **split) -> torch.Tensor:
+def batched_values(critic: torch.nn.Module, experience: "Experience", fwd: Forward = Forward(),
+                   **split) -> torch.Tensor:
     """The critic's values (B, T) over the whole experience, in micro-batches (as batched_logprobs)."""
-    packed = split.get("packed", False)
-    return batched_forward(experience, lambda mb: micro_batch_values(critic, mb, packed), **split)
+    return batched_forward(experience, lambda mb: micro_batch_values(critic, mb, fwd), fwd, **split)
 
 
-def logprob_passes(experience, policy, reference, critic, temperature, chunk_size, split, old=True, ref=False,
-                   lora=False):
+def logprob_passes(experience, policy, reference, critic, fwd, split, old=True, ref=False, lora=False):
     """The passes before the update, (B, T) each or None where not asked for: the policy's logprobs (old), the
     reference's (ref; with lora the policy with its adapters switched off: the base model) and the critic's
-    values (critic: a model or None). split: batched_forward's keywords."""
-    def logprobs(model):
-        return batched_logprobs(model, experience, temperature, chunk_size, **split)
-
+    values (critic: a model or None). fwd: a Forward; split: batched_forward's sizes."""
     base = unwrap(policy).disable_adapter() if lora and ref else nullcontext()
     with base:
-        ref_logprobs = logprobs(reference or policy) if ref else None
-    return (logprobs(policy) if old else None, ref_logprobs,
-            batched_values(critic, experience, **split) if critic is not None else None)
+        ref_logprobs = batched_logprobs(reference or policy, experience, fwd, **split) if ref else None
+    return (batched_logprobs(policy, experience, fwd, **split) if old else None, ref_logprobs,
+            batched_values(critic, experience, fwd, **split) if critic is not None else None)
 
 
 def optimizer_chunks(experience: "Experience", rows_per_step: int, max_epochs: int, seed: int):

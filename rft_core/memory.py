@@ -153,16 +153,16 @@ def plan_cpu_memory(model, max_tokens, chunk_size=None, fixed_budget=False, log=
 
 
 def micro_batch_splits(args, plan, accelerator, sp=None):
-    """(update, logprob passes): Experience.split's keyword arguments from the plan. Fixed rows
+    """(update, logprob passes): Experience.split's sizes from the plan. Fixed rows
     (--micro_train_batch_size), or samples grouped by tokens up to the plan's budget, as many micro-batches on
     every rank (under ZeRO-3 / FSDP2 each forward is a collective). The logprob passes keep no activations:
     twice the update's budget. sp (SequenceParallel): a rank computes a 1 / sp.size slice of each row, so the
     budget counts sp.size times its tokens."""
     device = accelerator.device
     sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
-    split = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=plan.max_tokens_per_micro_batch,
-                 sync_count=sync_count, packed=args.packing_samples)
-    if sp is not None:
-        split.update(sp=sp, max_tokens=split["max_tokens"] and split["max_tokens"] * sp.size)
-    return split, {**split, "micro_batch_size": args.micro_rollout_batch_size,
-                   "max_tokens": split["max_tokens"] and 2 * split["max_tokens"]}
+    budget = plan.max_tokens_per_micro_batch
+    if budget and sp is not None:
+        budget *= sp.size
+    update = dict(micro_batch_size=args.micro_train_batch_size, max_tokens=budget, sync_count=sync_count)
+    passes = dict(update, micro_batch_size=args.micro_rollout_batch_size, max_tokens=budget and 2 * budget)
+    return update, passes

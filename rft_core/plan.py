@@ -22,6 +22,7 @@ import torch
 from rft_core.advantages import TOKEN_LEVEL
 from rft_core.runs.checks import check_args, kl_in_reward
 from rft_core.engines import resolve_engine_type
+from rft_core.engines.base import EngineSettings
 from rft_core.episodes import EpisodeSettings
 from rft_core.losses import LossSettings
 from rft_core.memory import plan_update_memory
@@ -40,7 +41,6 @@ class Plan:
     samples_per_step: int  # rollout_batch_size * n_samples_per_prompt, all ranks
     train_batch_size: int  # samples per optimizer step, all ranks
     rows_per_update: int  # a rank's samples per optimizer step (SP / CP: its group's)
-    engine_type: str  # hf, vllm or sglang
     bf16: bool
     torch_compile: bool  # each decoder layer of what trains
     chunk_size: Optional[int]  # tokens per chunk of the fused LM head (None: the model's own logits)
@@ -50,7 +50,7 @@ class Plan:
     reuse_old_logprobs: bool  # one optimizer step per rollout: the update's own logprobs are the old ones
     loss: LossSettings
     rollout: RolloutSettings
-    engine: dict  # create_engine's keywords
+    engine: EngineSettings  # how the rollout engine is built (its type: hf, vllm or sglang)
     optimizer_offload: Optional[bool]  # None: decided after the first update
     max_tokens_per_micro_batch: Optional[int]  # the update's budget; None: micro-batches by rows
     gradient_checkpointing: Optional[bool]  # None until with_memory_plan
@@ -68,7 +68,7 @@ class Plan:
         """The start-up's `[plan]` lines."""
         budget = self.max_tokens_per_micro_batch
         lines = [f"{self.samples_per_step} samples a step, {self.train_batch_size} an optimizer step, over "
-                 f"{self.world} process(es); engine {self.engine_type}, bf16 {self.bf16}, compile "
+                 f"{self.world} process(es); engine {self.engine.type}, bf16 {self.bf16}, compile "
                  f"{self.torch_compile}",
                  f"update micro-batches {f'of {budget} tokens' if budget else 'by rows'}, gradient "
                  f"checkpointing {self.gradient_checkpointing}", *self.why]
@@ -107,8 +107,7 @@ def resolve(args, accelerator, default_lr=None):
     tis_cap, tis_level = importance_weights(args)
     if args.partial_rollout and (args.tis_cap is None or args.tis_level is None):
         why.append(f"importance weights per {tis_level}, capped at {tis_cap}: partial rollout's default")
-    sleep = args.engine_sleep
-    if engine_type != "hf" and sleep == "auto":
+    if engine_type != "hf" and args.engine_sleep == "auto":
         why.append("engine sleep auto: the engine sleeps only when an update needs its memory")
     if args.optimizer_offload is None and engine_type != "hf":
         why.append("optimizer offload auto: decided after the first update (on if the engine cannot wake "
@@ -119,10 +118,10 @@ def resolve(args, accelerator, default_lr=None):
         args.apply_chat_template, args.system_prompt)
     return Plan(
         world, sp_size, sharded, samples_per_step, train_batch_size, train_batch_size * sp_size // world,
-        engine_type, bf16, torch_compile, args.chunk_size if args.fused_linear_logprob else None,
+        bf16, torch_compile, args.chunk_size if args.fused_linear_logprob else None,
         args.actor_learning_rate or default_lr, token_level, kl_penalty, one_update and not kl_penalty,
         loss_settings(args, train_batch_size, tis_cap, tis_level), rollout_settings(args, tis_cap),
-        engine_options(args, bf16, sleep, samples_per_step // world, sp_size), args.optimizer_offload,
+        engine_settings(args, engine_type, bf16, samples_per_step // world, sp_size), args.optimizer_offload,
         None if by_rows else args.max_tokens_per_micro_batch or TOKENS_PER_MICRO_BATCH,
         args.gradient_checkpointing, episodes, tuple(line for line in why if line))
 
@@ -165,20 +164,22 @@ def rollout_settings(args, tis_cap):
                            every)
 
 
-def engine_options(args, bf16, sleep, requests, sp_size=1):
-    """create_engine's keywords from the engine flags; requests: one generate call's, per rank. sp_size > 1
-    (sequence or context parallelism: Accelerate drops the prepared models' attention masks): the
-    transformers engine generates one prompt at a time, without padding."""
+def engine_settings(args, engine_type, bf16, requests, sp_size=1):
+    """The EngineSettings of the engine flags; requests: one generate call's, per rank. sp_size > 1 (sequence
+    or context parallelism: Accelerate drops the prepared models' attention masks): the transformers engine
+    generates one prompt at a time, without padding. The VL script's flags give the images per prompt and
+    the parameters synced once (a frozen vision tower)."""
     micro_batch_size = 1 if sp_size > 1 else args.micro_rollout_batch_size
     if args.partial_rollout:  # a generation round holds --inflight_ratio steps' worth of groups
         requests = math.ceil(requests * args.inflight_ratio)
     # an episode's turns and a partial rollout's rounds send their context again: vLLM's prefix cache
     # finds it; a single-turn rollout's never repeats, and caching costs vLLM's scheduler at every token
     prefix_caching = args.env is not None or args.partial_rollout
-    return dict(micro_batch_size=micro_batch_size, bf16=bf16, tp_size=args.engine_tp_size,
-                mem_util=args.engine_mem_util, sleep=sleep, sleep_level=args.engine_sleep_level,
-                enforce_eager=args.engine_enforce_eager, requests=requests, seed=args.seed,
-                max_model_len=args.prompt_max_len + response_limit(args), prefix_caching=prefix_caching)
+    return EngineSettings(
+        engine_type, micro_batch_size, bf16, args.engine_tp_size, args.engine_mem_util, args.engine_sleep,
+        args.engine_sleep_level, args.engine_enforce_eager, args.prompt_max_len + response_limit(args),
+        requests, args.seed, prefix_caching, getattr(args, "limit_mm_image_per_prompt", None),
+        getattr(args, "freeze_prefix", None))
 
 
 def with_memory_plan(plan, args, accelerator, model, nets):

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import rft_core.distributed as D
+import rft_core.engines.sync as S
 from rft_core.models import merged_state_dict
 
 
@@ -35,17 +36,17 @@ def check(model_dir, mode, lora):
         model = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
                                                           "zero_optimization": {"stage": 3}})[0].module
     assert D.sharding(model) == mode
-    units, gather = [], D.gathered
+    units, gather = [], S.gathered
 
     def counting(tensors):  # the size of each unit gathered at once
         units.append(sum(D_numel(t) for t in tensors))
         return gather(tensors)
 
-    D.gathered = counting
+    S.gathered = counting
     try:
-        got = dict(D.full_weights(model, torch.float32))
+        got = dict(S.full_weights(model, torch.float32))
     finally:
-        D.gathered = gather
+        S.gathered = gather
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst == 0.0, worst

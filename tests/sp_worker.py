@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rft_core.distributed import configure_deepspeed, process_group_kwargs
-from rft_core.experience import Experience, batched_logprobs, micro_batch_logprobs
+from rft_core.experience import Experience, Forward, batched_logprobs, micro_batch_logprobs
 from rft_core.losses import LossSettings, actor_loss
 
 model_dir = sys.argv[1]
@@ -44,7 +44,7 @@ for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
 exp = Experience(input_ids, attention_mask, action_mask, rollout_logprobs=torch.zeros(3, T),
                  advantages=torch.randn(3))
 with torch.no_grad():
-    want_logprobs = micro_batch_logprobs(whole, exp, 1.0, False, chunk_size)[0]
+    want_logprobs = micro_batch_logprobs(whole, exp, Forward(1.0, chunk_size))[0]
 # the engine's and the reference's logprobs near the policy's, so the TIS weights and the KL stay moderate
 exp.rollout_logprobs = (want_logprobs + 0.1 * torch.randn(3, T)) * action_mask
 exp.ref_logprobs = (want_logprobs + 0.1 * torch.randn(3, T)) * action_mask
@@ -53,7 +53,7 @@ exp.ref_logprobs = (want_logprobs + 0.1 * torch.randn(3, T)) * action_mask
 def loss_of(model, mb, mode, num_tokens, sp=None, groups=1):
     """groups: data-parallel groups, each with this same batch (its sequences count once per group). mode:
     the loss aggregation, and after a "+" the TIS level (default token)."""
-    logprobs, entropy = micro_batch_logprobs(model, mb, 1.0, "grad", chunk_size, sp=sp)
+    logprobs, entropy = micro_batch_logprobs(model, mb, Forward(1.0, chunk_size, sp=sp), "grad")
     agg, _, level = mode.partition("+")
     settings = LossSettings(loss_agg_mode=agg, entropy_coef=0.01, use_kl_loss=True, kl_coef=0.1, tis_cap=2.0,
                             tis_level=level or "token", sample_sum=sp.sum if sp else None,
@@ -105,7 +105,7 @@ def full_grads():
 
 mb = sp.shard(exp)
 out["owned"] = int(mb.action_mask.sum())
-logprobs = batched_logprobs(model, exp, 1.0, chunk_size, micro_batch_size=2, sp=sp)
+logprobs = batched_logprobs(model, exp, Forward(1.0, chunk_size, sp=sp), micro_batch_size=2)
 out["logprobs"] = ((logprobs - want_logprobs) * exp.action_mask).abs().max().item()
 for mode in modes:
     num_tokens = accelerator.reduce(mb.action_mask.sum().float(), "sum")  # each token counted once

@@ -23,6 +23,7 @@ ENGINE = dict(bf16=True, micro_batch_size=64, mem_util=0.2, sleep="never", enfor
 @pytest.fixture(scope="module", params=ENGINES)
 def vl(request):
     from rft_core.engines import create_engine
+    from rft_core.engines.base import EngineSettings
     from rft_core.tasks.shapes import shapes_task
     from rft_core.vision import encode_vl_prompt, load_vl_model
 
@@ -36,7 +37,7 @@ def vl(request):
     rows[4]["images"] = [[rows[4]["images"][0], rows[5]["images"][0]] * 2]  # a video of 4 frames
     encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_id, sample=i)
                for i, r in enumerate(rows)]
-    engine = create_engine(request.param, model, tokenizer, processor, **ENGINE)
+    engine = create_engine(EngineSettings(request.param, **ENGINE), model, tokenizer, processor)
     return engine, model, tokenizer, [ids for ids, _ in encoded], [mm for _, mm in encoded]
 
 

@@ -13,7 +13,7 @@ from rft_core.advantages import gae, token_level_advantages, token_rewards, whit
 from rft_core.engines.base import Generation
 from rft_core.environments import call_all, parse_step
 from rft_core.episodes import EpisodeRunner, EpisodeSettings, episode_metrics, score
-from rft_core.experience import Experience, Sample, build_experience
+from rft_core.experience import Experience, Forward, Sample, build_experience
 from rft_core.losses import LossSettings, actor_loss
 from rft_core.runs.metrics import rollout_metrics
 
@@ -357,7 +357,7 @@ def test_experience_layout_with_environment_tokens(tiny_model_dir):
     assert exp.action_mask[0, :6].tolist() == [1, 1, 0, 0, 1, 1] and exp.response_lengths().tolist() == [6, 3]
     assert exp.split(max_tokens=100)[0].action_mask.shape[1] >= 6  # trimming keeps whole responses
     padded = batched_logprobs(model, exp, micro_batch_size=2)
-    packed = batched_logprobs(model, exp, max_tokens=100, packed=True)
+    packed = batched_logprobs(model, exp, Forward(packed=True), max_tokens=100)
     assert torch.allclose(padded, packed, atol=1e-5) and (padded[exp.action_mask == 0] == 0).all()
 
 

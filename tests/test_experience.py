@@ -5,7 +5,7 @@ import torch
 
 from rft_core.engines.base import Generation
 from rft_core.engines.hf import HFEngine
-from rft_core.experience import batched_forward, batched_logprobs, build_experience
+from rft_core.experience import Forward, batched_forward, batched_logprobs, build_experience
 from rft_core.logprobs import response_logprobs
 from rft_core.models import load_model_and_tokenizer
 
@@ -128,7 +128,7 @@ def test_hf_engine_logprobs_match_trainer(tiny_model_dir):
         gens = engine.generate(prompts, max_new_tokens=6, temperature=temperature)
         assert len(gens) == 3 and all(1 <= len(g.token_ids) <= 6 for g in gens)
         exp = build_experience(prompts, gens, tokenizer.pad_token_id)
-        trainer = batched_logprobs(model, exp, micro_batch_size=3, temperature=temperature or 1.0)
+        trainer = batched_logprobs(model, exp, Forward(temperature or 1.0), micro_batch_size=3)
         assert torch.allclose(trainer * exp.action_mask, exp.rollout_logprobs, atol=1e-4)
 
 
@@ -200,7 +200,7 @@ def test_packed_equals_padded(tiny_model_dir, chunk_size):
     results = []
     for packed in (False, True):
         model.zero_grad()
-        logprobs, entropy = micro_batch_logprobs(model, exp, 0.9, "grad", chunk_size, packed)
+        logprobs, entropy = micro_batch_logprobs(model, exp, Forward(0.9, chunk_size, packed), "grad")
         ((logprobs + 0.5 * entropy) * upstream * exp.action_mask).sum().backward()
         results.append((logprobs.detach(), entropy.detach(),
                         {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -212,13 +212,14 @@ def test_packed_equals_padded(tiny_model_dir, chunk_size):
     other = exp.input_ids.clone()
     other[1, exp.input_ids.shape[1] - exp.action_mask.shape[1] + 1] = 77  # sample 1's second response token
     with torch.no_grad():
-        moved = micro_batch_logprobs(model, replace(exp, input_ids=other), 0.9, False, chunk_size, True)[0]
+        moved = micro_batch_logprobs(model, replace(exp, input_ids=other), Forward(0.9, chunk_size, True))[0]
     assert (torch.allclose(moved[[0, 2, 3]], plp[[0, 2, 3]], atol=1e-6)
             and not torch.allclose(moved[1], plp[1]))
     critic = load_value_model(actor=model)
     torch.nn.init.normal_(critic.score.weight)
     with torch.no_grad():
-        values = [micro_batch_values(critic, exp, packed) * exp.action_mask for packed in (False, True)]
+        values = [micro_batch_values(critic, exp, Forward(packed=packed)) * exp.action_mask
+                  for packed in (False, True)]
     assert torch.allclose(values[0], values[1], atol=1e-5) and values[0].abs().sum() > 0
     # the token budget counts a packed micro-batch's real tokens, not its padding
     lengths = exp.attention_mask.sum(-1).tolist()

@@ -363,7 +363,7 @@ def test_the_health_check_runs_compiled_layers_eagerly(tiny_model_dir, tmp_path)
     from accelerate import Accelerator
 
     from rft_core.engines.base import Generation
-    from rft_core.experience import build_experience
+    from rft_core.experience import Forward, build_experience
     from rft_core.runs.health import HealthGuard
     from rft_core.model_training import compile_blocks
 
@@ -377,8 +377,8 @@ def test_the_health_check_runs_compiled_layers_eagerly(tiny_model_dir, tmp_path)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs >= 1
     guard = HealthGuard(str(tmp_path), model.config.vocab_size, max_update_kl=1e9)
-    split = {"micro_batch_size": 2, "packed": False}
-    guard.before_checkpoint(model, exp, split, 1.0, None, Accelerator(cpu=True), step=1)
+    split = {"micro_batch_size": 2}
+    guard.before_checkpoint(model, exp, split, Forward(), Accelerator(cpu=True), step=1)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
@@ -388,7 +388,7 @@ def test_the_health_check_measures_the_update_on_rows_with_engine_logprobs(tiny_
 
     from rft_core.engines.base import Generation
     from rft_core.errors import TrainingDiverged
-    from rft_core.experience import batched_logprobs, build_experience
+    from rft_core.experience import Forward, batched_logprobs, build_experience
     from rft_core.runs.health import HealthGuard
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -398,13 +398,13 @@ def test_the_health_check_measures_the_update_on_rows_with_engine_logprobs(tiny_
     gens = [Generation([7, 8, 9], None), Generation([7, 8], own[1, :2].tolist())]
     exp = build_experience([[3, 4, 5], [3, 4]], gens, 0)
     guard = HealthGuard(str(tmp_path), model.config.vocab_size, max_update_kl=1e-4)
-    split = {"micro_batch_size": 2, "packed": False}
-    guard.before_checkpoint(model, exp, split, 1.0, None, Accelerator(cpu=True), step=1)  # passes
+    split = {"micro_batch_size": 2}
+    guard.before_checkpoint(model, exp, split, Forward(), Accelerator(cpu=True), step=1)  # passes
     # the known row's engine logprobs 0.01 above the model's: a KL of 0.01 nats per token, over the limit
     gens = [Generation([7, 8, 9], None), Generation([7, 8], (own[1, :2] + 0.01).tolist())]
     moved = build_experience([[3, 4, 5], [3, 4]], gens, 0)
     with pytest.raises(TrainingDiverged, match=r"moved the policy by 0\.01 nats per token"):
-        guard.before_checkpoint(model, moved, split, 1.0, None, Accelerator(cpu=True), step=1)
+        guard.before_checkpoint(model, moved, split, Forward(), Accelerator(cpu=True), step=1)
 
 
 def test_forwards_with_gradients_never_run_cudnn_attention(tiny_model_dir):

@@ -9,7 +9,7 @@ import pytest
 import train_ppo
 import train_ppo_vl
 from rft_core.errors import ConfigError
-from rft_core.plan import engine_options, resolve
+from rft_core.plan import engine_settings, resolve
 
 
 def cpu_accelerator(processes=1):
@@ -26,7 +26,7 @@ def test_resolve_leaves_the_flags_as_typed(module, tmp_path):
     plan = resolve(args, cpu_accelerator(), default_lr=3e-3)
     assert asdict(args) == before
     assert plan.train_batch_size == args.rollout_batch_size * args.n_samples_per_prompt
-    assert plan.engine_type == "hf" and plan.bf16 is False and plan.torch_compile is False
+    assert plan.engine.type == "hf" and plan.bf16 is False and plan.torch_compile is False
     assert (plan.loss.tis_cap, plan.loss.tis_level) == (2.0, "sequence")  # partial rollout's defaults
     assert plan.rollout.logprob_every == 1 and plan.rollout.token_budget == args.generate_max_len // 4
     assert plan.actor_learning_rate == (args.actor_learning_rate or 3e-3)
@@ -58,30 +58,32 @@ def test_the_old_logprobs_and_the_kl_in_the_reward(tmp_path):
 
 def test_the_engine_holds_a_rounds_requests():
     flags = SimpleNamespace(micro_rollout_batch_size=8, engine_tp_size=1, engine_mem_util=0.3,
-                           engine_sleep_level=1, engine_enforce_eager=False, seed=0, prompt_max_len=64,
+                           engine_sleep="auto", engine_sleep_level=1, engine_enforce_eager=False, seed=0,
+                           prompt_max_len=64,
                            generate_max_len=64, partial_rollout=False, inflight_ratio=2.5,
                            max_staleness=2, env=None, max_episode_tokens=512)
-    assert engine_options(flags, True, "auto", 256)["requests"] == 256
-    assert engine_options(flags, True, "auto", 256)["max_model_len"] == 128
+    assert engine_settings(flags, "hf", True, 256).requests == 256
+    assert engine_settings(flags, "hf", True, 256).max_model_len == 128
     flags.env = "calculator"  # an episode's whole response: its turns and the environment's
-    assert engine_options(flags, True, "auto", 256)["max_model_len"] == 64 + 512
+    assert engine_settings(flags, "hf", True, 256).max_model_len == 64 + 512
     flags.partial_rollout = True  # a round holds --inflight_ratio steps' worth of groups
-    assert engine_options(flags, True, "auto", 256)["requests"] == 640
-    assert engine_options(flags, True, "auto", 256, sp_size=2)["micro_batch_size"] == 1
+    assert engine_settings(flags, "hf", True, 256).requests == 640
+    assert engine_settings(flags, "hf", True, 256, sp_size=2).micro_batch_size == 1
 
 
 def test_the_prefix_cache_only_where_a_context_comes_again():
     """vLLM's prefix cache hashes every sequence's blocks as it grows: on where a call sends a context again
     (an episode's turns, a partial rollout's rounds), off for single-turn rollouts."""
     flags = SimpleNamespace(micro_rollout_batch_size=8, engine_tp_size=1, engine_mem_util=0.3,
-                           engine_sleep_level=1, engine_enforce_eager=False, seed=0, prompt_max_len=64,
+                           engine_sleep="auto", engine_sleep_level=1, engine_enforce_eager=False, seed=0,
+                           prompt_max_len=64,
                            generate_max_len=64, partial_rollout=False, inflight_ratio=1.0,
                            max_staleness=2, env=None, max_episode_tokens=512)
-    assert engine_options(flags, True, "auto", 256)["prefix_caching"] is False
+    assert engine_settings(flags, "hf", True, 256).prefix_caching is False
     flags.env = "calculator"
-    assert engine_options(flags, True, "auto", 256)["prefix_caching"] is True
+    assert engine_settings(flags, "hf", True, 256).prefix_caching is True
     flags.env, flags.partial_rollout = None, True
-    assert engine_options(flags, True, "auto", 256)["prefix_caching"] is True
+    assert engine_settings(flags, "hf", True, 256).prefix_caching is True
 
 
 @pytest.mark.parametrize("check, flags, says", [

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from rft_core.experience import Experience, micro_batch_logprobs
+from rft_core.experience import Experience, Forward, micro_batch_logprobs
 from rft_core.sequence_parallel import SequenceParallel
 from conftest import read_metrics, run_script
 
@@ -64,11 +64,11 @@ def test_one_rank_and_the_first_slice_equal_the_padded_path(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     exp = batch()
     mask = exp.action_mask.float()
-    want, want_entropy = micro_batch_logprobs(model, exp, 0.7, "grad", chunk_size=8)
+    want, want_entropy = micro_batch_logprobs(model, exp, Forward(0.7, 8), "grad")
     (want * mask).sum().backward()
     want_grad = model.model.embed_tokens.weight.grad.clone()
     model.zero_grad()
-    got, entropy = micro_batch_logprobs(model, exp, 0.7, "grad", 8, sp=SequenceParallel(1, 0))
+    got, entropy = micro_batch_logprobs(model, exp, Forward(0.7, 8, sp=SequenceParallel(1, 0)), "grad")
     (got * mask).sum().backward()
     torch.testing.assert_close(got * mask, want * mask, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy * mask, want_entropy * mask, rtol=1e-5, atol=1e-5)
@@ -77,7 +77,7 @@ def test_one_rank_and_the_first_slice_equal_the_padded_path(tiny_model_dir):
     owned = first.shard(exp).action_mask.float()
     assert 0 < owned.sum() < mask.sum()
     with torch.no_grad():
-        got = micro_batch_logprobs(model, exp, 0.7, False, 8, sp=first)[0]
+        got = micro_batch_logprobs(model, exp, Forward(0.7, 8, sp=first))[0]
     torch.testing.assert_close(got * owned, want.detach() * owned, rtol=1e-5, atol=1e-5)
 
 

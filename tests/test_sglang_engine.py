@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from rft_core.engines.base import EngineSettings
 from rft_core.engines.sglang import (SGLangEngine, generation_of, processor_output, sampling_params,
                                      sglang_param_name)
 import test_vllm_engine as same  # its GPU checks take any engine: run here on SGLang's
@@ -143,7 +144,8 @@ def test_schedulers_start_without_torchrun_agent_store(monkeypatch):
                         ("empty_cache", lambda: None), ("mem_get_info", lambda: (60 * 2**30, 80 * 2**30))):
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    llm = SGLangEngine._start(None, "/model", 1, 0.3, "auto", 1, 0, 2048, True, torch.bfloat16, None)
+    settings = EngineSettings("sglang", mem_util=0.3, enforce_eager=True)
+    llm = SGLangEngine._start(None, "/model", settings, 0, torch.bfloat16, None)
     assert llm == "engine" and seen["agent_store"] is None and seen["model_path"] == "/model"
     assert seen["mem_fraction_static"] == pytest.approx(0.4)  # 0.3 of the GPU, as a share of what is free
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
@@ -180,8 +182,9 @@ def engine_and_model():
 
     model, tokenizer = load_model_and_tokenizer()
     model = model.cuda()
-    engine = create_engine("sglang", model, tokenizer, bf16=True, mem_util=0.3, sleep="always",
-                           sleep_level=2, enforce_eager=True, max_model_len=512 + 64, requests=32)
+    settings = EngineSettings("sglang", bf16=True, mem_util=0.3, sleep="always", sleep_level=2,
+                              enforce_eager=True, max_model_len=512 + 64, requests=32)
+    engine = create_engine(settings, model, tokenizer)
     return engine, model, tokenizer
 
 

@@ -710,7 +710,7 @@ def test_the_engine_memory_checks_name_the_fix(monkeypatch):
     """vLLM's start and each wake-up are checked against the GPU's free memory first, so a trainer that holds
     too much gets one line naming the flags instead of vLLM's traceback (seen on 2 x H200: the 7B shape's full
     fine-tuning under ZeRO-3 left 34 GiB free for vLLM's default 42)."""
-    import rft_core.engines.sync as V
+    import rft_core.engines.colocation as V
     from rft_core.errors import OutOfMemory
 
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)

@@ -9,8 +9,9 @@ import types
 import pytest
 import torch
 
-from rft_core.engines.sync import (buckets, flatten_group, iter_weights, slice_for_rank, tp_groups,
-                                   vllm_param_name)
+from rft_core.engines.base import EngineSettings
+from rft_core.engines.colocation import flatten_group, slice_for_rank, tp_groups
+from rft_core.engines.sync import buckets, iter_weights, vllm_param_name
 from rft_core.engines.vllm import VLLMEngine, cuda_graph_config, engine_requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,10 +48,10 @@ def test_vllm_finds_its_triton_kernels_on_the_second_run(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"})
     os.environ["TRITON_HOME"] = str(tmp_path)
     with pytest.raises(Started):
-        VLLMEngine("model", eos_token_id=2, kv_bytes=1 << 30)
+        VLLMEngine("model", 2, EngineSettings(), kv_bytes=1 << 30)
     os.environ["TRITON_CACHE_DIR"] = "/mine"
     with pytest.raises(Started):
-        VLLMEngine("model", eos_token_id=2, kv_bytes=1 << 30)
+        VLLMEngine("model", 2, EngineSettings(), kv_bytes=1 << 30)
     assert seen == [str(tmp_path / ".triton" / "cache"), "/mine"]
     del os.environ["TRITON_CACHE_DIR"]
     compile_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)])), backend="eager")
@@ -199,8 +200,9 @@ def engine_and_model():
     model, tokenizer = load_model_and_tokenizer()
     model = model.cuda()
 
-    engine = create_engine("vllm", model, tokenizer, bf16=True, micro_batch_size=32, mem_util=0.3,
-                           sleep="always", enforce_eager=True, max_model_len=512 + 64, requests=32)
+    settings = EngineSettings("vllm", bf16=True, mem_util=0.3, sleep="always", enforce_eager=True,
+                              max_model_len=512 + 64, requests=32)
+    engine = create_engine(settings, model, tokenizer)
     return engine, model, tokenizer
 
 
@@ -270,7 +272,7 @@ def test_sampling_logprobs_match_trainer(engine_and_model):
     assert sum(len(set(group)) > 1 for group in groups) >= len(groups) // 2  # a group's samples are its own
     exp = build_experience(prompts, gens, tokenizer.pad_token_id, "cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        trainer = batched_logprobs(model, exp, temperature=1.0, micro_batch_size=32)
+        trainer = batched_logprobs(model, exp, micro_batch_size=32)
     diff = ((trainer - exp.rollout_logprobs).abs() * exp.action_mask).sum() / exp.action_mask.sum()
     assert diff.item() < 0.05, diff.item()
     some = engine.generate(prompts, 32, temperature=1.0, logprob_every=4)  # the requests 0, 4, 8, ... only
@@ -305,7 +307,7 @@ def test_episodes_through_vllm(engine_and_model):
     assert (exp.action_mask == 0).logical_and(exp.response_lengths()[:, None] > torch.arange(
         exp.action_mask.shape[1], device="cuda")).any()  # environment tokens inside the responses
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        trainer = batched_logprobs(model, exp, temperature=1.0, micro_batch_size=16)
+        trainer = batched_logprobs(model, exp, micro_batch_size=16)
     diff = ((trainer - exp.rollout_logprobs).abs() * exp.action_mask).sum() / exp.action_mask.sum()
     assert diff.item() < 0.05, diff.item()
 
@@ -315,7 +317,7 @@ def test_kv_cache_bytes():
     the memory share: bf16 K and V of every layer, per token, for every request at full length."""
     from transformers import LlamaConfig
 
-    from rft_core.engines.sync import kv_cache_bytes
+    from rft_core.engines.colocation import kv_cache_bytes
 
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     per_token = 2 * 2 * 2 * 16 * 2  # K and V x layers x kv heads x head dim x bf16 bytes

@@ -1,12 +1,13 @@
 """Rollout engines, one per `--engine_type`: hf (transformers `generate`: engines/hf.py), vllm and sglang
-(colocated in every training process: engines/vllm.py, engines/sglang.py, sharing engines/sync.py). Each
+(colocated in every training process: engines/vllm.py, engines/sglang.py, sharing
+engines/sync.py: the weight sync, and engines/colocation.py: TP groups and memory checks). Each
 offers the calls written down in `engines.base.Engine`, so the scripts never branch on it:
 
     generate(prompt_token_ids, max_new_tokens, ...) -> list[Generation]
     sleep(needed_bytes=None) -> bool, wake_up(tags=None), can_wake() -> bool, update_weights(model)
 
-This module picks and builds one (`resolve_engine_type`, `create_engine`, whose keywords the plan makes:
-rft_core/plan.py); vllm and sglang are imported only when asked for.
+This module picks and builds one (`resolve_engine_type`, `create_engine` from the plan's EngineSettings:
+engines/base.py); vllm and sglang are imported only when asked for.
 """
 
 import hashlib
@@ -14,12 +15,13 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 
 import torch
 
 from rft_core.distributed import sharding
 from rft_core.engines.hf import HFEngine
-from rft_core.engines.sync import kv_cache_bytes
+from rft_core.engines.colocation import kv_cache_bytes
 from rft_core.errors import ConfigError, MissingDependency
 from rft_core.models import cache_root
 from rft_core.multimodal import video_processor_like, vision_token_ids
@@ -82,54 +84,46 @@ def resolve_engine_type(engine_type):
     return engine_type
 
 
-def create_engine(engine_type, model, tokenizer, processor=None, *, micro_batch_size=32, bf16=False,
-                  tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, enforce_eager=False,
-                  max_model_len=2048, requests=None, limit_mm_per_prompt=None, static_prefix=None, seed=0,
-                  prefix_caching=True):
-    """The engine named by engine_type ("auto": resolve_engine_type's choice).
-
-    micro_batch_size, bf16: the HF engine's generate batch and autocast. The rest is vLLM's: tp_size ranks per
-    engine, mem_util of the GPU for weights and KV cache, sleep "auto" | "always" | "never" at sleep_level,
-    max_model_len (prompt + response), requests (one generate call's, per rank: sizes the KV cache of a small
-    model), seed, prefix_caching (vLLM's: off where no call repeats a context). processor: a vision-language
-    model's image processor. vLLM processes the images itself,
-    with this processor's settings (so its image grids are the trainer's), at most limit_mm_per_prompt images
-    per prompt; SGLang takes the trainer's pixels. Both never sample the vision placeholders (the trainer's
-    model blocks them at its LM head: vision.py) and sync the parameters under static_prefix (a frozen vision
-    tower) once.
+def create_engine(settings, model, tokenizer, processor=None):
+    """The engine that settings (an EngineSettings: the plan's `engine`) describe, with the model's current
+    weights. processor: a vision-language model's image processor. vLLM processes the images itself, with
+    this processor's settings (so its image grids are the trainer's), at most settings.limit_mm_per_prompt
+    images per prompt; SGLang takes the trainer's pixels. Both never sample the vision placeholders (the
+    trainer's model blocks them at its LM head: vision.py) and sync the parameters under
+    settings.static_prefix (a frozen vision tower) once.
     """
-    engine_type = resolve_engine_type(engine_type)
-    if engine_type == "hf":
-        dtype = torch.bfloat16 if bf16 else None
-        return HFEngine(model, tokenizer, micro_batch_size, dtype, synced_gpus=sharding(model) is not None)
+    kind = resolve_engine_type(settings.type)  # (the plan's is resolved already; a direct call's may not be)
+    if kind == "hf":
+        dtype = torch.bfloat16 if settings.bf16 else None
+        return HFEngine(model, tokenizer, settings.micro_batch_size, dtype,
+                        synced_gpus=sharding(model) is not None)
     text_config = model.config.get_text_config()
-    heads = getattr(text_config, "num_attention_heads", None)
+    heads, tp_size = getattr(text_config, "num_attention_heads", None), settings.tp_size
     if heads and heads % tp_size:  # SmolLM2-135M has 9 heads: TP 1 only
         raise ConfigError(f"--engine_tp_size {tp_size} must divide the model's {heads} attention heads")
     model.config.architectures = [hf_architecture(model)]
     model_dir = engine_dir(model.config, tokenizer, processor)  # weights come by sync below
-    max_len = min(max_model_len, getattr(text_config, "max_position_embeddings", 1 << 30))
-    vision = {}
-    if processor is not None:
-        vision = dict(limit_mm_per_prompt=limit_mm_per_prompt, blocked_token_ids=vision_token_ids(tokenizer),
-                      static_prefix=static_prefix)  # a frozen vision tower is synced once
-    budget = mem_util * torch.cuda.mem_get_info()[1]
-    kv_bytes = kv_cache_bytes(model.config, max(1, requests or 1) * tp_size, max_len, budget)
-    if engine_type == "sglang":  # (each engine's module is imported only when it runs)
+    max_len = min(settings.max_model_len, getattr(text_config, "max_position_embeddings", 1 << 30))
+    settings = replace(settings, max_model_len=max_len)
+    if processor is None:
+        settings = replace(settings, limit_mm_per_prompt=None, static_prefix=None)
+    blocked = vision_token_ids(tokenizer) if processor is not None else ()
+    budget = settings.mem_util * torch.cuda.mem_get_info()[1]
+    requests = max(1, settings.requests) * tp_size
+    kv_bytes = kv_cache_bytes(model.config, requests, max_len, budget)
+    if kind == "sglang":  # (each engine's module is imported only when it runs)
         from rft_core.engines.sglang import SGLangEngine
 
         # the same cap of a small model's KV cache, in tokens; bf16 weights, per engine
-        tokens = 2 * max(1, requests or 1) * tp_size * max_len if kv_bytes else None
+        tokens = 2 * requests * max_len if kv_bytes else None
         weight_bytes = 2 * sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        vision = {k: v for k, v in vision.items() if k != "limit_mm_per_prompt"}
-        engine = SGLangEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
-                              max_len, enforce_eager, max_total_tokens=tokens, weight_bytes=weight_bytes,
-                              multimodal=processor is not None, **vision)
+        engine = SGLangEngine(model_dir, tokenizer.eos_token_id, settings, max_total_tokens=tokens,
+                              weight_bytes=weight_bytes, blocked_token_ids=blocked,
+                              multimodal=processor is not None)
     else:
         from rft_core.engines.vllm import VLLMEngine
 
-        engine = VLLMEngine(model_dir, tokenizer.eos_token_id, tp_size, mem_util, sleep, sleep_level, seed,
-                            max_len, enforce_eager, kv_bytes=kv_bytes, max_batch=(requests or 1) * tp_size,
-                            prefix_caching=prefix_caching, **vision)
+        engine = VLLMEngine(model_dir, tokenizer.eos_token_id, settings, kv_bytes=kv_bytes,
+                            max_batch=requests, blocked_token_ids=blocked)
     engine.update_weights(model)
     return engine

@@ -1,6 +1,7 @@
 """The rollout engine's interface: the `Engine` protocol (every call the loop and rft_core make on an
-engine, so the scripts never branch on which one runs), the `Generation` record it returns, and
-`wants_logprobs`, which requests of a generate call return their logprobs."""
+engine, so the scripts never branch on which one runs), the `Generation` record it returns,
+`wants_logprobs`, which requests of a generate call return their logprobs, and `EngineSettings`, the
+record an engine is built from (the plan's `engine`)."""
 
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union
@@ -14,6 +15,26 @@ class Generation:
     logprobs: list  # the engine's sampling logprob of each token (None: not asked for)
     versions: list = None  # partial rollout: the policy version (weight syncs so far) that sampled each token
     mask: list = None  # multi-turn: 1 on the tokens the engine sampled, 0 on the environment's (None: all 1)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the rollout engine is built: the plan's `engine` (rft_core/plan.py: engine_settings, from the
+    --engine_* flags), read by create_engine and the engines."""
+    type: str = "hf"  # hf, vllm or sglang
+    micro_batch_size: int = 32  # the transformers engine's prompts per generate batch
+    bf16: bool = False  # the transformers engine's autocast
+    tp_size: int = 1  # ranks per colocated engine (tensor parallel)
+    mem_util: float = 0.3  # the GPU's share for a colocated engine's weights and KV cache
+    sleep: str = "auto"  # auto (only when an update needs the memory), always or never
+    sleep_level: int = 1  # 1: the weights wait on the CPU; 2: discarded, the next sync reloads them
+    enforce_eager: bool = False  # no CUDA graphs
+    max_model_len: int = 2048  # prompt + response
+    requests: int = 1  # one generate call's, per rank: sizes a small model's KV cache
+    seed: int = 0
+    prefix_caching: bool = True  # vLLM's; off where no call sends a context again
+    limit_mm_per_prompt: Optional[int] = None  # images per prompt (vision-language models)
+    static_prefix: Optional[str] = None  # parameters synced only once (a frozen vision tower)
 
 
 def wants_logprobs(index: int, every: int) -> bool:

@@ -31,8 +31,9 @@ import time
 import torch
 
 from rft_core.engines.base import Generation, wants_logprobs
-from rft_core.engines.sync import (buckets, engine_group, flatten_group, iter_weights, short_for_training,
-                                   slice_for_rank, wake_error)
+from rft_core.engines.colocation import (engine_group, flatten_group, short_for_training, slice_for_rank,
+                                         wake_error)
+from rft_core.engines.sync import buckets, iter_weights
 from rft_core.errors import ConfigError, OutOfMemory
 
 
@@ -97,13 +98,14 @@ def generation_of(out, with_logprobs=True):
 
 
 class SGLangEngine:
-    def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
-                 max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256,
-                 max_total_tokens=None, weight_bytes=0, blocked_token_ids=(), static_prefix=None,
-                 multimodal=False):
+    def __init__(self, model_dir, eos_token_id, settings, max_total_tokens=None, weight_bytes=0,
+                 blocked_token_ids=(), multimodal=False, dtype=torch.bfloat16, bucket_mb=256):
+        """settings: an EngineSettings (engines/base.py); max_total_tokens: the KV cache's size in tokens
+        (None: SGLang's share of mem_util); weight_bytes: the model's, all GPUs of the group together."""
+        tp_size, static_prefix = settings.tp_size, settings.static_prefix
         self.group_ranks, self.group_index, self.tp_group = engine_group(tp_size)
         rank = self.group_ranks[self.group_index]
-        self.sleep_mode, self.dtype, self.bucket_bytes = sleep, dtype, bucket_mb << 20
+        self.sleep_mode, self.dtype, self.bucket_bytes = settings.sleep, dtype, bucket_mb << 20
         self.eos_token_id, self.sleeping, self.slept_bytes = eos_token_id, set(), 0
         self.weight_bytes = weight_bytes // tp_size  # of this GPU's scheduler
         self.blocked_token_ids = list(blocked_token_ids)
@@ -112,31 +114,31 @@ class SGLangEngine:
         if multimodal and not static_prefix:  # a trained vision tower: cached image embeddings go stale
             os.environ["SGLANG_VLM_CACHE_SIZE_MB"] = "0"  # read by the schedulers SGLang starts
         if self.group_index == 0:
-            self.llm = self._start(model_dir, tp_size, mem_util, sleep, sleep_level, seed + rank // tp_size,
-                                   max_model_len, enforce_eager, dtype, max_total_tokens)
+            seed = settings.seed + rank // tp_size
+            self.llm = self._start(model_dir, settings, seed, dtype, max_total_tokens)
         self._barrier()
 
-    def _start(self, model_dir, tp_size, mem_util, sleep, sleep_level, seed, max_model_len, enforce_eager,
-               dtype, max_total_tokens):
+    def _start(self, model_dir, settings, seed, dtype, max_total_tokens):
         import sglang
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # CUDA tensors sent to the schedulers name their GPU by UUID
-        device = torch.cuda.current_device()
+        device, tp_size = torch.cuda.current_device(), settings.tp_size
         if tp_size > 1 and device + tp_size > torch.cuda.device_count():
             raise ConfigError(f"--engine_tp_size {tp_size}: the group's GPUs must be cuda:{device} and the "
                               "next ones on this node (one process per GPU, in local-rank order)")
         torch.cuda.empty_cache()  # SGLang takes its share of the memory free when it starts
         free, total = torch.cuda.mem_get_info()
-        fraction = min(0.95, mem_util * total / free)  # of the free memory: mem_util of the whole GPU
+        fraction = min(0.95, settings.mem_util * total / free)  # of the free memory: mem_util of the GPU
         extra = {"max_total_tokens": max_total_tokens} if max_total_tokens else {}
         with without_agent_store():
             return sglang.Engine(
                 model_path=model_dir, load_format="dummy", skip_tokenizer_init=True,
                 dtype=str(dtype).removeprefix("torch."), tp_size=tp_size, base_gpu_id=device,
                 nccl_port=_free_port(), random_seed=seed,
-                mem_fraction_static=fraction, context_length=max_model_len, disable_cuda_graph=enforce_eager,
-                enable_memory_saver=sleep != "never", enable_weights_cpu_backup=sleep_level == 1,
+                mem_fraction_static=fraction, context_length=settings.max_model_len,
+                disable_cuda_graph=settings.enforce_eager, enable_memory_saver=settings.sleep != "never",
+                enable_weights_cpu_backup=settings.sleep_level == 1,
                 log_level="error", **extra)
 
     def _barrier(self):

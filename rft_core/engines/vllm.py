@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from rft_core.engines.base import Generation, wants_logprobs
-from rft_core.engines.sync import (buckets, engine_group, flatten_group, iter_weights, memory_error,
-                                   short_for_training, slice_for_rank, wake_error)
+from rft_core.engines.colocation import (engine_group, flatten_group, memory_error, short_for_training,
+                                         slice_for_rank, wake_error)
+from rft_core.engines.sync import buckets, iter_weights
 from rft_core.errors import ConfigError
 from rft_core.models import pin_triton_cache
 from rft_core.multimodal import vllm_prompt
@@ -87,10 +88,10 @@ def engine_requests(prompt_token_ids, limits, mm, logprob_every, group=True):
 
 
 class VLLMEngine:
-    def __init__(self, model_dir, eos_token_id, tp_size=1, mem_util=0.3, sleep="auto", sleep_level=1, seed=0,
-                 max_model_len=2048, enforce_eager=False, dtype=torch.bfloat16, bucket_mb=256,
-                 limit_mm_per_prompt=None, blocked_token_ids=(), static_prefix=None, kv_bytes=None,
-                 max_batch=256, prefix_caching=True):
+    def __init__(self, model_dir, eos_token_id, settings, kv_bytes=None, max_batch=256, blocked_token_ids=(),
+                 dtype=torch.bfloat16, bucket_mb=256):
+        """settings: an EngineSettings (engines/base.py); kv_bytes: the KV cache's size (None: vLLM's share
+        of mem_util); max_batch: sequences per generate call, for the CUDA graphs' sizes."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
         pin_triton_cache()  # its Triton kernels: the same cache on every run
@@ -98,30 +99,30 @@ class VLLMEngine:
         from vllm import LLM
 
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.sleep_mode, self.sleep_level, self.dtype = sleep, sleep_level, dtype
+        s, mem_util, mm = settings, settings.mem_util, settings.limit_mm_per_prompt
+        self.sleep_mode, self.sleep_level, self.dtype = s.sleep, s.sleep_level, dtype
         self.bucket_bytes = bucket_mb << 20
-        self.seed, self.calls, self.sleeping = seed + rank // tp_size, 0, set()  # sleeping: tags asleep
+        self.seed, self.calls, self.sleeping = s.seed + rank // s.tp_size, 0, set()  # sleeping: tags asleep
         self.slept_bytes = 0  # what the last sleep freed (weights and KV cache), measured
         self.eos_token_id = eos_token_id  # the trainer's, so both engines stop on the same token
         # never sampled; -100 is vLLM's largest bias, e^-100 is as good as 0 (processed logprobs renormalise)
         self.logit_bias = {int(t): -100.0 for t in blocked_token_ids} or None
-        self.static_prefix, self.synced = static_prefix, False  # weights synced once (a frozen vision tower)
-        self.multimodal = bool(limit_mm_per_prompt)
-        extra = ({"limit_mm_per_prompt": {"image": limit_mm_per_prompt, "video": limit_mm_per_prompt}}
-                 if limit_mm_per_prompt else {})
+        self.static_prefix, self.synced = s.static_prefix, False  # synced once (a frozen vision tower)
+        self.multimodal = bool(mm)
+        extra = {"limit_mm_per_prompt": {"image": mm, "video": mm}} if mm else {}
         if kv_bytes:  # takes precedence over mem_util for the KV cache
             extra["kv_cache_memory_bytes"] = kv_bytes
-        extra.update(cuda_graph_config(max_batch, enforce_eager))
+        extra.update(cuda_graph_config(max_batch, s.enforce_eager))
         start = f"start (--engine_mem_util {mem_util} of the GPU)"  # vLLM's own refusal is a traceback
         error = None if kv_bytes else memory_error("vLLM", mem_util * torch.cuda.mem_get_info()[1], start)
         if error:
             raise error
-        self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=tp_size, dtype=dtype,
+        self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=s.tp_size, dtype=dtype,
                        distributed_executor_backend="external_launcher", gpu_memory_utilization=mem_util,
-                       enable_sleep_mode=sleep != "never", seed=self.seed, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=prefix_caching, **extra)
-        self.group_ranks, self.group_index, self.tp_group = engine_group(tp_size)
+                       enable_sleep_mode=s.sleep != "never", seed=self.seed, max_model_len=s.max_model_len,
+                       enforce_eager=s.enforce_eager, logprobs_mode="processed_logprobs",
+                       enable_prefix_caching=s.prefix_caching, **extra)
+        self.group_ranks, self.group_index, self.tp_group = engine_group(s.tp_size)
 
     def _runner_model(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

@@ -93,19 +93,18 @@ class HealthGuard:
                       f"{self.max_entropy:.2f}, from {self.first_entropy:.2f} at the start", step)
 
     @torch.no_grad()
-    def before_checkpoint(self, model, experience, split, temperature, chunk_size, accelerator, step):
+    def before_checkpoint(self, model, experience, split, fwd, accelerator, step):
         """Collective. The weights about to be saved: finite on every rank; on the step's first micro-batch,
         their policy's entropy not collapsed and its distance from the policy that sampled the batch (k1 KL,
         nats per token) not beyond `max_update_kl`: a sane update moves it by a few thousandths."""
         bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
         if accelerator.reduce(torch.tensor(float(bad), device=accelerator.device), "sum").item():
             self.stop("the updated weights are not finite", step)
-        mb = experience.split(**split)[0]  # split: Experience.split's arguments
+        mb = experience.split(**split, fwd=fwd)[0]  # split: Experience.split's sizes; fwd: a Forward
         # eager: compiled layers would otherwise compile once more, for forwards without gradients (~7 s at
         # 135M on an H100, more for larger models), for this one check
         with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
-            logprobs, entropy = micro_batch_logprobs(model, mb, temperature, True, chunk_size,
-                                                     split["packed"], split.get("sp"))
+            logprobs, entropy = micro_batch_logprobs(model, mb, fwd, with_entropy=True)
         mask = mb.action_mask
         tokens = mask.sum().clamp(min=1)  # (a sequence-parallel slice may hold none)
         # k1 KL on the samples of the old policy whose engine logprobs are known

@@ -1,0 +1,81 @@
+"""What the colocated engines (vLLM, SGLang) share besides their weights: tensor-parallel groups of
+consecutive ranks (`engine_group`; a group's requests gathered with `flatten_group` and handed back with
+`slice_for_rank`), the GPU memory checks around sleep and wake (`short_for_training`, `wake_error`,
+`memory_error`) and the KV cache size of a small model (`kv_cache_bytes`)."""
+
+import torch
+
+from rft_core.errors import ConfigError, OutOfMemory
+
+
+def tp_groups(world_size, tp_size):
+    """Rank lists of the tensor-parallel groups: consecutive ranks, as vLLM forms them."""
+    if world_size % tp_size:
+        raise ConfigError(f"world size {world_size} is not divisible by --engine_tp_size {tp_size}")
+    return [list(range(i, i + tp_size)) for i in range(0, world_size, tp_size)]
+
+
+def engine_group(tp_size):
+    """(the ranks of this rank's engine group, its index in them, their torch.distributed subgroup or None):
+    groups of tp_size consecutive ranks, as vLLM forms them. Collective: every rank calls it."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    groups = tp_groups(world, tp_size)
+    subgroup = torch.distributed.new_subgroups_by_enumeration(groups)[0] if tp_size > 1 else None
+    return groups[rank // tp_size], rank % tp_size, subgroup
+
+
+def short_for_training(needed_bytes):
+    """Whether what training can allocate on this GPU (the free memory and the blocks PyTorch has cached) is
+    short of needed_bytes, the update's measured transient memory (None, the first step: unknown, so yes)."""
+    if needed_bytes is None:
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return free + cached <= needed_bytes * 1.1 + (1 << 30)
+
+
+def wake_error(engine, need, tags):
+    """The OutOfMemory to raise if `need` bytes (the engine's slept `tags`) do not fit in this GPU's free
+    memory now, else None. The trainer's cached blocks are released first: the engine maps physical memory of
+    its own, which PyTorch's cache would hold on to (the 0.4B crash of issue 15)."""
+    return memory_error(engine, need, f"wake its {' and '.join(tags)}")
+
+
+def memory_error(engine, need, what):
+    """The OutOfMemory to raise if `need` bytes, for `what` the engine does, do not fit in this GPU's free
+    memory (after releasing PyTorch's cached blocks), else None."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()  # (PyTorch's own counters include the engine's unmapped memory)
+    if need + (256 << 20) <= free:
+        return None
+    return OutOfMemory(
+        f"{engine} needs {need / 2**30:.1f} GiB to {what}, but only {free / 2**30:.1f} of "
+        f"{total / 2**30:.1f} GiB are free, the rest held by the trainer's weights, gradients and optimizer "
+        "state (and the engine's awake parts): lower --engine_mem_util, or add --optimizer_offload or "
+        "--lora_rank, or shard further (fsdp2.yaml, an *_offload.yaml config, more GPUs)")
+
+
+def flatten_group(per_rank):
+    """Concatenate the ranks' lists in rank order; returns (flat, sizes)."""
+    return [x for items in per_rank for x in items], [len(items) for items in per_rank]
+
+
+def slice_for_rank(flat, sizes, index):
+    """This rank's part of a group-wide list built by flatten_group (index: rank within the group)."""
+    start = sum(sizes[:index])
+    return flat[start:start + sizes[index]]
+
+
+def kv_cache_bytes(config, requests, max_len, budget_bytes):
+    """The KV cache that `requests` sequences of max_len tokens take (bf16 K and V of every layer), twice
+    over, if that is under a quarter of budget_bytes; else None (vLLM's default: the whole --engine_mem_util
+    share). A small model would otherwise get millions of cache blocks, and vLLM's prefix-cache reset after
+    every weight sync walks them all (0.28 s per step for the tiny Qwen2-VL, measured on an H100); it also
+    leaves training the memory the engine does not need."""
+    c = config.get_text_config()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    per_token = 2 * c.num_hidden_layers * (getattr(c, "num_key_value_heads", None) or heads) * head_dim * 2
+    need = 2 * requests * max_len * per_token
+    return need if need < budget_bytes / 4 else None
