@@ -99,11 +99,24 @@ class Args:
     actor_learning_rate: float = 1e-5
     """AdamW learning rate"""
     # VL end
-    # ---- model and data ----
+    # ---- model, data and reward ----
     input_key: str = "prompt"
     """column holding the prompt: a string or a list of chat messages"""
     label_key: str = "label"
     """column holding the reference answer"""
+    apply_chat_template: bool = True
+    """wrap string prompts in the tokenizer's chat template"""
+    system_prompt: Optional[str] = None
+    """system message prepended to every prompt that has none"""
+    prompt_max_len: int = 1024
+    """prompts longer than this (in tokens) are skipped and counted"""
+    eval_data: Optional[str] = None
+    """held-out prompts (a file or directory like --prompt_data; default: the built-in task's eval split)"""
+    eval_n_samples: int = 1
+    """with N > 1, eval also samples N responses per problem at --temperature: pass@1 and pass@N"""
+    eval_reward_threshold: Optional[float] = None
+    """eval counts a response correct when its reward is at least this (default: by the reward's `correct`
+    component; a reward without one reports eval/reward_mean and no accuracy)"""
     remote_rm_url: Optional[str] = None
     """HTTP endpoint of a reward model: POST {prompts, completions, labels} -> {"rewards": [...]}"""
     reward_pretrain: Optional[str] = None
@@ -122,38 +135,26 @@ class Args:
     """the penalty at generate_max_len tokens"""
     reward_fallback: float = 0.0
     """reward of a sample whose reward raises, is not finite or is missing (rollout/reward_errors)"""
-    strict_rewards: bool = False
-    """make any reward failure fatal, showing the offending sample"""
     reward_timeout: float = 60.0
     """seconds a --reward_fn call (or a --remote_rm_url request) may take; then its samples fail"""
     reward_failure_limit: float = 1.0
-    """stop when this share of a step's samples failed their reward (1: all of them; above 1: never)"""
-    apply_chat_template: bool = True
-    """wrap string prompts in the tokenizer's chat template"""
-    system_prompt: Optional[str] = None
-    """system message prepended to every prompt that has none"""
-    eval_data: Optional[str] = None
-    """held-out prompts (a file or directory like --prompt_data; default: the built-in task's eval split)"""
-    eval_n_samples: int = 1
-    """with N > 1, eval also samples N responses per problem at --temperature: pass@1 and pass@N"""
-    eval_reward_threshold: Optional[float] = None
-    """eval counts a response correct when its reward is at least this (default: by the reward's `correct`
-    component; a reward without one reports eval/reward_mean and no accuracy)"""
-    prompt_max_len: int = 1024
-    """prompts longer than this (in tokens) are skipped and counted"""
-    # ---- algorithm ----
+    """stop when this share of a step's samples failed their reward (0: at the first failure, showing the
+    sample; 1: all of them; above 1: never)"""
+    # ---- estimator and loss ----
     advantage_estimator: str = "group_norm"
     """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO)"""
+    policy_loss_type: Optional[str] = None
+    """ppo (the clipped ratio) | gspo (GSPO: the sequence-level ratio; pair with --loss_agg_mode
+    seq-mean-token-mean, small clips) | cpg (CPGD's clipped policy gradient) (default: cpg with
+    --advantage_estimator cpgd, else ppo)"""
     eps_clip: float = 0.2
     """PPO ratio clip range"""
     eps_clip_low_high: Optional[Tuple[float, float]] = None
     """clip-higher (DAPO): separate LOW HIGH clip ranges, e.g. 0.2 0.28 (overrides --eps_clip)"""
     dual_clip: Optional[float] = None
     """dual-clip constant c > 1: for negative advantages the loss is capped at -c A"""
-    use_gspo: bool = False
-    """GSPO: sequence-level importance ratio (pair with --loss_agg_mode seq-mean-token-mean, small clips)"""
-    entropy_coef: float = 0.0
-    """entropy bonus: subtract entropy_coef * entropy (aggregated like the loss) from the loss"""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     tis_cap: Optional[float] = None
     """truncated importance sampling (TIS): weight tokens by min(pi_old / pi_rollout_engine, cap) (default
     with --partial_rollout: 2, AReaL's decoupled objective against the policy that sampled each token)"""
@@ -162,18 +163,8 @@ class Args:
     tis_level: Optional[str] = None
     """token | sequence (each token gets its sample's product of ratios) | geometric (their geometric mean)
     (default: sequence with --partial_rollout, measured best there; else token)"""
-    loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
-    use_kl_loss: bool = False
-    """add init_kl_coef * KL(policy || reference) to the loss (GRPO); loads a frozen reference model"""
-    init_kl_coef: float = 0.001
-    """weight of the KL loss, or of the KL penalty in the token rewards (gae, reinforce*; 0: no reference)"""
-    kl_estimator: str = "k3"
-    """k1 | k2 | k3 (Schulman's estimators) for the KL loss"""
-    kl_target: Optional[float] = None
-    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for"""
-    kl_horizon: int = 10000
-    """the adaptive controller's horizon, in samples"""
+    high_entropy_token_ratio: float = 0.0
+    """train on only this fraction of response tokens, those of highest entropy (0: all; 0.2 in the paper)"""
     gamma: float = 1.0
     """discount of the token-level estimators (gae, reinforce, reinforce_baseline)"""
     lambd: float = 0.95
@@ -186,12 +177,34 @@ class Args:
     """clip the critic's new values to within this of the old ones in its loss (None: unclipped)"""
     freezing_actor_steps: int = 0
     """gae: train only the critic for this many first steps"""
-    use_cpg_loss: bool = False
-    """CPGD's clipped policy-gradient loss (on by default with --advantage_estimator cpgd)"""
+    # ---- auxiliary losses ----
+    entropy_coef: float = 0.0
+    """entropy bonus: subtract entropy_coef * entropy (aggregated like the loss) from the loss"""
+    use_kl_loss: bool = False
+    """add init_kl_coef * KL(policy || reference) to the loss (GRPO); loads a frozen reference model"""
+    init_kl_coef: float = 0.001
+    """weight of the KL loss, or of the KL penalty in the token rewards (gae, reinforce*; 0: no reference)"""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 (Schulman's estimators) for the KL loss"""
+    kl_target: Optional[float] = None
+    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for"""
+    kl_horizon: int = 10000
+    """the adaptive controller's horizon, in samples"""
     policy_drift_coef: Optional[float] = None
     """CPGD's policy drift: weight of KL(pi_old || pi) in the loss (default: 0.01 with cpgd, else 0)"""
-    high_entropy_token_ratio: float = 0.0
-    """train on only this fraction of response tokens, those of highest entropy (0: all; 0.2 in the paper)"""
+    pretrain_data: Optional[str] = None
+    """text data (a file or directory) for a pretraining loss mixed into the update (ptx)"""
+    pretrain_key: str = "text"
+    """column of --pretrain_data holding the text"""
+    ptx_coef: float = 0.05
+    """weight of the pretraining loss"""
+    ema_beta: Optional[float] = None
+    """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
+    # ---- rollout ----
+    temperature: float = 1.0
+    """sampling temperature of the rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling of the rollouts"""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill from fresh prompts"""
     max_num_gen_batches: int = 3
@@ -206,6 +219,7 @@ class Args:
     inflight_ratio: float = 1.0
     """with --partial_rollout: groups in hand per round (generating or ready), in steps' worth of groups;
     fresh prompts fill it, so every round generates a full batch (1: draw only the groups still needed)"""
+    # ---- multi-turn ----
     env: Optional[str] = None
     """multi-turn episodes: an environment answers each assistant turn: calculator (built-in, with
     --prompt_data multiply) or path/to/file.py:NAME, with step(state, text) and optionally reset(sample)
@@ -216,19 +230,7 @@ class Args:
     """with --env: response tokens per episode at most, the policy's and the environment's"""
     env_timeout: float = 30.0
     """with --env: seconds a reset or step call may take; then its episode fails (rollout/env_errors)"""
-    ema_beta: Optional[float] = None
-    """keep an exponential moving average of the actor (e.g. 0.99), exported to output_dir/ema_model"""
-    pretrain_data: Optional[str] = None
-    """text data (a file or directory) for a pretraining loss mixed into the update (ptx)"""
-    pretrain_key: str = "text"
-    """column of --pretrain_data holding the text"""
-    ptx_coef: float = 0.05
-    """weight of the pretraining loss"""
-    temperature: float = 1.0
-    """sampling temperature of the rollouts"""
-    top_p: float = 1.0
-    """nucleus sampling of the rollouts"""
-    # ---- batches and schedule ----
+    # ---- batches ----
     rollout_batch_size: int = 8
     """prompts per step, over all ranks"""
     micro_rollout_batch_size: int = 32
@@ -251,7 +253,7 @@ class Args:
     """fraction of optimizer steps spent warming the learning rate up linearly"""
     max_norm: float = 1.0
     """gradient clipping norm"""
-    # ---- engine, precision, memory ----
+    # ---- engine ----
     engine_type: str = "auto"
     """rollout engine: vllm | sglang | hf (transformers generate) | auto (with a GPU: vllm where installed,
     else sglang where installed; else hf)"""
@@ -266,17 +268,16 @@ class Args:
     """engine sleep level: 1 offloads weights to CPU, 2 discards them (the sync rewrites them anyway)"""
     engine_enforce_eager: bool = False
     """the engine (vLLM / SGLang) without CUDA graphs and compiling: fast start, slower decode"""
+    # ---- precision and memory ----
     bf16: Optional[bool] = None
     """bf16 mixed precision (default: on with a GPU, off on CPU)"""
     packing_samples: bool = False
     """concatenate each micro-batch's samples into one row without padding, positions restarting per sample:
     transformers' packed-sequence attention (flash-attention varlen where the model uses it; with sdpa / eager
     a block-diagonal mask, exact but slower); text only"""
-    fused_linear_logprob: bool = True
-    """run the LM head with the log-softmax --chunk_size tokens at a time, forward and backward, so the
-    (tokens x vocab) logits never exist whole (false: the model's own logits)"""
     chunk_size: int = 2048
-    """tokens per chunk of --fused_linear_logprob"""
+    """the LM head runs with the log-softmax this many tokens at a time, forward and backward, so the (tokens
+    x vocab) logits never exist whole (0: the model's own logits)"""
     gradient_checkpointing: Optional[bool] = None
     """recompute activations in backward to save memory (default: on when an update micro-batch of
     --max_tokens_per_micro_batch tokens would not fit beside the optimizer state, measured at start-up)"""
@@ -297,8 +298,6 @@ class Args:
     """seed for data order, sampling and the built-in task"""
     output_dir: str = "outputs/run"
     """where config.json, metrics.jsonl, checkpoints and the final model go"""
-    logging_steps: int = 1
-    """print a step line every this many steps"""
     eval_steps: int = 0
     """greedy held-out eval every this many steps (always at step 0 and at the end; 0: only those)"""
     save_steps: int = 0
@@ -313,17 +312,12 @@ class Args:
     """also save_pretrained the model to output_dir/hf-step-N every this many steps (0: only at the end)"""
     use_wandb: bool = False
     """log to Weights & Biases through accelerate (WANDB_MODE=offline works without a network)"""
-    wandb_project: str = "rft"
-    """wandb project name"""
     use_tensorboard: Optional[str] = None
     """TensorBoard log directory (through accelerate)"""
     log_samples_steps: int = 0
     """every this many steps, print a few prompt / completion / reward rows, appended to samples.jsonl"""
     plot_every: int = 0
     """every this many steps and at the end, write curves.png and gen_len.png to output_dir (0: never)"""
-    debug: bool = False
-    """show the traceback of errors caused by flags, data or checkpoints (also: RFT_DEBUG=1)"""
-
 
 # VL begin: loading the model and the prompts
 def load_models(args, plan, accelerator):
@@ -451,7 +445,7 @@ def main():
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,
                            args.eval_n_samples, args.temperature, args.eval_reward_threshold, episodes)
-        log.write(step, metrics)
+        log.write(step, metrics, print_line=True)
         accelerator.print(eval_line(step, metrics, args.eval_n_samples))
         return metrics
 
@@ -462,7 +456,7 @@ def main():
 
     # the run's record starts here, once everything has loaded: a failed start leaves output_dir as it was
     config = {**asdict(args), "world_size": world, "plan": plan.record()}  # the flags as typed, the plan
-    log = MetricsLog(args.output_dir, config, accelerator, args.wandb_project if trackers else None,
+    log = MetricsLog(args.output_dir, config, accelerator, bool(trackers),
                      keep_until=checkpoint_step(resume_from) if resume_from else None,
                      samples_every=args.log_samples_steps, plot_every=args.plot_every,
                      max_len=args.generate_max_len)
@@ -582,7 +576,7 @@ def main():
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
             loop.kl_coef = adaptive_kl_coef(loop.kl_coef, metrics["rollout/kl"], args.kl_target,
                                             args.kl_horizon, plan.samples_per_step)
-        log.write(step, metrics, print_line=step % args.logging_steps == 0)
+        log.write(step, metrics)
         guard.entropy(metrics["train/entropy"], step)
         log.samples_and_plots(step, samples, tokenizer, exp.action_mask.sum(-1).tolist(), step == num_steps)
 

@@ -137,41 +137,45 @@ class EpisodeRunner:
                     episode.cut = "tokens"
                 else:
                     stepping.append(i)
-            active = []
-            calls = [lambda i=i: self.env.step(states[i], samples[i].episode.completion)
-                     for i in stepping]
-            for i, (kind, out) in zip(stepping, self._call(calls)):
-                episode = samples[i].episode
-                episode.env_calls += 1
-                try:
-                    messages, done, reward, info = self._outcome(kind, out, "step")
-                except _Failed as failed:
-                    self._fail(samples[i], failed.kind, failed.why, f"turn {turn}")
-                    continue
-                episode.env_reward += reward
-                episode.info = info or episode.info
-                if done:
-                    continue
-                if turn == cfg.max_turns:
-                    episode.cut = "turns"
-                    continue
-                env_ids = self.render(messages)
-                if len(ids[i]) + len(env_ids) >= cfg.max_tokens:  # no room for the next turn
-                    self._fail(samples[i], "context", f"its answer of {len(env_ids)} tokens does not fit the "
-                               f"episode's --max_episode_tokens {cfg.max_tokens} ({len(ids[i])} used)",
-                               f"turn {turn}")
-                    continue
-                ids[i] += env_ids
-                mask[i] += [0] * len(env_ids)
-                logprobs[i] = logprobs[i] + [0.0] * len(env_ids) if logprobs[i] is not None else None
-                episode.env_tokens += len(env_ids)
-                for m in messages:
-                    role = m["role"] if self.templated else "environment"
-                    episode.turns.append({"role": role, "content": m["content"]})
-                    states[i].messages.append(m)
-                active.append(i)
+            calls = [lambda i=i: self.env.step(states[i], samples[i].episode.completion) for i in stepping]
+            active = [i for i, outcome in zip(stepping, self._call(calls))
+                      if self._answer(samples[i], states[i], outcome, turn, ids[i], mask[i], logprobs[i])]
         return [replace(s, generation=Generation(ids[i], logprobs[i], mask=mask[i]))
                 for i, s in enumerate(samples)]
+
+    def _answer(self, sample, state, outcome, turn, ids, mask, logprobs):
+        """The environment's answer to an assistant turn (outcome: its step call's, as _call gives it) taken
+        into the episode: its reward and info, and its messages appended to the response (ids, mask and
+        logprobs, extended in place: masked out, logprob 0). Returns whether the episode goes on."""
+        episode, cfg = sample.episode, self.settings
+        episode.env_calls += 1
+        try:
+            messages, done, reward, info = self._outcome(*outcome, "step")
+        except _Failed as failed:
+            self._fail(sample, failed.kind, failed.why, f"turn {turn}")
+            return False
+        episode.env_reward += reward
+        episode.info = info or episode.info
+        if done:
+            return False
+        if turn == cfg.max_turns:
+            episode.cut = "turns"
+            return False
+        env_ids = self.render(messages)
+        if len(ids) + len(env_ids) >= cfg.max_tokens:  # no room for the next turn
+            self._fail(sample, "context", f"its answer of {len(env_ids)} tokens does not fit the episode's "
+                       f"--max_episode_tokens {cfg.max_tokens} ({len(ids)} used)", f"turn {turn}")
+            return False
+        ids += env_ids
+        mask += [0] * len(env_ids)
+        if logprobs is not None:
+            logprobs += [0.0] * len(env_ids)
+        episode.env_tokens += len(env_ids)
+        for m in messages:
+            role = m["role"] if self.templated else "environment"
+            episode.turns.append({"role": role, "content": m["content"]})
+            state.messages.append(m)
+        return True
 
     def _reset(self, samples, states):
         """Call reset (if the environment has one) for every sample: its opening becomes the sample's prompt

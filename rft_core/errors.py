@@ -2,7 +2,7 @@
 
 Each is a UserError and also the built-in type code would expect (a missing file is a FileNotFoundError...).
 The scripts' entry point (run.run_main) prints a UserError as one line, `error: <message>`, and exits with
-status 2, without a traceback (RFT_DEBUG=1 or --debug shows it); any other exception is a bug of ours and
+status 2, without a traceback (RFT_DEBUG=1 shows it); any other exception is a bug of ours and
 keeps its traceback. The message names the flag or file, the value, and the fix.
 """
 

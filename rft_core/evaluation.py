@@ -2,23 +2,30 @@
 
 import math
 from dataclasses import replace
+from functools import partial
 
 import torch
 
 from rft_core.episodes import score as score_episodes
 
 
+def is_correct(sample, threshold=None):
+    """1.0 if a scored sample is right (by its reward's "correct" component, or its reward at least
+    threshold), else 0.0: a failed reward is not a right answer."""
+    if threshold is not None:
+        return float(sample.reward >= threshold)
+    value = sample.components.get("correct", math.nan)
+    return 0.0 if math.isnan(value) else value
+
+
 def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_samples=1, temperature=1.0,
              reward_threshold=None, episodes=None):
     """eval/reward_mean of greedy responses to `prompts` (Samples), and where correctness is defined,
     eval/accuracy and, with n_samples > 1, pass@1 / pass@n of n samples at `temperature`. Each rank generates
-    for its shard and the sums are reduced.
-
-    A response is correct by its reward's "correct" component, or with reward_threshold set, when its reward
-    is at least that. Without either there is no accuracy: a reward > 0 is not a right answer.
-    score_fn(samples): a rewards.RewardScorer (sets each sample's reward and components). episodes: an
-    episodes.EpisodeRunner (--env): each response is a multi-turn episode, scored as in training.
-    """
+    for its shard and the sums are reduced. Correct: is_correct's (without a "correct" component or a
+    reward_threshold, no accuracy: a reward > 0 is not a right answer). score_fn(samples): a
+    rewards.RewardScorer (sets each sample's reward and components). episodes: an episodes.EpisodeRunner
+    (--env): each response is a multi-turn episode, scored as in training."""
     rank, world, n = accelerator.process_index, accelerator.num_processes, n_samples
     # every rank generates for the same number of rows (with sharded weights a forward is a collective);
     # the padding rows, copies of the first, are not counted
@@ -27,35 +34,30 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
     engine.wake_up()
     failed = env_failed = 0  # rewards (scored as the fallback) and environments that failed, on this rank
 
-    def generate(prompts, limits, mm, temperature):
-        return engine.generate(prompts, limits, temperature=temperature, mm=mm, logprob_every=0)
-
     def any_active(count):
         return bool(accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum").item())
 
     def rollout(prompts, temperature, real):
         """The first `real` samples (the rest pad the ranks' generate calls alike), scored."""
         nonlocal failed, env_failed
+
+        def generate(prompts, limits, mm):
+            return engine.generate(prompts, limits, temperature=temperature, mm=mm, logprob_every=0)
+
         if episodes is not None:  # (every rank takes part in each turn, with or without prompts)
-            samples = episodes.run(lambda p, limits, mm: generate(p, limits, mm, temperature), prompts,
-                                   any_active)[:real]
+            samples = episodes.run(generate, prompts, any_active)[:real]
             failed += score_episodes(samples, score_fn)
             env_failed += sum(s.episode.failure is not None for s in samples)
             return samples
         if not prompts:
             return []
-        gens = generate([p.prompt_ids for p in prompts], max_len, [p.mm for p in prompts], temperature)
+        gens = generate([p.prompt_ids for p in prompts], max_len, [p.mm for p in prompts])
         completions = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
         samples = [replace(p, generation=g, completion=c) for p, g, c in zip(prompts, gens, completions)]
         failed += score_fn(samples[:real]) or 0
         return samples[:real]
 
-    def correct(sample):
-        if reward_threshold is not None:
-            return float(sample.reward >= reward_threshold)
-        value = sample.components.get("correct", math.nan)
-        return 0.0 if math.isnan(value) else value  # a failed reward is not a right answer
-
+    correct = partial(is_correct, threshold=reward_threshold)
     greedy = rollout(local, 0.0, count)
     defined = reward_threshold is not None or any("correct" in s.components for s in greedy) or not count
     flag = torch.tensor(float(defined), device=accelerator.device)

@@ -25,6 +25,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 # (sequence) or their geometric mean (geometric)
 TIS_LEVELS = ("token", "sequence", "geometric")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+POLICY_LOSS_TYPES = ("ppo", "gspo", "cpg")  # --policy_loss_type: policy_loss's use_gspo, use_cpg_loss
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
@@ -273,18 +274,20 @@ def actor_loss(logprobs: Tensor, entropy: Optional[Tensor], mb, s: LossSettings)
         metrics["is_weight_mean"] = token_mean(raw, mask)
         metrics["is_weight_max"] = ((raw * mask).max(), has)  # Means skips it where has is 0
         metrics["is_capped_frac"] = token_mean(over.float(), mask)
-    # engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
-    # pairs, which Means weighs over the micro-batches (one may hold none); (max, has) pairs, which it maxes
+    return loss, {**metrics, **engine_gap_metrics(mb, old, s.sample_sum)}
+
+
+def engine_gap_metrics(mb, old: Tensor, sample_sum=None) -> dict:
+    """Engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
+    pairs, which Means weighs over the micro-batches (one may hold none); (max, has) pairs, which it maxes.
+    old: pi_old's logprobs (B, T); sample_sum: a row's sum over its sequence-parallel slices, or None."""
     known = mb.rollout_known()  # (B, T)
     gap = torch.where(known, mb.rollout_logprobs - old, 0.0)  # (B, T)
-    diff = gap.abs()  # (B, T)
-    has = known.any().float()
-    metrics["logprob_diff_mean"] = (diff.sum(), known.sum())
-    metrics["logprob_diff_max"] = (diff.max(), has)
     # over whole responses, |log pi_rollout(y) - log pi_old(y)|: the log of a sample's weight (--tis_level
     # sequence); under sequence / context parallelism summed over the row's slices
     sums = torch.stack([gap.sum(-1), known.sum(-1).to(gap.dtype)], -1)  # (B, 2)
-    sums = s.sample_sum(sums) if s.sample_sum is not None else sums
+    sums = sample_sum(sums) if sample_sum is not None else sums
     rows = sums[:, 1] > 0  # (B,): the engine returns a row's logprobs whole or not at all
-    metrics["logprob_diff_seq_mean"] = ((sums[:, 0].abs() * rows).sum(), rows.sum())
-    return loss, metrics
+    return {"logprob_diff_mean": (gap.abs().sum(), known.sum()),
+            "logprob_diff_max": (gap.abs().max(), known.any().float()),
+            "logprob_diff_seq_mean": ((sums[:, 0].abs() * rows).sum(), rows.sum())}

@@ -16,7 +16,10 @@ CPU_ACTIVATIONS = 1 << 30  # bytes of activations a CPU update micro-batch may k
 
 def choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens, fixed_budget):
     """(checkpointing, tokens, engine awake during updates) of plan_update_memory, from the activation bytes
-    per token and the room for them (bytes)."""
+    per token and the room for them: the largest budget, up to AUTO_MAX_TOKENS, that fits beside the awake
+    engine (if at least 8192 tokens), else the largest that fits while it sleeps (at least 4096): smaller
+    micro-batches are faster than recomputing activations. Only where neither fits, checkpointing, with
+    max_tokens (also the CPU's budget)."""
     per_token = max(per_token, 1)  # below the noise (a tiny model): not what limits the budget
     awake = int((room - engine_bytes) / per_token) // 1024 * 1024  # tokens that fit beside the engine
     asleep = int(room / per_token) // 1024 * 1024 if engine_sleeps else awake
@@ -37,24 +40,16 @@ def zero3_gradient_bytes(model):
     return buffer.numel() * buffer.element_size() if on_gpu else 0
 
 
-def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0, engine_sleeps=True,
-                       fixed_budget=False, log=print, sliced=False):
-    """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU (collective under
-    ZeRO-3 / FSDP2: four forwards). An update micro-batch's activations are measured: a forward with gradients
-    on two synthetic rows of 256 and of 512 tokens gives the bytes kept per token and the fixed part
-    (autocast's weight copies). The room for them is the GPU's free memory less the gradients and AdamW's
-    two moments (fp32, this rank's share of the trained parameters), less what ZeRO-3 made of them in
-    prepare (zero3_gradient_bytes). choose_budget picks the largest budget,
-    up to AUTO_MAX_TOKENS, that fits beside the awake engine (engine_share of the GPU's memory; if that is at
-    least 8192 tokens), else the largest that fits while it sleeps (engine_sleeps; at least 4096 tokens):
-    smaller micro-batches are faster than recomputing activations. Only where neither fits, checkpointing
-    goes on, with max_tokens (also the CPU's budget). A budget the user set (fixed_budget) is kept, with
-    checkpointing if it does not fit. autocast: a function returning the trainer's autocast context. sliced:
-    sequence or context parallelism, whose attention takes a rank's slice of a row: on a CPU the budget is
-    kept (a whole-row forward cannot measure it there)."""
-    if not torch.cuda.is_available():
-        return plan_cpu_memory(model, max_tokens, chunk_size, fixed_budget or sliced, log)
-    net = unwrap(model)
+def local_numel(p):
+    """This rank's elements of parameter p: ZeRO-3 keeps a partition in ds_tensor, FSDP2 a DTensor shard."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.numel()
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
+def measure_activations(net, chunk_size, autocast):
+    """(bytes kept per token, fixed bytes: autocast's weight copies) of an update micro-batch's forward with
+    gradients, measured on two synthetic rows of 256 and of 512 tokens (collective under ZeRO-3 / FSDP2)."""
     peaks, was_training = [], net.training
     net.train()  # as in the update: a compiled layer's graph depends on the mode (and dropout on it)
     # two rows, not one: a compiled model (--torch_compile) would specialise on 1; the first forwards, unused,
@@ -79,12 +74,23 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
         del kept
     net.train(was_training)
     per_token = (peaks[3] - peaks[2]) / 512
-    fixed = peaks[2] - 512 * per_token
+    return per_token, peaks[2] - 512 * per_token
 
-    def local_numel(p):  # ZeRO-3 keeps a partition in ds_tensor, FSDP2 a DTensor shard
-        return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(
-            p, "to_local") else p.numel()
 
+def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0, engine_sleeps=True,
+                       fixed_budget=False, log=print, sliced=False):
+    """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU, from the activations
+    measured (measure_activations). The room for them is the GPU's free memory less the gradients and AdamW's
+    two moments (fp32, this rank's share of the trained parameters), less what ZeRO-3 made of them in
+    prepare (zero3_gradient_bytes). choose_budget picks the budget, and whether the engine sleeps for it
+    (engine_share: its share of the GPU, engine_sleeps: whether it may sleep); a budget the user set
+    (fixed_budget) is kept, with checkpointing if it does not fit. autocast: a function returning the
+    trainer's autocast context. sliced: sequence or context parallelism, whose attention takes a rank's slice
+    of a row: on a CPU the budget is kept (a whole-row forward cannot measure it there)."""
+    if not torch.cuda.is_available():
+        return plan_cpu_memory(model, max_tokens, chunk_size, fixed_budget or sliced, log)
+    net = unwrap(model)
+    per_token, fixed = measure_activations(net, chunk_size, autocast)
     states = 12 * sum(local_numel(p) for p in net.parameters() if p.requires_grad)
     states -= zero3_gradient_bytes(model)  # made in prepare(): already out of the free memory below
     torch.cuda.empty_cache()

@@ -118,7 +118,7 @@ def resolve(args, accelerator, default_lr=None):
         args.apply_chat_template, args.system_prompt)
     return Plan(
         world, sp_size, sharded, samples_per_step, train_batch_size, train_batch_size * sp_size // world,
-        bf16, torch_compile, args.chunk_size if args.fused_linear_logprob else None,
+        bf16, torch_compile, args.chunk_size or None,
         args.actor_learning_rate or default_lr, token_level, kl_penalty, one_update and not kl_penalty,
         loss_settings(args, train_batch_size, tis_cap, tis_level), rollout_settings(args, tis_cap),
         engine_settings(args, engine_type, bf16, samples_per_step // world, sp_size), args.optimizer_offload,
@@ -139,8 +139,9 @@ def loss_settings(args, train_batch_size, tis_cap, tis_level):
     cpgd = args.advantage_estimator == "cpgd"
     drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    return LossSettings(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, args.use_gspo,
-                        args.use_cpg_loss or cpgd, tis_cap, args.tis_mode, tis_level,
+    kind = args.policy_loss_type or ("cpg" if cpgd else "ppo")
+    return LossSettings(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, kind == "gspo",
+                        kind == "cpg", tis_cap, args.tis_mode, tis_level,
                         args.high_entropy_token_ratio, args.entropy_coef, drift, args.use_kl_loss,
                         kl_estimator=args.kl_estimator, max_len=response_limit(args),
                         num_seqs=train_batch_size)
@@ -159,7 +160,7 @@ def rollout_settings(args, tis_cap):
     every = 1 if tis_cap else 8
     return RolloutSettings(args.n_samples_per_prompt, args.generate_max_len, args.temperature, args.top_p,
                            args.dynamic_sampling, args.max_num_gen_batches, args.overlong_buffer_len,
-                           args.overlong_penalty_factor, args.strict_rewards, args.partial_rollout,
+                           args.overlong_penalty_factor, args.reward_failure_limit == 0, args.partial_rollout,
                            args.max_token_budget or default, args.max_staleness, None, args.inflight_ratio,
                            every)
 

@@ -60,7 +60,7 @@ def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
     sys.argv = [path]  # a file that parses arguments at import sees none of the trainer's flags
     try:
         module_spec.loader.exec_module(module)
-    except BaseException as e:  # the user's file, whatever it raised: where in it, in one line (--debug: all)
+    except BaseException as e:  # the user's file, whatever it raised: where in it, a line (RFT_DEBUG=1: all)
         if any(e is r for r in raised):
             raise
         frames = [f for f in traceback.extract_tb(e.__traceback__)

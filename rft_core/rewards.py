@@ -189,7 +189,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, t
     def fail(i, why):
         if strict:
             raise RewardError(f"reward failed on sample {i}: completion={completions[i]!r} "
-                              f"label={labels[i]!r}: {why} (--strict_rewards)")
+                              f"label={labels[i]!r}: {why} (--reward_failure_limit 0)")
         failures.append((i, why))
         return None
 

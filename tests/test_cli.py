@@ -1,3 +1,4 @@
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -15,6 +16,7 @@ class Toy:
     """a name"""
     flag: bool = False
     """a switch"""
+    # ---- outputs ----
     pair: Optional[Tuple[float, float]] = None
     """two numbers"""
 
@@ -35,6 +37,23 @@ def test_docstrings_become_help(capsys):
         parse_args(Toy, ["--help"])
     out = capsys.readouterr().out
     assert "the learning rate (default: 1e-05)" in out and "a switch" in out
+    # the class's `# ---- section ----` comments are the sections of --help; before the first, "the task"
+    task, outputs = out.index("the task:"), out.index("outputs:")
+    assert task < out.index("--flag", task) < outputs < out.index("--pair", outputs)
+    assert out.index("--lr", task) < outputs
+
+
+def test_the_scripts_flags_read_as_the_algorithm(capsys):
+    """train_ppo.py: at most 100 flags, in sections that follow the algorithm (the README's budget)."""
+    import train_ppo
+
+    with pytest.raises(SystemExit):
+        parse_args(train_ppo.Args, ["--help"])
+    out = capsys.readouterr().out
+    sections = ["the task", "model, data and reward", "estimator and loss", "auxiliary losses", "rollout",
+                "multi-turn", "batches", "engine", "precision and memory", "outputs"]
+    assert [line[:-1] for line in out.splitlines() if line[:-1] in sections] == sections
+    assert len(dataclasses.fields(train_ppo.Args)) <= 100
 
 
 def test_metrics_log(tmp_path):

@@ -127,7 +127,7 @@ def test_token_logprobs_gradient_against_autograd(dtype, temperature):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast, device):
-    """--fused_linear_logprob: logprobs, entropy (with its gradient, for an entropy bonus) and every
+    """--chunk_size (the fused LM head): logprobs, entropy (with its gradient, for an entropy bonus) and every
     parameter's gradient equal the model's own logits path, on rows of several lengths, prompts left-padded
     and responses right-padded, at a temperature, in fp32 and under bf16 autocast; chunks that do not divide
     the tokens. On a GPU the chunks' math is compiled."""

@@ -178,8 +178,9 @@ def test_policy_loss_variants(tiny_model_dir, tmp_path, chars_reward):
     """clip-higher, dual-clip, GSPO, TIS and an entropy bonus together, with two optimizer steps per rollout
     so ratios move."""
     run(["--pretrain", tiny_model_dir, *TINY, "--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3",
-         "--use_gspo", "--loss_agg_mode", "seq-mean-token-mean", "--tis_cap", "2", "--train_batch_size", "2",
-         "--entropy_coef", "0.01", "--reward_fn", chars_reward, "--actor_learning_rate", "1e-3",
+         "--policy_loss_type", "gspo", "--loss_agg_mode", "seq-mean-token-mean", "--tis_cap", "2",
+         "--train_batch_size", "2", "--entropy_coef", "0.01", "--reward_fn", chars_reward,
+         "--actor_learning_rate", "1e-3",
          "--output_dir", str(tmp_path)])
     rows, _ = read_metrics(str(tmp_path))
     assert len(rows) == 2 and all(math.isfinite(r["train/policy_loss"]) and r["train/grad_norm"] > 0
@@ -283,7 +284,7 @@ def test_custom_reward_fn_and_failures(tiny_model_dir, tmp_path):
     # a reward that always fails: covered in test_user_errors.py (it stops the run unless tolerated)
 
     proc = run(["--pretrain", tiny_model_dir, *TINY, "--reward_fn", f"{tmp_path}/rw.py:broken",
-                "--strict_rewards", "--output_dir", str(tmp_path / "c")], check=False)
+                "--reward_failure_limit", "0", "--output_dir", str(tmp_path / "c")], check=False)
     assert proc.returncode != 0 and "reward failed on sample 0" in proc.stderr
 
 

@@ -85,8 +85,9 @@ def main_raises(monkeypatch, script, args, match):
     (["--max_tokens_per_micro_batch", "100"],
      "--max_tokens_per_micro_batch 100: --micro_train_batch_size sets"),
     (["--micro_train_batch_size", "0"], "--micro_train_batch_size 0: must be >= 1"),
-    (["--fused_linear_logprob", "false", "--chunk_size", "64"],
-     "--chunk_size 64: it sizes --fused_linear_logprob"),
+    (["--chunk_size", "-1"], "--chunk_size -1: must be >= 0"),
+    (["--policy_loss_type", "ppo2"], "--policy_loss_type 'ppo2': choose one of ('ppo', 'gspo', 'cpg')"),
+    (["--reward_failure_limit", "-0.5"], "--reward_failure_limit -0.5: must be >= 0"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(tmp_path, monkeypatch, extra, message):
     main_raises(monkeypatch, "train_ppo", ["--pretrain", "/not/loaded", *TINY, *extra, "--output_dir",
@@ -114,8 +115,8 @@ def test_a_user_error_is_one_line_without_traceback(tmp_path):
 
 def test_cuda_out_of_memory_is_one_line_naming_the_flags(monkeypatch, capsys):
     """An out-of-memory error the memory plan did not foresee (seen: ZeRO-3's optimizer step, 3B shape, one
-    H100) ends with one line: what torch tried and had free, and the flags that make room; --debug / RFT_DEBUG
-    keep the traceback."""
+    H100) ends with one line: what torch tried and had free, and the flags that make room; RFT_DEBUG=1 keeps
+    the traceback."""
     from rft_core.runs.run import run_main
 
     def main():
@@ -130,7 +131,7 @@ def test_cuda_out_of_memory_is_one_line_naming_the_flags(monkeypatch, capsys):
     assert stop.value.code == 2 and line.startswith(
         "error: CUDA out of memory. Tried to allocate 3.74 GiB. GPU 0 has a total capacity of 79.18 GiB of "
         "which 3.20 GiB is free: make room with --optimizer_offload")
-    monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--debug"])
+    monkeypatch.setenv("RFT_DEBUG", "1")
     with pytest.raises(torch.OutOfMemoryError):
         run_main(main)
 
@@ -227,7 +228,7 @@ def test_trackers_that_cannot_start_leave_the_output_dir_alone(tmp_path):
     want = ("the trackers could not start (RuntimeError: No API key configured. Use `wandb login` to log "
             "in.): for wandb run `wandb login` or set WANDB_MODE=offline")
     with pytest.raises(ConfigError, match=re.escape(want)):
-        MetricsLog(str(tmp_path), {"lr": 1e-6}, accelerator, project="p")
+        MetricsLog(str(tmp_path), {"lr": 1e-6}, accelerator, trackers=True)
     assert (tmp_path / "config.json").read_text() == '{"kept": 1}'
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
@@ -663,9 +664,9 @@ def test_context_and_tensor_parallelism_and_what_sequence_parallelism_cannot_do_
     check_args(args, 2, parallelism=None)
     for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):  # summed over the slices
         check_args(replace(args, tis_cap=2.0, tis_level="sequence"), 2, parallelism=config(**sizes), **kind)
-    for flag, value in (("packing_samples", True), ("use_gspo", True), ("high_entropy_token_ratio", 0.2),
-                        ("pretrain_data", "x.jsonl"), ("reward_pretrain", "rm"),
-                        ("advantage_estimator", "gae")):
+    for flag, value in (("packing_samples", True), ("policy_loss_type", "gspo"),
+                        ("high_entropy_token_ratio", 0.2), ("pretrain_data", "x.jsonl"),
+                        ("reward_pretrain", "rm"), ("advantage_estimator", "gae")):
         for sizes, kind in ((dict(sp_size=2), {}), (dict(cp_size=2), fsdp2)):
             with pytest.raises(UserError,
                                match=f"--{flag}.* with sequence parallelism .*: .*; drop one of them"):

@@ -10,7 +10,7 @@ import tempfile
 from rft_core.advantages import ADVANTAGE_ESTIMATORS, TOKEN_LEVEL
 from rft_core.distributed import zero_offloads_optimizer
 from rft_core.errors import ConfigError
-from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES, TIS_LEVELS
+from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_TYPES, TIS_LEVELS
 
 # flag -> (is the value valid?, what it must be); checked on every flag the script has
 RANGES = {
@@ -36,7 +36,7 @@ RANGES = {
     "engine_sleep_level": (lambda v: v in (1, 2), "1 or 2"),
     "reward_timeout": (lambda v: v > 0, "> 0 seconds"),
     "env_timeout": (lambda v: v > 0, "> 0 seconds"),
-    "reward_failure_limit": (lambda v: v > 0, "> 0 (above 1: never stop)"),
+    "reward_failure_limit": (lambda v: v >= 0, ">= 0 (0: stop at the first failure; above 1: never stop)"),
     "ptx_coef": (lambda v: v >= 0, ">= 0"),
     "overlong_penalty_factor": (lambda v: v >= 0, ">= 0"),
     "lora_alpha": (lambda v: v > 0, "> 0"),
@@ -45,12 +45,12 @@ RANGES = {
 }
 # (checked in this order: train_batch_size last, as its default is derived from the two before it)
 AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size",
-                "n_samples_per_prompt", "micro_rollout_batch_size", "chunk_size", "max_epochs",
+                "n_samples_per_prompt", "micro_rollout_batch_size", "max_epochs",
                 "num_episodes", "engine_tp_size", "kl_horizon", "max_num_gen_batches", "eval_n_samples",
-                "logging_steps", "max_ckpt_num", "limit_mm_image_per_prompt", "max_token_budget", "max_turns",
+                "max_ckpt_num", "limit_mm_image_per_prompt", "max_token_budget", "max_turns",
                 "max_episode_tokens", "train_batch_size")
-AT_LEAST_ZERO = ("eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every", "lora_rank",
-                 "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
+AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every",
+                 "lora_rank", "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
 
 
 def kl_in_reward(args):
@@ -82,7 +82,8 @@ def check_parallelism(args, world, deepspeed, sharded, parallelism, bf16):
         name = f"parallelism_config_{'sp' if sp > 1 else 'cp'}_size {sp * cp}"
         for flag, on, why in (
                 ("packing_samples", args.packing_samples, "sdpa would attend across the packed samples"),
-                ("use_gspo", args.use_gspo, "its sequence ratio needs every slice of a sequence"),
+                ("policy_loss_type gspo", args.policy_loss_type == "gspo",
+                 "its sequence ratio needs every slice of a sequence"),
                 ("high_entropy_token_ratio", args.high_entropy_token_ratio, "its top tokens span the slices"),
                 ("pretrain_data", args.pretrain_data, "its padded text rows would lose their attention mask"),
                 ("reward_pretrain", args.reward_pretrain, "reward models would lose their attention mask"),
@@ -112,6 +113,8 @@ def check_values(args):
     check(args.loss_agg_mode in LOSS_AGG_MODES,
           f"--loss_agg_mode {args.loss_agg_mode!r}: choose one of {LOSS_AGG_MODES}")
     check(args.tis_mode in ("truncate", "mask"), f"--tis_mode {args.tis_mode!r}: choose truncate or mask")
+    check(args.policy_loss_type in (None, *POLICY_LOSS_TYPES),
+          f"--policy_loss_type {args.policy_loss_type!r}: choose one of {POLICY_LOSS_TYPES}")
     check(args.tis_level in (None, *TIS_LEVELS),
           f"--tis_level {args.tis_level!r}: choose one of {TIS_LEVELS}")
     check(args.kl_estimator in KL_ESTIMATORS,
@@ -252,9 +255,7 @@ def check_inert(args, engine_type):
          "it is the ptx loss's, but there is no --pretrain_data"),
         (args.lora_rank > 0, ("lora_alpha", "target_modules"),
          "it shapes LoRA adapters, but --lora_rank is 0"),
-        (args.use_wandb, ("wandb_project",), "it names the wandb project, but --use_wandb is off"),
         (args.eps_clip_low_high is None, ("eps_clip",), "--eps_clip_low_high replaces it"),
-        (args.fused_linear_logprob, ("chunk_size",), "it sizes --fused_linear_logprob's chunks; that is off"),
         (args.micro_train_batch_size is None, ("max_tokens_per_micro_batch",),
          "--micro_train_batch_size sets the micro-batches by rows instead"),
     ]

@@ -1,22 +1,28 @@
-"""Flags from a dataclass: each field becomes `--name`, its docstring the help; rft_core/runs/checks.py checks
-the values."""
+"""Flags from a dataclass: each field becomes `--name`, its docstring the help, and each `# ---- section ----`
+comment of the class a section of `--help`; rft_core/runs/checks.py checks the values."""
 
 import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import typing
 
 
 def _field_docs(cls):
-    """The string literal under each field of a dataclass body: its documentation."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body, docs = tree.body[0].body, {}
+    """{field: (its section, its documentation)}: the string literal under each field of a dataclass body, and
+    the `# ---- section ----` comment above it ("the task" before the first)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    body, docs = ast.parse(source).body[0].body, {}
+    lines, section = source.splitlines(), "the task"
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+        if not isinstance(node, ast.AnnAssign):
+            continue
+        above = re.match(r"\s*# ---- (.+) ----", lines[node.lineno - 2])
+        section = above.group(1) if above else section
+        documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        docs[node.target.id] = section, " ".join(str(nxt.value.value).split()) if documented else ""
     return docs
 
 
@@ -33,22 +39,25 @@ def parse_args(cls, argv=None):
     Tuple[float, float] as `--name A B`."""
     parser = argparse.ArgumentParser(description=inspect.getdoc(inspect.getmodule(cls)),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    docs, hints, groups = _field_docs(cls), typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
-        kind = hints[f.name]
+        section, doc = docs.get(f.name, ("the task", ""))
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section)
+        group, kind = groups[section], hints[f.name]
         args = typing.get_args(kind)
         if typing.get_origin(kind) is typing.Union:  # Optional[X]
             kind = next(a for a in args if a is not type(None))
-        help_text = f"{docs.get(f.name, '')} (default: {f.default})"
+        help_text = f"{doc} (default: {f.default})"
         if kind is bool:
-            parser.add_argument(f"--{f.name}", type=_bool, nargs="?", const=True, default=f.default,
+            group.add_argument(f"--{f.name}", type=_bool, nargs="?", const=True, default=f.default,
                                 help=help_text)
         elif typing.get_origin(kind) is tuple:
             # Tuple[float, float]: --name A B; Tuple[float, ...]: one or more
             items = typing.get_args(kind)
-            parser.add_argument(f"--{f.name}", type=items[0],
+            group.add_argument(f"--{f.name}", type=items[0],
                                 nargs="+" if items[-1] is Ellipsis else len(items),
                                 default=f.default, help=help_text)
         else:
-            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=help_text)
+            group.add_argument(f"--{f.name}", type=kind, default=f.default, help=help_text)
     return cls(**vars(parser.parse_args(argv)))

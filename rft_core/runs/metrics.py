@@ -169,7 +169,7 @@ class MetricsLog:
     """The run's record in its output directory: config.json, one JSON object per step in metrics.jsonl (and
     the accelerate trackers, wandb and TensorBoard), samples.jsonl; and the console line."""
 
-    def __init__(self, output_dir, config=None, accelerator=None, project=None, keep_until=None,
+    def __init__(self, output_dir, config=None, accelerator=None, trackers=False, keep_until=None,
                  samples_every=0, plot_every=0, max_len=None):
         """Starts the record where that is safe (rft_core/runs/run_dir.py): the main process takes
         output_dir's lock (a second live run is refused in one line); a new run (keep_until None) over a
@@ -177,9 +177,10 @@ class MetricsLog:
         first. Then config (a dict) goes to config.json and metrics.jsonl starts: a resumed run (keep_until,
         its checkpoint's step) keeps the rows up to that step (a row cut by a full disk is dropped and said),
         and its config.json keeps, under "resumed", each resume's step and the values that changed there; a
-        new run starts it empty. With a project name, the accelerator's trackers start first, with the
-        config's scalars and strings (TensorBoard's hparams refuse anything else). samples_every, plot_every
-        (steps; 0: never), max_len (of a response): samples_and_plots below. Only the main process writes."""
+        new run starts it empty. With trackers, the accelerator's start first (the project: $WANDB_PROJECT,
+        else rft), with the config's scalars and strings (TensorBoard's hparams refuse anything else).
+        samples_every, plot_every (steps; 0: never), max_len (of a response): samples_and_plots below. Only
+        the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
         self.said = set()  # the notices given (each once): "idle", "cut"
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
@@ -187,11 +188,11 @@ class MetricsLog:
         self.samples_every, self.plot_every, self.max_len = samples_every, plot_every, max_len
         on_main(accelerator, lambda: take_lock(output_dir, tqdm.write))
         try:
-            if project is not None:  # first: a tracker that cannot start leaves output_dir as it was
+            if trackers:  # first: a tracker that cannot start leaves output_dir as it was
                 plain = (int, float, str, bool)
                 scalars = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
                 try:
-                    accelerator.init_trackers(project, config=scalars)
+                    accelerator.init_trackers(os.environ.get("WANDB_PROJECT", "rft"), config=scalars)
                 except Exception as e:  # wandb without a login, offline...: one line
                     raise ConfigError(f"the trackers could not start ({type(e).__name__}: {str(e)[:200]}): "
                                       "for wandb run `wandb login` or set WANDB_MODE=offline; or drop "

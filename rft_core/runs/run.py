@@ -17,11 +17,9 @@ def run_main(main):
     """The scripts' entry point. A UserError (a flag, path, data row, reward or checkpoint the user can fix,
     or a diverging run) ends the process with its one line, `error: ...`, and status 2; a stop on SIGINT /
     SIGTERM with its line and 130 / 143; a CUDA out-of-memory error with one line naming the flags that make
-    room, and 2; RFT_DEBUG=1 or --debug shows the traceback instead. Anything else is a bug and keeps its
+    room, and 2; RFT_DEBUG=1 shows the traceback instead. Anything else is a bug and keeps its
     traceback."""
-    argv = sys.argv[1:] + [""]
-    flag = "--debug" in argv and argv[argv.index("--debug") + 1].lower() not in ("0", "false", "no", "off")
-    debug = flag or os.environ.get("RFT_DEBUG", "0") not in ("", "0")
+    debug = os.environ.get("RFT_DEBUG", "0") not in ("", "0")
     try:
         main()
     except StopNow as e:
