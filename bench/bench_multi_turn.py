@@ -12,28 +12,25 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import TRAIN_PPO, launch, log_tail, read_run, split_argv  # noqa: E402
 
 
 def run(seed, tool, flags, workdir):
     out = os.path.join(workdir, f"{'tool' if tool else 'alone'}-{seed}")
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--prompt_data", "multiply", "--seed",
-           str(seed), "--output_dir", out, *(["--env", "calculator"] if tool else []), *flags]
+    cmd = [sys.executable, TRAIN_PPO, "--prompt_data", "multiply", "--seed", str(seed), "--output_dir", out,
+           *(["--env", "calculator"] if tool else []), *flags]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    rc = launch(cmd, f"{out}.log")
     wall = time.perf_counter() - start
-    if proc.returncode:
-        return {"seed": seed, "tool": tool, "error": proc.stdout[-2000:] + proc.stderr[-2000:]}
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    steps = [r for r in rows if "train/policy_loss" in r]
-    evals = [r for r in rows if "eval/accuracy" in r]
+    if rc:
+        return {"seed": seed, "tool": tool, "error": log_tail(f"{out}.log", 40)}
+    steps, evals, _ = read_run(out)
     steady = steps[2:] or steps  # step 1 compiles
     median = lambda key: statistics.median(r[key] for r in steady) if key in steady[0] else None  # noqa: E731
     result = {"seed": seed, "tool": tool, "command": " ".join(cmd[1:]), "wall_s": round(wall, 1),
@@ -49,15 +46,15 @@ def run(seed, tool, flags, workdir):
 
 
 def main():
-    argv = sys.argv[1:]
-    flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv, flags = split_argv(sys.argv[1:])
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--only", choices=("tool", "alone"), help="run one of the two jobs")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     parser.add_argument("--workdir", help="where the runs write (default: a temporary directory)")
-    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_multi_turn-")
+    os.makedirs(workdir, exist_ok=True)
     for seed in args.seeds:
         for tool in (True, False):
             if args.only and args.only != ("tool" if tool else "alone"):

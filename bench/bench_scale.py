@@ -14,35 +14,25 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import ROOT, TRAIN_PPO, launch, log_tail, read_run, split_argv  # noqa: E402
 
 
 def run(config, tp, train_args, out_dir, timeout):
     path = os.path.join(ROOT, "accelerate_configs", f"{config}.yaml")
     run_dir = os.path.join(out_dir, f"{config}-tp{tp}")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resumed one
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path,
-           os.path.join(ROOT, "train_ppo.py"), *train_args, "--engine_tp_size", str(tp),
-           "--output_dir", run_dir]
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, TRAIN_PPO,
+           *train_args, "--engine_tp_size", str(tp), "--output_dir", run_dir]
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        rc, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, log = "timeout", ((e.stdout or b"").decode(errors="replace")
-                              + (e.stderr or b"").decode(errors="replace"))
-    with open(f"{run_dir}.log", "w") as f:
-        f.write(log)
+    rc = launch(cmd, f"{run_dir}.log", timeout=timeout)
     row = {"config": config, "tp": tp, "rc": rc, "wall_s": round(time.time() - t0, 1)}
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    steps = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
-    steps = [s for s in steps if "perf/step_time_s" in s]
+    steps, _, cfg = read_run(run_dir)
     if steps:
-        cfg = json.load(open(os.path.join(run_dir, "config.json")))
         steady = steps[1:] or steps
         step_s = statistics.median(s["perf/step_time_s"] for s in steady)
         samples = cfg["rollout_batch_size"] * cfg["n_samples_per_prompt"]
@@ -52,7 +42,7 @@ def run(config, tp, train_args, out_dir, timeout):
                    logprob_diff_mean=round(max(s["rollout/logprob_diff_mean"] for s in steps), 4),
                    weight_sync_s=round(statistics.median(s["perf/weight_sync_s"] for s in steady), 3))
     if rc != 0:
-        row["log_tail"] = [line[:300] for line in log.splitlines() if line.strip()][-12:]
+        row["log_tail"] = log_tail(f"{run_dir}.log")
     return row
 
 
@@ -62,9 +52,8 @@ def main():
     parser.add_argument("--tp", nargs="+", type=int, default=[1])
     parser.add_argument("--out_dir", default="/tmp/bench_scale")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per run")
-    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train_ppo.py's flags")
-    args = parser.parse_args()
-    train_args = [a for a in args.train_args if a != "--"]
+    argv, train_args = split_argv(sys.argv[1:])
+    args = parser.parse_args(argv)
     rows = []
     for config in args.configs:
         for tp in args.tp:

@@ -23,16 +23,15 @@ import itertools
 import json
 import os
 import re
-import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout's root, for bench.common (run as a script, Python puts only bench/ on sys.path)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import TRAIN_PPO, launch, read_run, split_argv  # noqa: E402
+
 # hidden, layers, heads, KV heads, intermediate, tied embeddings (Qwen2.5 configs)
 SHAPES = {"0.5b": (896, 24, 14, 2, 4864, True), "1.5b": (1536, 28, 12, 2, 8960, True),
           "3b": (2048, 36, 16, 2, 11008, True), "7b": (3584, 28, 28, 4, 18944, False)}
@@ -57,22 +56,14 @@ def loaded_memory(log_path):
     return {key: [float(row[i]) for row in found] for i, key in enumerate(keys)}
 
 
-def copy_timed(stream, log, started):
-    """The run's output into its log, each line after the seconds since launch (where start-up goes)."""
-    for line in iter(stream.readline, b""):
-        log.write(f"{time.time() - started:7.1f} {line.decode(errors='replace')}")
-        log.flush()
-
-
-def shape_config(size, vocab_size, eos_token_id, bos_token_id):
-    """The Qwen2Config of this shape (SHAPES) for a vocabulary of vocab_size tokens."""
+def shape_config(shape, vocab_size, **fields):
+    """The Qwen2Config of a shape (a SHAPES value) for a vocabulary of vocab_size tokens, with more fields."""
     from transformers import Qwen2Config
 
-    hidden, layers, heads, kv_heads, inter, tied = SHAPES[size]
+    hidden, layers, heads, kv_heads, inter, tied = shape
     return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
-                       tie_word_embeddings=tied, max_position_embeddings=4096, eos_token_id=eos_token_id,
-                       bos_token_id=bos_token_id, torch_dtype="bfloat16")
+                       tie_word_embeddings=tied, **{"max_position_embeddings": 4096, **fields})
 
 
 def make_model(size, root):
@@ -87,7 +78,8 @@ def make_model(size, root):
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = shape_config(size, len(tokenizer), eos, tokenizer.bos_token_id)
+    config = shape_config(SHAPES[size], len(tokenizer), eos_token_id=eos, bos_token_id=tokenizer.bos_token_id,
+                          torch_dtype="bfloat16")
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -109,19 +101,16 @@ def trained_parameters(path):
     return sum(p.numel() for p in model.parameters())
 
 
-def summarise(out_dir, skip):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if "perf/step_time_s" in line]
-    if not rows:
-        return {"steps": 0}
-    steady = rows[skip:] or rows
+def summarise(steps, skip):
+    """Medians over the steady steps (from skip on) of every perf/ key; the short run's costs."""
+    steady = steps[skip:] or steps
     keys = [k for k in steady[0] if k.startswith("perf/") or k.startswith("rollout/logprob_diff")]
     med = {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
-    med["steps"] = len(rows)
+    med["steps"] = len(steps)
     med["steady_steps"] = len(steady)
     med["slept_steps"] = sum(r["perf/engine_slept"] for r in steady)
     # the short run's costs: process start to step 1, and step 1 itself (compiles)
-    med["startup_s"], med["step1_s"] = rows[0].get("perf/startup_s"), rows[0]["perf/step_time_s"]
+    med["startup_s"], med["step1_s"] = steps[0].get("perf/startup_s"), steps[0]["perf/step_time_s"]
     return med
 
 
@@ -138,60 +127,39 @@ def main():
                         "run finds the first's caches: its start-up is what a researcher iterating pays)")
     parser.add_argument("--config", help="an accelerate config: the run goes through accelerate launch")
     parser.add_argument("--gpus", type=int, default=1, help="with --config: its --num_processes")
-    parser.add_argument("--launch_flags", default="", help="with --config: more accelerate launch flags, "
-                        "e.g. \"--zero3_init_flag true\" (parameters partitioned as they are made)")
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    argv, extra = split_argv(sys.argv[1:])
+    args = parser.parse_args(argv)
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # (a context, ~0.5 GiB)
     peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
     out_root = os.environ.get("OUT", "/tmp/rft_out")
     os.makedirs(out_root, exist_ok=True)
+    python = [sys.executable]
+    if args.config:
+        python += ["-m", "accelerate.commands.launch", "--config_file", args.config, "--num_processes",
+                   str(args.gpus)]
     for size, run_index in itertools.product(args.sizes, range(1, args.runs + 1)):
         name = f"{size}-{args.generate_max_len}{args.tag}" + (f"-run{run_index}" if args.runs > 1 else "")
         out_dir = os.path.join(args.root, "runs", name)
-        launch = [sys.executable]
-        if args.config:
-            launch += ["-m", "accelerate.commands.launch", "--config_file", args.config, "--num_processes",
-                       str(args.gpus), *shlex.split(args.launch_flags)]
         shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run, not a moved-aside one
-        cmd = [*launch, os.path.join(ROOT, "train_ppo.py"), "--rollout_batch_size", "32",
-               "--n_samples_per_prompt", "8", "--generate_max_len", str(args.generate_max_len),
-               "--max_steps", str(args.steps), "--output_dir", out_dir, "--no_resume"]
+        flags = ["--rollout_batch_size", "32", "--n_samples_per_prompt", "8", "--generate_max_len",
+                 str(args.generate_max_len), "--max_steps", str(args.steps), "--output_dir", out_dir,
+                 "--no_resume"]
         if size != "135m":
             path = make_model(size, args.root)
-            cmd += ["--pretrain", path, "--reward_fn", f"{os.path.abspath(__file__)}:reward"]
-        cmd += extra
+            flags += ["--pretrain", path, "--reward_fn", f"{os.path.abspath(__file__)}:reward"]
+        flags += extra
         started = time.time()
-        with open(os.path.join(out_root, f"{name}.log"), "w") as log:
-            run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            copier = threading.Thread(target=copy_timed, args=(run.stdout, log, started), daemon=True)
-            copier.start()
-            try:
-                rc = run.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:  # where it was (every thread's stack), then a clean stop
-                rc = "timeout"
-                run.send_signal(signal.SIGUSR1)
-                time.sleep(2)
-                run.terminate()
-                try:
-                    run.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
-            copier.join(timeout=10)
+        log = os.path.join(out_root, f"{name}.log")
+        rc = launch([*python, TRAIN_PPO, *flags], log, timeout=args.timeout)
         result = {"run": name, "run_index": run_index, "gpu": gpu, "gpus": args.gpus, "rc": rc,
-                  "wall_s": round(time.time() - started, 1), "flags": cmd[len(launch) + 1:],
-                  **({"launch_flags": args.launch_flags} if args.launch_flags else {}),
-                  **loaded_memory(os.path.join(out_root, f"{name}.log"))}
-        if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
-            med = summarise(out_dir, args.skip)
+                  "wall_s": round(time.time() - started, 1), "flags": flags, **loaded_memory(log)}
+        steps, _, config = read_run(out_dir)
+        if steps:
+            med = summarise(steps, args.skip)
             result.update({k: round(v, 4) for k, v in med.items()})
-            with open(os.path.join(out_dir, "config.json")) as f:
-                cfg = json.load(f)
-            samples = cfg["rollout_batch_size"] * cfg["n_samples_per_prompt"]  # a step's, all ranks
+            samples = config["rollout_batch_size"] * config["n_samples_per_prompt"]  # a step's, all ranks
             result["samples_per_s"] = round(samples / med["perf/step_time_s"], 1)
             if med.get("perf/tokens"):
                 result["tokens_per_s"] = round(med["perf/tokens"] / med["perf/step_time_s"])

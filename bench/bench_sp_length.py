@@ -27,9 +27,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_sizes import SHAPES  # noqa: E402
+from bench.bench_sizes import SHAPES, shape_config  # noqa: E402
 from rft_core.distributed import configure_deepspeed, process_group_kwargs  # noqa: E402
-from rft_core.experience import Experience, micro_batch_logprobs  # noqa: E402
+from rft_core.experience import Experience, Forward, micro_batch_logprobs  # noqa: E402
 from rft_core.losses import LossSettings, actor_loss  # noqa: E402
 from rft_core.sequence_parallel import SequenceParallel, sliced  # noqa: E402
 
@@ -44,13 +44,11 @@ def main():
     args = parser.parse_args()
 
     from accelerate import Accelerator
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    hidden, layers, heads, kv_heads, inter, tied = {**SHAPES, "tiny": (64, 2, 4, 2, 128, True)}[args.size]
-    config = Qwen2Config(vocab_size=49152, hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
-                         tie_word_embeddings=tied, max_position_embeddings=max(args.lengths) + 64,
-                         attn_implementation="sdpa")
+    shape = {**SHAPES, "tiny": (64, 2, 4, 2, 128, True)}[args.size]
+    config = shape_config(shape, 49152, max_position_embeddings=max(args.lengths) + 64,
+                          attn_implementation="sdpa")
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)  # fp32 weights, as the scripts train
     accelerator = Accelerator(mixed_precision="bf16", kwargs_handlers=process_group_kwargs())
@@ -78,7 +76,7 @@ def main():
         settings = LossSettings(num_tokens=tokens, num_pg_tokens=tokens,
                                 num_seqs=world // (sp.size if sp else 1))
         with sliced(sp, model, mb), accelerator.autocast():  # CP: the forward and the backward in its context
-            logprobs, entropy = micro_batch_logprobs(model, mb, 1.0, True, 2048, sp=sp)
+            logprobs, entropy = micro_batch_logprobs(model, mb, Forward(chunk_size=2048, sp=sp), True)
             loss, _ = actor_loss(logprobs, entropy, mb, settings)
             accelerator.backward(loss * world)  # DeepSpeed steps AdamW here (one micro-batch per step)
         if not deepspeed:

@@ -2,11 +2,10 @@
 
     python bench/bench_vllm.py --model smollm2           # throughput vs raw vLLM, sleep/wake, sync
     python bench/bench_vllm.py --model qwen1.5b --only sync
-    python bench/bench_vllm.py --metrics outputs/run/metrics.jsonl   # GRPO step breakdown of a run
 
 One vLLM engine per process (sleep mode's allocator allows no second), so run one model per call.
-Qwen2-architecture models are random-initialised from their published shapes: sync time depends
-on sizes, not values.
+The Qwen2 models are random-initialised at bench_sizes.py's shapes, with Qwen's vocabulary: sync time
+depends on sizes, not values.
 """
 
 import argparse
@@ -20,24 +19,18 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-QWEN2 = {  # hidden, intermediate, layers, heads, kv heads (Qwen2.5-0.5B / -1.5B shapes)
-    "qwen0.5b": (896, 4864, 24, 14, 2),
-    "qwen1.5b": (1536, 8960, 28, 12, 2),
-}
+from bench.bench_sizes import SHAPES, shape_config  # noqa: E402
 
 
 def build(name):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """(model on the GPU, tokenizer): the embedded SmolLM2-135M, or a random fp32 Qwen2 "qwen<shape>"."""
+    from transformers import AutoModelForCausalLM
 
     from rft_core.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer()  # the SmolLM2 tokenizer serves every model here
     if name != "smollm2":
-        h, i, n, heads, kv = QWEN2[name]
-        config = Qwen2Config(vocab_size=151936, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
-                             num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
-                             max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id)
+        config = shape_config(SHAPES[name.removeprefix("qwen")], 151936, eos_token_id=tokenizer.eos_token_id)
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.cuda(), tokenizer
@@ -108,25 +101,13 @@ def bench_engine(args):
     print(json.dumps(result))
 
 
-def summarize(path):
-    rows = [json.loads(line) for line in open(path)]
-    steps = [r for r in rows if "perf/step_time_s" in r][3:]  # steady state: skip warm-up steps
-    keys = sorted({k for r in steps for k in r
-                   if k.startswith("perf/") or k.startswith("rollout/logprob_diff")})
-    print(json.dumps({"steps": len(steps),
-                      **{k: statistics.median(r[k] for r in steps if k in r) for k in keys},
-                      "eval": [r for r in rows if "eval/accuracy" in r]}))
-
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", choices=["smollm2", *QWEN2])
+    p.add_argument("--model", default="smollm2", choices=["smollm2", *(f"qwen{size}" for size in SHAPES)])
     p.add_argument("--only", default="all", choices=["all", "sync"])
     p.add_argument("--num_prompts", type=int, default=256)
     p.add_argument("--max_tokens", type=int, default=128)
     p.add_argument("--mem_util", type=float, default=0.3)
     p.add_argument("--sleep_level", type=int, default=1)
     p.add_argument("--enforce_eager", action="store_true")
-    p.add_argument("--metrics", help="summarise a run's metrics.jsonl instead")
-    a = p.parse_args()
-    summarize(a.metrics) if a.metrics else bench_engine(a)
+    bench_engine(p.parse_args())
