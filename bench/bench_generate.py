@@ -56,6 +56,7 @@ def main():
     from rft_core.data import encode_rows
     from rft_core.tasks.arithmetic import arithmetic_task
     from rft_core.engines import create_engine
+    from rft_core.engines.base import EngineSettings
     from rft_core.models import load_model_and_tokenizer
 
     path = None if args.size == "135m" else make_model(args.size, args.root)
@@ -63,9 +64,10 @@ def main():
     rows, _ = arithmetic_task(seed=0)
     samples, _ = encode_rows(tokenizer, rows[:32], 1024, True, None)
     prompts = [s.prompt_ids for s in samples for _ in range(8)]
-    engine = create_engine(args.engine, model.cuda(), tokenizer, bf16=True, mem_util=0.3, sleep="never",
-                           enforce_eager=args.enforce_eager, max_model_len=1024 + args.max_new,
-                           requests=len(prompts), seed=0, prefix_caching=bool(args.prefix_caching))
+    settings = EngineSettings(args.engine, bf16=True, mem_util=0.3, sleep="never",
+                              enforce_eager=args.enforce_eager, max_model_len=1024 + args.max_new,
+                              requests=len(prompts), seed=0, prefix_caching=bool(args.prefix_caching))
+    engine = create_engine(settings, model.cuda(), tokenizer)
     engine.update_weights(model)
     del model
     torch.cuda.empty_cache()

@@ -52,6 +52,7 @@ def bench_engine(args):
 
     from rft_core.data import encode_prompt
     from rft_core.tasks.arithmetic import arithmetic_task
+    from rft_core.engines.base import EngineSettings
     from rft_core.engines.vllm import VLLMEngine
 
     model, tokenizer = build(args.model)
@@ -60,8 +61,9 @@ def bench_engine(args):
     model.config.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     t = time.perf_counter()
-    engine = VLLMEngine(model_dir, tokenizer.eos_token_id, mem_util=args.mem_util, sleep="always",
-                        sleep_level=args.sleep_level, max_model_len=1024, enforce_eager=args.enforce_eager)
+    settings = EngineSettings("vllm", mem_util=args.mem_util, sleep="always", sleep_level=args.sleep_level,
+                              max_model_len=1024, enforce_eager=args.enforce_eager)
+    engine = VLLMEngine(model_dir, tokenizer.eos_token_id, settings)
     result = {"model": args.model, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
               "engine_start_s": time.perf_counter() - t, "enforce_eager": args.enforce_eager}
     result["weight_sync_s"], _ = timed(lambda: engine.update_weights(model), 5)
