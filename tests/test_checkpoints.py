@@ -19,8 +19,9 @@ import pytest
 import torch
 from conftest import ROOT, run_script
 
-from rft_core.runs.checkpoint import (_manifest, check_identity, latest_checkpoint, load_checkpoint,
-                                      resume_point, run_identity, save_checkpoint)
+from rft_core.runs.checkpoint import (check_identity, latest_checkpoint, load_checkpoint, resume_point,
+                                      run_identity, save_checkpoint)
+from rft_core.runs.integrity import manifest
 from rft_core.errors import CheckpointError, ConfigError
 from rft_core.runs.metrics import MetricsLog
 from rft_core.runs.run_dir import LOCK, _start_ticks, check_free, release_lock, take_lock
@@ -43,7 +44,7 @@ def fake_checkpoint(out, step, files=None):
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
     for name, data in (files or {}).items():
         (ckpt / name).write_bytes(data)
-    (ckpt / "manifest.json").write_text(json.dumps(_manifest(str(ckpt))))
+    (ckpt / "manifest.json").write_text(json.dumps(manifest(str(ckpt))))
     return ckpt
 
 

@@ -532,12 +532,12 @@ def test_damaged_checkpoints_are_named_and_skipped(tiny_model_dir, tmp_path):
 
 
 def test_no_intact_checkpoint_is_an_error_naming_the_fix(tmp_path):
-    from rft_core.runs.checkpoint import _manifest, latest_checkpoint, verify_checkpoint
+    from rft_core.runs.checkpoint import latest_checkpoint, manifest, verify_checkpoint
 
     ckpt = tmp_path / "checkpoint-5"
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text('{"step": 5}')
-    (ckpt / "manifest.json").write_text(json.dumps(_manifest(str(ckpt))))
+    (ckpt / "manifest.json").write_text(json.dumps(manifest(str(ckpt))))
     (tmp_path / "latest").write_text("checkpoint-5")
     assert verify_checkpoint(str(ckpt)) is None and latest_checkpoint(str(tmp_path)) == str(ckpt)
     (ckpt / "trainer_state.json").write_text('{"step": 6}')  # same size, other bytes
@@ -599,14 +599,14 @@ def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, s
 
 
 def test_a_deleted_latest_checkpoint_falls_back_to_the_one_before(tmp_path):
-    from rft_core.runs.checkpoint import _manifest, latest_checkpoint
+    from rft_core.runs.checkpoint import latest_checkpoint, manifest
 
     for step in (2, 4):
         ckpt = tmp_path / f"checkpoint-{step}"
         ckpt.mkdir()
         (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
         (ckpt / "random_states_0.pkl").write_bytes(os.urandom(64))
-        (ckpt / "manifest.json").write_text(json.dumps(_manifest(str(ckpt))))
+        (ckpt / "manifest.json").write_text(json.dumps(manifest(str(ckpt))))
     (tmp_path / "latest").write_text("checkpoint-4")
     import shutil
     shutil.rmtree(tmp_path / "checkpoint-4")

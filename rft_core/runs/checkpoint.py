@@ -29,9 +29,8 @@ from typing import Any, Optional
 import torch
 
 from rft_core.errors import CheckpointError
-from rft_core.runs.integrity import (MANIFEST, check_rng_restored, is_full, load_plain, mark_written,
-                                     size_text, verify_checkpoint)
-from rft_core.runs.integrity import manifest as _manifest
+from rft_core.runs.integrity import (MANIFEST, check_rng_restored, is_full, load_plain, manifest,
+                                     mark_written, size_text, verify_checkpoint, write_whole)
 from rft_core.runs.run_dir import check_free, on_main
 
 LATEST = "latest"
@@ -96,14 +95,6 @@ def check_identity(ckpt, identity):
         raise CheckpointError(f"{ckpt} was written with other settings ({'; '.join(changed)}): its data "
                               "position, buffers and model state belong to those. Resume with them, or pass "
                               "--no_resume to start afresh (or use another --output_dir)")
-
-
-def _write_atomically(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
 
 
 @dataclass
@@ -175,11 +166,11 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
         raise _save_failed(accelerator, output_dir, step, tmp, error)
     if accelerator.is_main_process:
         try:
-            _write_atomically(os.path.join(tmp, MANIFEST), json.dumps(_manifest(tmp), indent=1))
+            write_whole(os.path.join(tmp, MANIFEST), json.dumps(manifest(tmp), indent=1))
             if os.path.exists(final):  # an older save of the same step
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _write_atomically(os.path.join(output_dir, LATEST), os.path.basename(final))
+            write_whole(os.path.join(output_dir, LATEST), os.path.basename(final))
         except OSError as e:
             error = e
             if not os.path.isdir(tmp):  # renamed, but `latest` names the previous one: not kept either
@@ -223,9 +214,8 @@ def _save_failed(accelerator, output_dir, step, tmp, error):
     kept = (f"{os.path.basename(previous[-1])}, the previous checkpoint, is intact" if previous
             else "no earlier checkpoint exists")
     if full:
-        free = shutil.disk_usage(output_dir).free
         what = (f"no space left on {output_dir}: checkpoint-{step} needs ~{size_text(needed)}"
-                f"{'' if previous else ' or more'}, {size_text(free)} free")
+                f"{'' if previous else ' or more'}, {size_text(shutil.disk_usage(output_dir).free)} free")
     else:
         how = f"in {output_dir} ({type(error).__name__}: {error})" if error else "by another process"
         what = f"checkpoint-{step} could not be written {how}"

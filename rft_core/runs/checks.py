@@ -228,7 +228,6 @@ def check_vl_flags(args):
 def check_inert(args, engine_type):
     """Flags set away from their default where they do nothing in this run are refused, saying why."""
     estimator = args.advantage_estimator
-    token_level = estimator in TOKEN_LEVEL
     inert = [  # (whether they act here, the flags, why they do not)
         (engine_type != "hf", ("engine_tp_size", "engine_mem_util", "engine_sleep",
                                "engine_sleep_level", "engine_enforce_eager"),
@@ -237,7 +236,7 @@ def check_inert(args, engine_type):
         (estimator == "gae", ("critic_pretrain", "critic_learning_rate", "value_clip", "lambd",
                               "freezing_actor_steps"),
          f"it is the critic's (gae), but --advantage_estimator is {estimator}"),
-        (token_level, ("gamma",), "it discounts the token-level estimators (gae, reinforce, "
+        (estimator in TOKEN_LEVEL, ("gamma",), "it discounts the token-level estimators (gae, reinforce, "
          f"reinforce_baseline), but --advantage_estimator is {estimator}"),
         (kl_in_reward(args), ("kl_target", "kl_horizon"), "it adapts the KL penalty in the reward, which "
          "needs gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss"),
@@ -266,8 +265,6 @@ def check_inert(args, engine_type):
             check(value == defaults[name], f"--{name} {value}: {reason}; drop the flag")
 
 
-
-
 def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", parallelism=None,
                train_batch_size=None, bf16=None):
     """Refuse the flag values and combinations of a training script's Args that cannot work, naming the flag,
@@ -282,6 +279,6 @@ def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", par
     check_algorithm(args)
     check_batches(args, world, train_batch_size)
     check_setup(args, world, deepspeed, sharded, engine_type)
-    if "images_key" in {f.name for f in dataclasses.fields(args)}:
+    if hasattr(args, "images_key"):  # train_ppo_vl.py
         check_vl_flags(args)
     check_inert(args, engine_type)

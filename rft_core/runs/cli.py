@@ -45,19 +45,14 @@ def parse_args(cls, argv=None):
         if section not in groups:
             groups[section] = parser.add_argument_group(section)
         group, kind = groups[section], hints[f.name]
-        args = typing.get_args(kind)
         if typing.get_origin(kind) is typing.Union:  # Optional[X]
-            kind = next(a for a in args if a is not type(None))
-        help_text = f"{doc} (default: {f.default})"
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        extra = {}
         if kind is bool:
-            group.add_argument(f"--{f.name}", type=_bool, nargs="?", const=True, default=f.default,
-                                help=help_text)
-        elif typing.get_origin(kind) is tuple:
-            # Tuple[float, float]: --name A B; Tuple[float, ...]: one or more
+            kind, extra = _bool, {"nargs": "?", "const": True}
+        elif typing.get_origin(kind) is tuple:  # Tuple[float, float]: --name A B; Tuple[float, ...]: A ...
             items = typing.get_args(kind)
-            group.add_argument(f"--{f.name}", type=items[0],
-                                nargs="+" if items[-1] is Ellipsis else len(items),
-                                default=f.default, help=help_text)
-        else:
-            group.add_argument(f"--{f.name}", type=kind, default=f.default, help=help_text)
+            kind, extra = items[0], {"nargs": "+" if items[-1] is Ellipsis else len(items)}
+        group.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{doc} (default: {f.default})",
+                           **extra)
     return cls(**vars(parser.parse_args(argv)))

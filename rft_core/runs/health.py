@@ -120,11 +120,9 @@ class HealthGuard:
         """Raise TrainingDiverged: what, at which step, the newest intact checkpoint, and the fix (`advice`,
         else a lower learning rate)."""
         ckpt = latest_checkpoint(self.output_dir)
+        fix = advice or f"rerun with a lower --actor_learning_rate{' (or other flags)' if ckpt else ''}"
+        where = f"no checkpoint was written before it: {fix}"
         if ckpt:
-            fix = advice or "rerun with a lower --actor_learning_rate (or other flags)"
             where = (f"{os.path.basename(ckpt)} is the newest intact checkpoint: {fix} and it resumes from "
                      "there, or add --no_resume to start afresh")
-        else:
-            fix = advice or "rerun with a lower --actor_learning_rate"
-            where = f"no checkpoint was written before it: {fix}"
         raise TrainingDiverged(f"{what} at step {step}, and nothing of it was saved; {where}")

@@ -12,6 +12,7 @@
   such (`write_error`: torch's writer reports only `iostream error`).
 """
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -60,6 +61,16 @@ def write_error(error, directory):
     return f"{type(error).__name__}: {error}"
 
 
+def write_whole(path, text):
+    """Replace path by text: written to path.tmp, synced, then renamed over it (a kill leaves one or the
+    other, never half of one)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def _write(path, text):
     with open(path, "a") as f:
         f.write(text)
@@ -72,10 +83,8 @@ def append(path, text, what):
     try:
         _write(path, text)
     except OSError as e:
-        try:
+        with contextlib.suppress(OSError):
             os.truncate(path, size)
-        except OSError:
-            pass
         raise ConfigError(f"{write_error(e, os.path.dirname(path))}: {what} could not be appended to {path} "
                           "(cut back to its last whole row); free space there and rerun the same command to "
                           "resume from the newest checkpoint") from e
@@ -104,20 +113,9 @@ def read_rows(path, log=None):
     return rows, lines
 
 
-def _files(ckpt):
-    for root, _, names in os.walk(ckpt):
-        for name in names:
-            path = os.path.join(root, name)
-            if os.path.relpath(path, ckpt) != MANIFEST:
-                yield os.path.relpath(path, ckpt), path
-
-
 def _sha256(path):
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _sha256_all(paths):
@@ -135,11 +133,12 @@ def mark_written(ckpt):
 
 
 def manifest(ckpt):
-    """{file: {"bytes": size, "sha256": digest}} of a checkpoint directory."""
-    files = sorted(_files(ckpt))
-    digests = _sha256_all([path for _, path in files])
+    """{file: {"bytes": size, "sha256": digest}} of a checkpoint directory (its manifest left out)."""
+    found = (os.path.join(root, name) for root, _, names in os.walk(ckpt) for name in names)
+    rels = sorted(rel for rel in (os.path.relpath(path, ckpt) for path in found) if rel != MANIFEST)
+    paths = [os.path.join(ckpt, rel) for rel in rels]
     return {rel: {"bytes": os.path.getsize(path), "sha256": digest}
-            for (rel, path), digest in zip(files, digests)}
+            for rel, path, digest in zip(rels, paths, _sha256_all(paths))}
 
 
 def verify_checkpoint(ckpt):

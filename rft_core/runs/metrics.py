@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from rft_core.errors import ConfigError
-from rft_core.runs.integrity import append, read_rows, write_error
+from rft_core.runs.integrity import append, read_rows, write_error, write_whole
 from rft_core.runs.plots import write_plots
 from rft_core.runs.run_dir import (move_previous, on_main, previous_run, refuse_overwrite, release_lock,
                                    take_lock, with_segments)
@@ -96,18 +96,14 @@ def update_metrics(means):
             for key, v in means.result().items()}
 
 
-def sampled_tokens(generation):
-    """The tokens of a generation that the policy sampled (a multi-turn one holds the environment's too)."""
-    return len(generation.token_ids) if generation.mask is None else sum(generation.mask)
-
-
 def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=None):
     """rollout/ metrics of this rank's samples (rollout records with reward, components and generation), and
     with reward shaping (normalisation, clipping) the shaped rewards' (B,) mean and the share clipped. The
     lengths count the tokens the policy sampled (a multi-turn episode's, not its environment's); an episode
     is truncated when a turn reached its token limit."""
     rewards = torch.tensor([s.reward for s in samples])  # as scored, before normalisation and clipping
-    lengths = torch.tensor([float(sampled_tokens(s.generation)) for s in samples])
+    generations = [s.generation for s in samples]  # (a multi-turn one's mask: the policy's tokens)
+    lengths = torch.tensor([float(len(g.token_ids) if g.mask is None else sum(g.mask)) for g in generations])
     if samples and samples[0].episode is not None:
         truncated = sum(s.episode.cut == "tokens" for s in samples)
     else:
@@ -117,8 +113,7 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
                "rollout/response_length": lengths.mean().item(),
                "rollout/response_length_max": lengths.max().item(),
                "rollout/truncated": truncated / len(samples)}
-    names = dict.fromkeys(name for s in samples for name in s.components)
-    for name in names:
+    for name in dict.fromkeys(name for s in samples for name in s.components):
         values = [s.components.get(name, float("nan")) for s in samples]
         metrics[f"rollout/reward/{name}"] = float(np.nanmean(values))
     if shaped_rewards is not None:
@@ -223,9 +218,7 @@ class MetricsLog:
                 config = with_segments(config_path, config, keep_until, tqdm.write)
         try:
             if config is not None:
-                with open(config_path + ".tmp", "w") as f:
-                    json.dump(config, f, indent=2)
-                os.replace(config_path + ".tmp", config_path)
+                write_whole(config_path, json.dumps(config, indent=2))
             for path, kept in files.items():
                 with open(path, "wb") as f:
                     f.writelines(kept)
@@ -293,8 +286,7 @@ class MetricsLog:
             write_plots(os.path.dirname(self.path), lengths, self.max_len)
 
     @staticmethod
-    def line(step, metrics, keys=None):
+    def line(step, metrics, keys=STEP_LINE):
         """`step 3 | reward 0.512 | ...` for the (label, key) pairs (default STEP_LINE) present in metrics."""
-        keys = keys or STEP_LINE
         parts = [f"step {step}"] + [f"{label} {metrics[key]:.4g}" for label, key in keys if key in metrics]
         return " | ".join(parts)

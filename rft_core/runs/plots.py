@@ -16,11 +16,10 @@ def write_plots(output_dir, lengths, max_len):
     steps = [r for r in rows if "rollout/reward_mean" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in steps], [r["rollout/reward_mean"] for r in steps],
-            label="rollout/reward_mean")
+    x = [r["step"] for r in steps]
+    ax.plot(x, [r["rollout/reward_mean"] for r in steps], label="rollout/reward_mean")
     if steps and "rollout/reward/correct" in steps[0]:
-        ax.plot([r["step"] for r in steps], [r.get("rollout/reward/correct") for r in steps],
-                label="rollout accuracy")
+        ax.plot(x, [r.get("rollout/reward/correct") for r in steps], label="rollout accuracy")
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o--",
                 label="eval/accuracy (greedy)")

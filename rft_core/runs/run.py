@@ -22,31 +22,24 @@ def run_main(main):
     debug = os.environ.get("RFT_DEBUG", "0") not in ("", "0")
     try:
         main()
-    except StopNow as e:
+    except (UserError, KeyboardInterrupt, torch.OutOfMemoryError) as e:  # (StopNow: a KeyboardInterrupt)
         if debug:
             raise
-        print(f"stopped: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
-    except UserError as e:
-        if debug:
-            raise
-        print(f"{'stopped' if isinstance(e, Stopped) else 'error'}: {e}", file=sys.stderr, flush=True)
-        sys.exit(getattr(e, "exit_code", 2))
-    except torch.OutOfMemoryError as e:  # what the memory plan did not foresee: the flags that make room
-        if debug:
-            raise
+        if isinstance(e, (UserError, StopNow)):
+            said = "stopped" if isinstance(e, (Stopped, StopNow)) else "error"
+            print(f"{said}: {e}", file=sys.stderr, flush=True)
+            sys.exit(getattr(e, "exit_code", 2))
+        if isinstance(e, KeyboardInterrupt):  # before main's handlers were installed
+            print("interrupted: checkpoints are written atomically: rerun the same command to resume from "
+                  "the last complete one, if there is one", file=sys.stderr, flush=True)
+            sys.exit(130)
+        # what the memory plan did not foresee: the flags that make room
         said = ". ".join(str(e).split(". ")[:3])  # out of memory, how much it tried, how much was free
         print(f"error: {said}: make room with --optimizer_offload, a smaller --max_tokens_per_micro_batch or "
               "--engine_mem_util, --gradient_checkpointing or --lora_rank, or shard further (fsdp2.yaml, an "
               "*_offload.yaml config, more GPUs); checkpoints are written atomically, so the last complete "
               "one is intact (RFT_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
         sys.exit(2)
-    except KeyboardInterrupt:  # before main's handlers were installed
-        if debug:
-            raise
-        print("interrupted: checkpoints are written atomically: rerun the same command to resume from the "
-              "last complete one, if there is one", file=sys.stderr, flush=True)
-        sys.exit(130)
 
 
 class StopNow(KeyboardInterrupt):
@@ -84,8 +77,6 @@ class StopSignals:
         print(f"[stop] {name}: stopping after this step (Ctrl-C again: at once)", file=sys.stderr, flush=True)
 
     def requested(self, reduce_sum=None, device="cpu"):
-        import torch
-
         total = self.received
         if reduce_sum is not None:
             total = int(reduce_sum(torch.tensor(float(total), device=device)).item())

@@ -16,6 +16,7 @@ cannot mix two.
 """
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -123,10 +124,7 @@ def take_lock(output_dir, log=print):
     in one line; a dead one's lock is said (log) and taken over."""
     path = os.path.join(output_dir, LOCK)
     os.makedirs(output_dir, exist_ok=True)
-    for _ in range(5):
-        if _acquire(path, output_dir, log):
-            break
-    else:
+    if not any(_acquire(path, output_dir, log) for _ in range(5)):  # (any stops at the first that holds it)
         raise ConfigError(f"--output_dir {output_dir}: its lock {path} keeps changing hands; use another "
                           "--output_dir")
     if not _held:
@@ -167,10 +165,8 @@ def _heartbeat():
     while True:
         time.sleep(HEARTBEAT_S)
         for output_dir in list(_held):
-            try:
+            with contextlib.suppress(OSError):
                 os.utime(os.path.join(output_dir, LOCK))
-            except OSError:
-                pass
 
 
 def release_lock(output_dir):
@@ -180,10 +176,8 @@ def release_lock(output_dir):
     path = os.path.join(output_dir, LOCK)
     found = _read_lock(path)
     if found is not None and _mine(found[0]):
-        try:
+        with contextlib.suppress(OSError):
             os.remove(path)
-        except OSError:
-            pass
 
 
 def release_all():
