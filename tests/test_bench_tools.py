@@ -9,6 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUDY = os.path.join(ROOT, "examples", "partial_study")  # the partial-rollout study
 
 
 def write_run(path, step_times, reward=0.5, accuracy=(0.5, 0.6, 0.7), **metrics):
@@ -27,8 +28,7 @@ def write_run(path, step_times, reward=0.5, accuracy=(0.5, 0.6, 0.7), **metrics)
 
 def analyze(*folders, flags=()):
     """partial_study.py analyze's JSON on the folders."""
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "partial_study.py"), "analyze", *map(str, folders),
-           *flags]
+    cmd = [sys.executable, f"{STUDY}.py", "analyze", *map(str, folders), *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -68,7 +68,7 @@ def test_sync_tis_runs_stand_for_the_synchronous_arm(tmp_path):
     only_tis.mkdir()
     write_run(only_tis / "sync_tis-seed0.metrics.jsonl", [3.0] * 4)
     write_run(only_tis / "partial-seed0.metrics.jsonl", [1.5] * 4)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "partial_study.py"), "analyze",
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "partial_study.py"), "analyze",
                           str(only_tis)], capture_output=True, text=True)
     assert out.returncode != 0 and "needs sync-seedS" in out.stderr  # sync_tis is read only when asked
 
@@ -119,7 +119,7 @@ def test_the_bench_rewards_load_as_the_trainer_loads_them(tmp_path):
             "for spec in sys.argv[1:]:\n"
             "    fn = load_reward_fn(spec)\n"
             "    print(fn(['p'], ['1 2 3'], ['3']))\n")
-    specs = [os.path.join(ROOT, "bench", f"{name}.py:reward") for name in ("partial_study", "bench_sizes")]
+    specs = [f"{path}.py:reward" for path in (STUDY, os.path.join(ROOT, "bench", "bench_sizes"))]
     out = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -130,7 +130,7 @@ def test_seed_pairs_run_together_one_run_per_gpu():
     """partial_study.rounds: a round holds whole seeds (every arm, on distinct GPUs), never a seed's arms
     apart; more arms than GPUs spread one seed over rounds; a GPU's run sees that GPU, its own caches."""
     sys.path.insert(0, ROOT)
-    from bench import partial_study
+    from examples import partial_study as partial_study
 
     assert partial_study.rounds([0, 1, 2], ["s", "p"], 4) == [
         [(0, 0, "s"), (1, 0, "p"), (2, 1, "s"), (3, 1, "p")], [(0, 2, "s"), (1, 2, "p")]]
@@ -150,7 +150,7 @@ def test_run_gives_each_arm_its_flags_and_the_warm_up_none(tmp_path, monkeypatch
     flags after them (the train_ppo.py flag too) and starts from the warm-up; a seed's two runs share a
     round on GPUs 0 and 1; every run's JSON line lands in $OUT/partial.jsonl."""
     sys.path.insert(0, ROOT)
-    from bench import partial_study
+    from examples import partial_study as partial_study
 
     launched = []
 
@@ -189,9 +189,9 @@ def test_run_stops_on_a_failed_warm_up_and_counts_failed_runs(tmp_path):
     the command exit 1 with one line naming them."""
     def run(*flags):
         env = {**os.environ, "OUT": str(tmp_path)}
-        return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "partial_study.py"), "run", *flags,
-                               "--", "--root", str(tmp_path / "root"), "--no_such_flag"],
-                              capture_output=True, text=True, env=env)
+        cmd = [sys.executable, f"{STUDY}.py", "run", *flags, "--", "--root", str(tmp_path / "root"),
+               "--no_such_flag"]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env)
 
     warm = run("--arm", "--tag t --modes sync", "--warm_steps", "1")
     assert warm.returncode == 1 and "round 0" not in warm.stdout
@@ -206,7 +206,7 @@ def test_pairs_compare_each_seed_with_its_own_synchronous_run(tmp_path):
     the accuracy at the same training time (linear between the synchronous run's evaluations); a seed with
     one arm, and one whose arms ran different numbers of steps, left out."""
     sys.path.insert(0, ROOT)
-    from bench import partial_study
+    from examples import partial_study as partial_study
 
     for seed, (reward, accuracy) in enumerate([(0.4, [0.5, 0.55, 0.65]), (0.6, [0.5, 0.65, 0.75])]):
         write_run(tmp_path / f"t-sync_tis-seed{seed}.metrics.jsonl", [2.0] * 4, 0.5, [0.5, 0.6, 0.7])
@@ -280,7 +280,7 @@ def test_plot_draws_each_analysis_held_out_differences(tmp_path, monkeypatch, ca
     """partial_study.py plot: each analyze output's held-out differences by step, into the PNG --out names
     (which it requires)."""
     sys.path.insert(0, ROOT)
-    from bench import partial_study
+    from examples import partial_study as partial_study
 
     pairs = {"pairs": {"summary": {"pairs": 2, "eval_diff_by_step": {"2": {"mean": -0.01, "se": 0.02},
                                                                      "4": {"mean": 0.03, "se": 0.01}}}}}

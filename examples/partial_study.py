@@ -5,13 +5,13 @@ SmolLM2-135M (embedded), 32 prompts x 8 samples. A run is one mode of an arm on 
 [TAG-]MODE-seedS; the modes: `sync`, `sync_tis` (with --tis_cap 2) and `partial` (--partial_rollout,
 --budget new tokens a round, at most --staleness versions old).
 
-    python bench/partial_study.py run --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \\
+    python examples/partial_study.py run --seeds 0 --steps 2 --max_len 32 --budget 8 -- --engine_type hf \\
         --rollout_batch_size 4 --n_samples_per_prompt 2                          # a CPU smoke run
-    python bench/partial_study.py run --gpus 4 --seeds 0 1 --arm "--tag s --modes sync_tis" \\
+    python examples/partial_study.py run --gpus 4 --seeds 0 1 --arm "--tag s --modes sync_tis" \\
         --arm "--tag p --modes partial" -- --steps 20 --warm_steps 12            # two arms, seed pairs
-    python bench/partial_study.py analyze OUT... --tag s --partial_tag p --sync sync_tis \\
+    python examples/partial_study.py analyze OUT... --tag s --partial_tag p --sync sync_tis \\
         --trajectory eval/accuracy > p.json
-    python bench/partial_study.py plot p.json:"label" ... --out differences.png
+    python examples/partial_study.py plot p.json:"label" ... --out differences.png
 
 run: each seed's runs of each --arm (its flags, quoted; without --arm, one arm of the common flags), in
 rounds of whole seeds over --gpus GPUs, one run per GPU with caches of its own; a round waits for its slowest
@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-# the checkout's root, for bench.common (run as a script, Python puts only bench/ on sys.path)
+# the checkout's root, for bench.common (run as a script, Python puts only examples/ on sys.path)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import TRAIN_PPO, launch, read_run  # noqa: E402
 
@@ -360,7 +360,8 @@ def plot_main(argv):
 def main():
     commands = {"run": run_main, "analyze": analyze_main, "plot": plot_main}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        raise SystemExit(f"usage: python bench/partial_study.py {{{','.join(commands)}}} ... (its docstring)")
+        raise SystemExit(f"usage: python examples/partial_study.py {{{','.join(commands)}}} ... "
+                         "(its docstring)")
     commands[sys.argv[1]](sys.argv[2:])
 
 
