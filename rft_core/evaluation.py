@@ -22,13 +22,12 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
              reward_threshold=None, episodes=None):
     """eval/reward_mean of greedy responses to `prompts` (Samples), and where correctness is defined,
     eval/accuracy and, with n_samples > 1, pass@1 / pass@n of n samples at `temperature`. Each rank generates
-    for its shard and the sums are reduced. Correct: is_correct's (without a "correct" component or a
-    reward_threshold, no accuracy: a reward > 0 is not a right answer). score_fn(samples): a
-    rewards.RewardScorer (sets each sample's reward and components). episodes: an episodes.EpisodeRunner
-    (--env): each response is a multi-turn episode, scored as in training."""
+    for its shard and the sums are reduced. Correct: by is_correct (no accuracy without a "correct" component
+    or reward_threshold). score_fn(samples): a rewards.RewardScorer (sets each sample's reward and
+    components). episodes: an episodes.EpisodeRunner (--env): each response an episode, scored as in
+    training."""
     rank, world, n = accelerator.process_index, accelerator.num_processes, n_samples
-    # every rank generates for the same number of rows (with sharded weights a forward is a collective);
-    # the padding rows, copies of the first, are not counted
+    # every rank generates as many rows (sharded weights: a forward is a collective); the padding not counted
     local = prompts[rank::world]
     count, local = len(local), (local + prompts[:1] * (-(-len(prompts) // world) - len(local)))
     engine.wake_up()

@@ -5,19 +5,12 @@ With an environment (`--env`) each sample is a multi-turn episode (rft_core/epis
 assistant turn plus the environment's rewards; a GRPO group is the episodes of one prompt.
 
 Partial rollout (`--partial_rollout`; Kimi k1.5's partial rollouts, AReaL's staleness bound): a generation
-round gives each unfinished sample at most `token_budget` new tokens. A sample that reaches the budget
-unfinished keeps its token ids, the engine's logprobs and the policy version of every token, and continues
-in a later round or step from prompt + response so far (token ids in, token ids out: nothing is decoded and
-re-tokenized), under whatever weights the engine has then. A group is scored, and can be trained, once all
-its samples have finished. Each step trains on k finished groups: those waiting in the buffer first (oldest
-first), then groups of fresh prompts, drawn each round until `inflight_ratio` x k groups are in hand
-(generating or ready; at least the k - ready still needed), so a round's batch stays full while long samples
-continue over later steps (AReaL keeps its engine full the same way); rounds continue while a rank is
-short, at most `max_rounds`; in the last one the oldest groups still needed generate without a budget, so
-every step has its k groups. Staleness: a group whose first tokens are `max_staleness` versions old
-generates without a budget (it finishes now, so no trained token is older than that); a finished group that
-waited past the bound (more were ready than a step takes) is dropped and its prompt drawn again later.
-Groups train as they finish, so a group's delay follows its outcome (those with a long answer train late).
+round gives each unfinished sample at most `token_budget` new tokens; one that reaches it unfinished keeps
+its token ids, engine logprobs and the policy version of every token, and continues in a later round or
+step (token ids in, token ids out). A group trains once all its samples have finished; each step trains k
+finished groups, the buffer's oldest first, then fresh prompts drawn until `inflight_ratio` x k groups are
+in hand; no trained token is older than `max_staleness` versions. docs/partial_rollout.md tells how a
+sample moves, round by round (`_collect_partial`).
 """
 
 import math
