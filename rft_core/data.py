@@ -12,6 +12,8 @@ import random
 from rft_core.errors import DataError, MissingColumn, MissingPath
 from rft_core.experience import Sample
 
+JSON_TYPES = {type(None): "null", bool: "boolean", list: "list", dict: "object"}  # as JSON names them
+
 
 def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(),
                      log=None):
@@ -35,7 +37,7 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
             label = None if label_key is None else row[label_key]
             text = "" if label is None else str(label)
             if label_key and (not isinstance(label, (str, int, float)) or isinstance(label, bool)):
-                coerced.setdefault(_json_type(label), []).append((i, text))
+                coerced.setdefault(JSON_TYPES.get(type(label), type(label).__name__), []).append((i, text))
             rows.append({"prompt": row[input_key], "label": text, "row": i,
                          **{k: row[k] for k in dict(extra_keys)}})
         else:
@@ -53,11 +55,6 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
         log(f"[data] {path}: {sum(map(len, coerced.values()))} {label_key!r} values are not text or numbers: "
             f"{', '.join(kinds)}; a reward comparing labels may not expect these")
     return rows, len(skipped)
-
-
-def _json_type(value):
-    return {type(None): "null", bool: "boolean", list: "list", dict: "object"}.get(type(value),
-                                                                                  type(value).__name__)
 
 
 def _load_dataset(path, flag, log=None):
@@ -91,8 +88,7 @@ def _load_dataset(path, flag, log=None):
         return ds
     except Exception as e:  # datasets' own error buries the file and line in a long chain
         for f in files if found == {"json"} else []:
-            problem = _json_problem(f)
-            if problem:
+            if problem := _json_problem(f):
                 raise DataError(f"{flag} {f!r}: {problem}") from e
         raise DataError(f"{flag} {path!r}: could not be read as {next(iter(found))} "
                         f"({type(e).__name__}: {str(e)[:300]})") from e

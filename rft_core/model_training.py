@@ -42,9 +42,8 @@ def compile_blocks(model, backend="inductor"):
     if embeddings is not None:
         embeddings.register_forward_hook(inputs_require_grad)
     for module in list(model.modules()):
-        if isinstance(module, torch.nn.ModuleList):
-            for block in module:
-                block.compile(backend=backend, dynamic=True, options=inductor_options(backend))
+        for block in module if isinstance(module, torch.nn.ModuleList) else []:
+            block.compile(backend=backend, dynamic=True, options=inductor_options(backend))
     return model
 
 

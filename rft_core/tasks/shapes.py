@@ -36,11 +36,10 @@ def shapes_task(num_train=2048, num_eval=64, seed=0):
         for i in range(n):
             colour = rng.choice(list(COLOURS))
             if i % 2 == 0:
-                out.append({"images": [draw_shapes(colour, 1, rng)],
-                            "prompt": "what colour is the shape ?", "label": colour})
+                count, prompt, label = 1, "what colour is the shape ?", colour
             else:
                 count = rng.randint(1, 3)
-                out.append({"images": [draw_shapes(colour, count, rng)],
-                            "prompt": "how many shapes are there ?", "label": NUMBERS[count - 1]})
+                prompt, label = "how many shapes are there ?", NUMBERS[count - 1]
+            out.append({"images": [draw_shapes(colour, count, rng)], "prompt": prompt, "label": label})
         return out
     return rows(num_train, random.Random(seed)), rows(num_eval, random.Random(10**6 + 7))
