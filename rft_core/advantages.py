@@ -41,11 +41,9 @@ def outcome_scores(rewards: Tensor, n_samples_per_prompt: int, estimator: str = 
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {n}")
     grouped = rewards.float().view(-1, n)  # (num_prompts, n)
     mean = grouped.mean(-1, keepdim=True)  # (num_prompts, 1)
-    if estimator == "group_norm":
-        std = grouped.std(-1, keepdim=True) if n > 1 else torch.zeros_like(mean)
+    if estimator in ("group_norm", "cpgd"):  # GRPO: the unbiased std (0 for a group of one); CPGD: population
+        std = grouped.std(-1, keepdim=True, unbiased=estimator == "group_norm" and n > 1)
         adv = (grouped - mean) / (std + eps)
-    elif estimator == "cpgd":
-        adv = (grouped - mean) / (grouped.std(-1, keepdim=True, unbiased=False) + eps)
     elif estimator in ("dr_grpo", "reinforce_baseline"):
         adv = grouped - mean
     elif estimator == "rloo":

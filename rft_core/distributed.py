@@ -18,7 +18,6 @@ import os
 import torch
 
 
-
 def process_group_kwargs():
     """Accelerator kwargs_handlers: DeepSpeed without a GPU (the CPU tests) needs its backend named, or
     accelerate sees one process."""
@@ -42,8 +41,6 @@ def sharding(model):
     from torch.distributed.tensor import DTensor
 
     param = next(model.parameters(), None)
-    if param is None:
-        return None
     if hasattr(param, "ds_id"):
         return "zero3"
     return "fsdp2" if isinstance(param, DTensor) else None

@@ -68,12 +68,10 @@ def token_logprobs(model, inputs, targets, temperature=1.0, with_entropy=False, 
         return out[..., 0], out[..., 1] if with_entropy else None
     with sdpa_kernel(NOT_CUDNN):
         logits = model(**inputs, use_cache=False).logits  # (b, t, V)
-    targets = targets.unsqueeze(-1)  # (b, t, 1)
-    if with_entropy != "grad" or not torch.is_grad_enabled():
-        return TokenLogprobs.apply(logits, targets, temperature, bool(with_entropy))
-    z = logits.float() / temperature  # the entropy bonus needs autograd through the whole distribution
-    lse = torch.logsumexp(z, -1)  # (b, t)
-    return z.gather(-1, targets).squeeze(-1) - lse, entropy_from_logits(z, lse)
+    if with_entropy == "grad" and torch.is_grad_enabled():
+        # the entropy bonus needs autograd through the whole distribution: (lse, logprobs, entropy) (b, t)
+        return _chunk_forward(logits, targets, temperature, None, True)[1:]
+    return TokenLogprobs.apply(logits, targets.unsqueeze(-1), temperature, bool(with_entropy))
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -87,10 +85,8 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, with_entropy):
-        z = logits.float() if temperature == 1.0 else logits.float() / temperature  # (B, T, V)
-        lse = torch.logsumexp(z, -1)  # (B, T)
-        logprobs = z.gather(-1, targets).squeeze(-1) - lse  # (B, T)
-        entropy = entropy_from_logits(z, lse) if with_entropy else None
+        # (B, T) each: logsumexp, logprobs, entropy or None
+        lse, logprobs, entropy = _chunk_forward(logits, targets.squeeze(-1), temperature, None, with_entropy)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
         if entropy is not None:
@@ -101,8 +97,7 @@ class TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, targets, lse = ctx.saved_tensors
         t = ctx.temperature
-        # (B, T, V); may be `logits` itself: not modified
-        z = logits.float() if t == 1.0 else logits.float() / t
+        z = _scaled(logits, t, None)  # (B, T, V); may be `logits` itself: not modified
         grad = (z - lse.unsqueeze(-1)).exp_()  # softmax(z), a fresh tensor
         g = grad_logprobs.unsqueeze(-1)  # (B, T, 1)
         grad.mul_(-g).scatter_add_(-1, targets, g)  # (onehot - softmax) g
@@ -203,10 +198,10 @@ def _scaled(logits, temperature, blocked):
 
 def _chunk_forward(logits, targets, temperature, blocked, with_entropy):
     """A chunk's logits (c, V) in the head's dtype -> (logsumexp of z, z at the targets, the entropy or None),
-    (c,) each in fp32, where z = logits / temperature."""
+    (c,) each in fp32, where z = logits / temperature (or (B, T, V) -> (B, T) each, as token_logprobs')."""
     z = _scaled(logits, temperature, blocked)
     lse = torch.logsumexp(z, -1)
-    logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    logprobs = z.gather(-1, targets[..., None]).squeeze(-1) - lse
     return lse, logprobs, entropy_from_logits(z, lse) if with_entropy else None
 
 

@@ -101,14 +101,6 @@ def with_local(value, local):
     return DTensor(local, value._spec, requires_grad=False) if isinstance(value, DTensor) else local
 
 
-def offload_buffers(optimizer):
-    """{(id(parameter), state key): the pinned CPU tensor that state moves to}: kept on the optimizer itself,
-    so the buffers live as long as the state they hold, and no longer."""
-    if not hasattr(optimizer, "offload_buffers"):
-        optimizer.offload_buffers = {}
-    return optimizer.offload_buffers
-
-
 def host_copy(value, buffers, key, pin=True):
     """value (a CUDA tensor, or a DTensor of CUDA shards: FSDP2's moments) copied into buffers[key], a CPU
     tensor made on its first use (pinned if pin) and reused after; a DTensor keeps its mesh, placements and
@@ -128,16 +120,16 @@ def move_optimizer_state(optimizers, device):
     """Move the optimizers' state tensors (AdamW's moments; FSDP2's are DTensors) to `device`: to the CPU
     after an update, so the rollout's KV cache never shares the GPU with them, and back before the next.
     With a GPU, a tensor (a DTensor's local shard) goes into a pinned CPU buffer made on its first move and
-    reused after, held by its optimizer (offload_buffers) (ZeRO-3's 21 GiB of moments, 3B shape, one H100:
-    +1.6 s an update, against +25 s with fresh pageable memory on every move; pinning them costs the first
-    update ~28 s once)."""
+    reused after, kept on its optimizer, so it lives as long as the state it holds (ZeRO-3's 21 GiB of
+    moments, 3B shape, one H100: +1.6 s an update, against +25 s with fresh pageable memory on every move;
+    pinning them costs the first update ~28 s once)."""
     from torch.distributed.tensor import DTensor
 
     to_host = torch.device(device).type == "cpu"
     pin = to_host and torch.cuda.is_available()
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "optimizer", optimizer)  # under accelerate's AcceleratedOptimizer
-        buffers = offload_buffers(optimizer)
+        buffers = vars(optimizer).setdefault("offload_buffers", {})  # (id(parameter), state key) -> CPU copy
         for param, state in optimizer.state.items():
             for key, value in state.items():
                 if not torch.is_tensor(value) or key == "step":  # Adam keeps its step counter on the CPU

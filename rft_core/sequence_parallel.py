@@ -1,22 +1,16 @@
 """Sequence parallelism through Accelerate's parallelism config: the ranks of a group train the same samples,
-each on its own slice of every row's tokens. Two backends, one layout:
-- Ulysses (DeepSpeed; accelerate_configs/deepspeed_zero3_sp2.yaml: `parallelism_config_sp_size`,
-  `sp_backend: deepspeed`). Accelerate registers DeepSpeed's UlyssesSPAttentionHF as the model's attention:
-  it exchanges heads for sequence (all-to-all), so each rank attends over the whole row. A slice is a
-  contiguous 1 / size of the row; DeepSpeed takes one row per forward.
-- Context parallelism (FSDP2; accelerate_configs/fsdp2_cp2.yaml: `parallelism_config_cp_size`). Inside
-  `accelerator.maybe_context_parallel` torch's ring attention replaces sdpa: each rank keeps its queries and
-  the keys and values go round the group. Its load balancer gives a rank two chunks of the row (one from the
-  head, one from the tail, so causal attention costs the same everywhere); the forward and the backward must
-  both run inside the context (`block`). Rows go several to a forward.
+each on its own slice of every row's tokens. The two backends, their configs and how each attends:
+docs/scaling.md. Ulysses (DeepSpeed, `parallelism_config_sp_size`) gives a rank a contiguous 1 / size of the
+row, one row per forward; context parallelism (FSDP2, `parallelism_config_cp_size`) gives it the columns that
+torch's ring attention balances onto it, several rows per forward, and the forward and the backward must
+both run inside its context (`block`).
 What is left to the trainer is here:
 - samples: each rank rolls out its own prompts, as without SP; then the group shares them (Accelerate's
   gather_object), so every rank of a group holds the group's samples in the same order;
 - layout: both drop attention masks (causal attention over the positions given), so a row is laid out from
   its first token, [prompt | response | pad], positions 0, 1, ...; padding only trails, where no real token
   sees it. The targets are shifted before the split, so each column keeps its own next token; a rank's
-  columns are a contiguous slice (Ulysses) or those the context gives it (found by passing the column
-  index through the context itself, so they are torch's, whatever its balancer does);
+  columns are a contiguous slice (Ulysses) or those the context gives it (`columns`: torch's own);
 - the loss: a rank scores the response tokens its slice predicts (`shard` narrows the action mask to them).
   The step's normalisers count each token once over all ranks, and a sequence's length (seq-mean-token-mean)
   is its whole length, so the ranks' losses sum to the step's loss; the attention's backward carries each
@@ -127,8 +121,12 @@ class SequenceParallel:
         self._inside = True
         try:
             if self.context_parallel is None:
-                with sharded_attention(model):
+                was_training = model.training
+                model.train()
+                try:
                     yield
+                finally:
+                    model.train(was_training)
             else:  # the context balances its shards by the width of its buffers: a column index of this width
                 cols = torch.arange(width, device=device)[None]
                 with self.context_parallel(buffers=[cols], buffer_seq_dims=[1], no_restore_buffers={cols}):
@@ -185,18 +183,6 @@ class SequenceParallel:
         logprobs = pick([lp for lp, _ in out])
         entropy = pick([e for _, e in out]) if with_entropy else None
         return logprobs, entropy
-
-
-@contextmanager
-def sharded_attention(model):
-    """The model in training mode for the block: Accelerate registers Ulysses with disable_in_eval, and in
-    eval mode the attention would see only this rank's slice."""
-    was_training = model.training
-    model.train()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def group_size(parallelism):

@@ -13,8 +13,7 @@ from rft_core.multimodal import mm_inputs
 class HFEngine:
     def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, synced_gpus=False):
         self.model = model  # the unwrapped training model: always the current weights
-        # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks keep stepping until all
-        # are done
+        # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks step until all are done
         self.synced_gpus = synced_gpus
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size

@@ -1,25 +1,18 @@
 """SGLang rollout engine, colocated (`--engine_type sglang`): the vLLM engine's interface and behaviour.
+Design: docs/engines.md; images and videos: docs/vision_language.md.
 
 SGLang's offline `sglang.Engine` keeps its tokenizer manager in the calling process and runs the model in
-one scheduler subprocess per GPU (its own CUDA context, on the trainer's GPU). Ranks form groups of
-`--engine_tp_size` consecutive ranks, as with vLLM; the group's first rank owns the engine (tp_size
-schedulers on the group's GPUs); every rank of the group sends it its prompts (gathered) and gets back its
-own outputs, in order (broadcast). Token ids in, token ids out: the engine starts without a tokenizer.
+one scheduler subprocess per GPU (its own CUDA context, on the trainer's GPU). The first rank of each group
+of `--engine_tp_size` consecutive ranks owns the engine; every rank of the group sends it its prompts
+(gathered) and gets back its own outputs, in order (broadcast). Token ids in, token ids out.
 
-Step lifecycle, as vLLM's: generate -> sleep (release_memory_occupation: KV cache and weights; needs
-enable_memory_saver) -> train -> update_weights (resume the weights, load the new ones bucket by bucket with
-update_weights_from_tensor: CUDA tensors travel as IPC handles, so nothing is copied through the host; each
-scheduler loads its shard) -> wake_up (KV cache). The engine starts from random weights (load_format
-dummy); the first sync, before step 0, gives it the trained model.
+Step lifecycle, as vLLM's: generate -> sleep (release_memory_occupation: KV cache and weights) -> train ->
+update_weights (resume the weights, load the new ones bucket by bucket with update_weights_from_tensor: CUDA
+tensors travel as IPC handles; each scheduler loads its shard) -> wake_up (KV cache). The engine starts
+from random weights (load_format dummy); the first sync, before step 0, gives it the trained model.
 
-Sampling logprobs come from the temperature-scaled distribution before top-p (vLLM's processed logprobs
-are after it: equal at the default top_p 1).
-
-Images and videos (the VL script) go in as SGLang's pre-processed input (`"format": "processor_output"`): the
-trainer's own pixel values and grids beside the prompt's token ids, placeholders already expanded. SGLang then
-runs no processor and keeps the ids as they are (with raw images it would decode and re-tokenize them). The
-vision placeholders are never sampled (a logit bias, as in vLLM), and SGLang's cache of image embeddings is
-turned off unless the vision tower is frozen: a sync would leave its entries stale.
+Sampling logprobs come from the temperature-scaled distribution before top-p (vLLM's are after it: equal at
+the default top_p 1).
 """
 
 import asyncio

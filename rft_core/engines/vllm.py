@@ -1,26 +1,16 @@
-"""vLLM rollout engine, colocated: one `vllm.LLM` inside every training process (SPMD).
-
-Each rank builds its engine with `distributed_executor_backend="external_launcher"`, so vLLM
-joins the trainer's torch.distributed world instead of spawning workers. Ranks are grouped into
-tensor-parallel groups of `--engine_tp_size` consecutive ranks ([0,1], [2,3], ... as vLLM lays
-them out); a group's prompts are gathered, generated once by the group's shared engine, and each
-rank gets back its own slice in its original order.
+"""vLLM rollout engine, colocated: one `vllm.LLM` inside every training process (SPMD), joined to the
+trainer's torch.distributed world (`distributed_executor_backend="external_launcher"`); groups of
+`--engine_tp_size` consecutive ranks share one engine, and each rank gets back its own outputs in order.
+Design and measurements: docs/engines.md.
 
 Step lifecycle (the script drives it):
     generate -> sleep (frees weights and KV cache) -> train -> update_weights (wakes the weights,
     loads the new ones in buckets) -> wake_up (KV cache) -> generate
-so old weights, new weights and the KV cache are never resident together. Sleep costs time
-(0.6 s measured on an H100), so in "auto" mode the engine sleeps only when the free memory is
-short of what the trainer needs.
+so old weights, new weights and the KV cache are never resident together. Sleep costs time (0.6 s on an
+H100), so in "auto" mode the engine sleeps only when the free memory is short of what the trainer needs.
 
-A group's samples (one prompt, n times in a row) go to vLLM as one request of n (engine_requests), the
-garbage collector off for the call: the decode loop is bound by vLLM's Python, not the GPU (docs/engines.md).
-
-The engine starts from `load_format="dummy"` (random weights): the first `update_weights`, before
-step 0, is what gives it the trained model, so the sync path runs from the start.
-
-Images (vision-language models): a request carries one placeholder per image and the images; vLLM
-expands the placeholders from its own processing, and the prompt it ends up with must be the
+The engine starts from `load_format="dummy"` (random weights): the first `update_weights`, before step 0,
+gives it the trained model. Images: the prompt vLLM expands from a request's placeholders must be the
 trainer's, token for token, or generate raises naming the prompt.
 """
 
@@ -114,8 +104,7 @@ class VLLMEngine:
             extra["kv_cache_memory_bytes"] = kv_bytes
         extra.update(cuda_graph_config(max_batch, s.enforce_eager))
         start = f"start (--engine_mem_util {mem_util} of the GPU)"  # vLLM's own refusal is a traceback
-        error = None if kv_bytes else memory_error("vLLM", mem_util * torch.cuda.mem_get_info()[1], start)
-        if error:
+        if not kv_bytes and (error := memory_error("vLLM", mem_util * torch.cuda.mem_get_info()[1], start)):
             raise error
         self.llm = LLM(model=model_dir, load_format="dummy", tensor_parallel_size=s.tp_size, dtype=dtype,
                        distributed_executor_backend="external_launcher", gpu_memory_utilization=mem_util,
@@ -171,7 +160,6 @@ class VLLMEngine:
                 gc.enable()
         gens = []
         for r, out in zip(requests, outputs):
-            # image-token accounting
             if "multi_modal_data" in r.prompt and list(out.prompt_token_ids) != r.ids:
                 raise ConfigError(f"prompt {len(gens)}: vLLM expanded it to {len(out.prompt_token_ids)} "
                                  f"tokens, the trainer's has {len(r.ids)}: "
@@ -208,8 +196,7 @@ class VLLMEngine:
         tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
         if not tags:
             return
-        error = wake_error("vLLM", self._wake_bytes(tags), tags)
-        if error:
+        if error := wake_error("vLLM", self._wake_bytes(tags), tags):
             raise error
         self.llm.wake_up(tags=tags)
         self.sleeping -= set(tags)
