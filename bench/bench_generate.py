@@ -54,10 +54,10 @@ def main():
 
     from bench.bench_sizes import make_model
     from rft_core.data import encode_rows
-    from rft_core.tasks.arithmetic import arithmetic_task
     from rft_core.engines import create_engine
     from rft_core.engines.base import EngineSettings
     from rft_core.models import load_model_and_tokenizer
+    from rft_core.tasks.arithmetic import arithmetic_task
 
     path = None if args.size == "135m" else make_model(args.size, args.root)
     model, tokenizer = load_model_and_tokenizer(path)

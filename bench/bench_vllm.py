@@ -51,9 +51,9 @@ def bench_engine(args):
     from vllm import SamplingParams
 
     from rft_core.data import encode_prompt
-    from rft_core.tasks.arithmetic import arithmetic_task
     from rft_core.engines.base import EngineSettings
     from rft_core.engines.vllm import VLLMEngine
+    from rft_core.tasks.arithmetic import arithmetic_task
 
     model, tokenizer = build(args.model)
     model_dir = tempfile.mkdtemp()

@@ -38,8 +38,8 @@ def main():
     from accelerate import Accelerator
 
     from rft_core.experience import Experience
-    from rft_core.losses import masked_mean, policy_loss
     from rft_core.logprobs import response_logprobs
+    from rft_core.losses import masked_mean, policy_loss
     from rft_core.model_training import compile_blocks
     from rft_core.models import load_model_and_tokenizer
 

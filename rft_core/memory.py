@@ -9,7 +9,6 @@ import torch
 
 from rft_core.logprobs import response_logprobs, unwrap
 
-
 AUTO_MAX_TOKENS = 32768  # larger micro-batches gain little and take memory from the engine
 CPU_ACTIVATIONS = 1 << 30  # bytes of activations a CPU update micro-batch may keep: larger ones are no faster
 

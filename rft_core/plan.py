@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 
 from rft_core.advantages import TOKEN_LEVEL
-from rft_core.runs.checks import check_args, kl_in_reward
 from rft_core.engines import resolve_engine_type
 from rft_core.engines.base import EngineSettings
 from rft_core.episodes import EpisodeSettings
@@ -28,6 +27,7 @@ from rft_core.losses import LossSettings
 from rft_core.memory import plan_update_memory
 from rft_core.model_training import checkpointing_on
 from rft_core.rollout import RolloutSettings
+from rft_core.runs.checks import check_args, kl_in_reward
 from rft_core.sequence_parallel import group_size
 
 TOKENS_PER_MICRO_BATCH = 16384  # the update's default budget where the memory is not measured (CPU)

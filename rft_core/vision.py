@@ -87,8 +87,12 @@ def word_tokenizer():
 def tiny_qwen2_vl(tokenizer, seed=0, arch="qwen2_vl"):
     """A random-initialised Qwen2-VL (about 1 M parameters; arch "qwen2_5_vl": a Qwen2.5-VL, whose vision
     tower has windowed attention and a gated MLP) whose vocabulary is the tokenizer's."""
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
 
     ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

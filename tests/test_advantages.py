@@ -7,8 +7,15 @@ import threading
 import pytest
 import torch
 
-from rft_core.advantages import (ADVANTAGE_ESTIMATORS, adaptive_kl_coef, outcome_scores, discounted_returns,
-                                 gae, token_rewards, whiten)
+from rft_core.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    adaptive_kl_coef,
+    discounted_returns,
+    gae,
+    outcome_scores,
+    token_rewards,
+    whiten,
+)
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 1.1, 0.1, 0.0, 0.0]  # 3 prompts x 4 samples
 N = 4

@@ -19,10 +19,16 @@ import pytest
 import torch
 from conftest import ROOT, run_script
 
-from rft_core.runs.checkpoint import (check_identity, latest_checkpoint, load_checkpoint, resume_point,
-                                      run_identity, save_checkpoint)
-from rft_core.runs.integrity import manifest
 from rft_core.errors import CheckpointError, ConfigError
+from rft_core.runs.checkpoint import (
+    check_identity,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_point,
+    run_identity,
+    save_checkpoint,
+)
+from rft_core.runs.integrity import manifest
 from rft_core.runs.metrics import MetricsLog
 from rft_core.runs.run_dir import LOCK, _start_ticks, check_free, release_lock, take_lock
 

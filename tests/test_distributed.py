@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from test_train_smoke import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

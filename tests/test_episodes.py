@@ -362,8 +362,8 @@ def test_experience_layout_with_environment_tokens(tiny_model_dir):
 
 
 def test_calculator():
-    from rft_core.tasks.calculator import Calculator, calculate, multiply_task
     from rft_core.episodes import State
+    from rft_core.tasks.calculator import Calculator, calculate, multiply_task
 
     assert calculate("773 * 38") == 29374 and calculate("(1 + 2) / 4") == 0.75 and calculate("-3 // 2") == -2
     for bad in ("__import__('os')", "2 ** 10", "1 / 0", "x"):
@@ -423,9 +423,9 @@ def test_greedy_episodes_reproduce_and_the_trainer_scores_the_sampled_tokens(eos
     (["--env", "calculator", "--max_episode_tokens", "16"], "--max_episode_tokens 16: one turn"),
     (["--env", "calculator", "--env_timeout", "0"], "--env_timeout 0.0: must be > 0")])
 def test_flags_that_cannot_work_with_episodes(flags, why):
+    from rft_core.errors import ConfigError
     from rft_core.runs.checks import check_args
     from rft_core.runs.cli import parse_args
-    from rft_core.errors import ConfigError
     from train_ppo import Args
 
     args = parse_args(Args, flags)

@@ -7,9 +7,19 @@ import pytest
 import torch
 
 from rft_core.experience import Experience
-from rft_core.losses import (LOSS_AGG_MODES, LossSettings, actor_loss, aggregate_loss, entropy_from_logits,
-                             high_entropy_mask, kl_estimate, masked_mean, policy_loss, policy_token_counts,
-                             value_loss)
+from rft_core.losses import (
+    LOSS_AGG_MODES,
+    LossSettings,
+    actor_loss,
+    aggregate_loss,
+    entropy_from_logits,
+    high_entropy_mask,
+    kl_estimate,
+    masked_mean,
+    policy_loss,
+    policy_token_counts,
+    value_loss,
+)
 
 # 3 sequences of lengths 4, 2, 3 (padded to 4)
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 9.0, 9.0], [-1.0, 0.5, 2.5, 7.0]])

@@ -131,8 +131,8 @@ def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast, device)
     parameter's gradient equal the model's own logits path, on rows of several lengths, prompts left-padded
     and responses right-padded, at a temperature, in fp32 and under bf16 autocast; chunks that do not divide
     the tokens. On a GPU the chunks' math is compiled."""
-    from rft_core.experience import build_experience
     from rft_core.engines.base import Generation
+    from rft_core.experience import build_experience
     from rft_core.logprobs import response_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(device)
@@ -364,8 +364,8 @@ def test_the_health_check_runs_compiled_layers_eagerly(tiny_model_dir, tmp_path)
 
     from rft_core.engines.base import Generation
     from rft_core.experience import Forward, build_experience
-    from rft_core.runs.health import HealthGuard
     from rft_core.model_training import compile_blocks
+    from rft_core.runs.health import HealthGuard
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

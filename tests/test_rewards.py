@@ -8,11 +8,18 @@ import threading
 import pytest
 import torch
 
-from rft_core.reward_sources import load_reward_fn, remote_reward_fn, reward_model_fn, reward_sources
-from rft_core.evaluation import pass_at_k
 from rft_core.advantages import RunningMoments
-from rft_core.rewards import (answer_reward, math_label, math_reward, overlong_penalty, parse_answer, score,
-                              RewardScorer)
+from rft_core.evaluation import pass_at_k
+from rft_core.reward_sources import load_reward_fn, remote_reward_fn, reward_model_fn, reward_sources
+from rft_core.rewards import (
+    RewardScorer,
+    answer_reward,
+    math_label,
+    math_reward,
+    overlong_penalty,
+    parse_answer,
+    score,
+)
 
 
 @pytest.mark.parametrize("completion, answer, well_formed", [

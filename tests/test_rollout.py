@@ -218,7 +218,7 @@ def test_engine_logprobs_for_all_samples_only_where_tokens_are_weighted_by_them(
 
     args = SimpleNamespace(max_token_budget=None, generate_max_len=24, n_samples_per_prompt=GROUP,
                            temperature=1.0, top_p=1.0, dynamic_sampling=False, max_num_gen_batches=1,
-                           overlong_buffer_len=0, overlong_penalty_factor=1.0, strict_rewards=False,
+                           overlong_buffer_len=0, overlong_penalty_factor=1.0, reward_failure_limit=1.0,
                            partial_rollout=partial, max_staleness=1, inflight_ratio=1.0, tis_cap=tis_cap,
                            tis_level=None)
     settings = replace(rollout_settings(args, importance_weights(args)[0]), eos_token_id=EOS)
@@ -239,7 +239,7 @@ def test_the_default_budget():
 
     args = SimpleNamespace(max_token_budget=None, generate_max_len=2048, n_samples_per_prompt=GROUP,
                            temperature=1.0, top_p=1.0, dynamic_sampling=False, max_num_gen_batches=1,
-                           overlong_buffer_len=0, overlong_penalty_factor=1.0, strict_rewards=False,
+                           overlong_buffer_len=0, overlong_penalty_factor=1.0, reward_failure_limit=1.0,
                            partial_rollout=True, max_staleness=2, inflight_ratio=1.0, tis_cap=None,
                            tis_level=None)
     assert rollout_settings(args, importance_weights(args)[0]).token_budget == 512

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 import torch
+from conftest import read_metrics, run_script
 
 from rft_core.experience import Experience, Forward, micro_batch_logprobs
 from rft_core.sequence_parallel import SequenceParallel
-from conftest import read_metrics, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP2 = os.path.join(ROOT, "accelerate_configs", "deepspeed_zero3_sp2.yaml")

@@ -6,13 +6,18 @@ import importlib.util
 import os
 
 import pytest
+import test_vllm_engine as same  # its GPU checks take any engine: run here on SGLang's
 import torch
+from test_vllm_engine import _prompts
 
 from rft_core.engines.base import EngineSettings
-from rft_core.engines.sglang import (SGLangEngine, generation_of, processor_output, sampling_params,
-                                     sglang_param_name)
-import test_vllm_engine as same  # its GPU checks take any engine: run here on SGLang's
-from test_vllm_engine import _prompts
+from rft_core.engines.sglang import (
+    SGLangEngine,
+    generation_of,
+    processor_output,
+    sampling_params,
+    sglang_param_name,
+)
 
 gpu = pytest.mark.gpu(needs="sglang")
 
@@ -28,8 +33,8 @@ def test_sampling_params_per_request():
 def test_image_prompts_go_in_preprocessed():
     """An image prompt reaches SGLang as the trainer's own pixels and grids (its ids are kept, no processor
     runs), vision placeholders get a -100 logit bias, and a VL model's weights take SGLang's names."""
-    from rft_core.vision import encode_vl_prompt, load_vl_model
     from rft_core.tasks.shapes import shapes_task
+    from rft_core.vision import encode_vl_prompt, load_vl_model
 
     model, tokenizer, processor = load_vl_model(tiny="qwen2_vl")
     _, rows = shapes_task(num_eval=2)

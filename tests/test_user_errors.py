@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-
 from dataclasses import replace
 
 import pytest
@@ -685,9 +684,9 @@ def test_optimizer_offload_under_deepspeed():
     import types
 
     import train_ppo
-    from rft_core.runs.checks import check_args
     from rft_core.distributed import zero_offloads_optimizer
     from rft_core.optim import offload_after_update
+    from rft_core.runs.checks import check_args
 
     def plugin(device):
         zero = {"offload_optimizer": {"device": device}}

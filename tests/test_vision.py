@@ -6,10 +6,17 @@ import importlib.util
 import pytest
 import torch
 
-from rft_core.tasks.shapes import COLOURS, IMAGE_SIZE, NUMBERS, draw_shapes, shapes_task
 from rft_core.multimodal import VISION_TOKENS, vllm_prompt
-from rft_core.vision import (block_tokens, check_image_tokens, encode_vl_prompt, expand_image_tokens,
-                             load_vl_model, tiny_qwen2_vl, word_tokenizer)
+from rft_core.tasks.shapes import COLOURS, IMAGE_SIZE, NUMBERS, draw_shapes, shapes_task
+from rft_core.vision import (
+    block_tokens,
+    check_image_tokens,
+    encode_vl_prompt,
+    expand_image_tokens,
+    load_vl_model,
+    tiny_qwen2_vl,
+    word_tokenizer,
+)
 
 
 def quadrants_with(image, colour):

@@ -285,10 +285,10 @@ def test_episodes_through_vllm(engine_and_model):
     """The calculator task's episodes through vLLM: greedy episodes reproduce token for token, the model calls
     the calculator, and sampled episodes' policy tokens score alike in the engine and the trainer (the
     environment's tokens between them)."""
-    from rft_core.tasks.calculator import Calculator, multiply_task
     from rft_core.data import encode_rows
     from rft_core.episodes import EpisodeRunner, EpisodeSettings
     from rft_core.experience import batched_logprobs, build_experience
+    from rft_core.tasks.calculator import Calculator, multiply_task
 
     engine, model, tokenizer = engine_and_model
     samples, _ = encode_rows(tokenizer, multiply_task(num_train=1)[1][:16], 512)

@@ -20,8 +20,8 @@ from dataclasses import replace
 import torch
 
 from rft_core.distributed import sharding
-from rft_core.engines.hf import HFEngine
 from rft_core.engines.colocation import kv_cache_bytes
+from rft_core.engines.hf import HFEngine
 from rft_core.errors import ConfigError, MissingDependency
 from rft_core.models import cache_root
 from rft_core.multimodal import video_processor_like, vision_token_ids

@@ -22,8 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from rft_core.engines.base import Generation, wants_logprobs
-from rft_core.engines.colocation import (engine_group, flatten_group, memory_error, short_for_training,
-                                         slice_for_rank, wake_error)
+from rft_core.engines.colocation import (
+    engine_group,
+    flatten_group,
+    memory_error,
+    short_for_training,
+    slice_for_rank,
+    wake_error,
+)
 from rft_core.engines.sync import buckets, iter_weights
 from rft_core.errors import ConfigError
 from rft_core.models import pin_triton_cache

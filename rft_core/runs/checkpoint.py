@@ -29,8 +29,17 @@ from typing import Any, Optional
 import torch
 
 from rft_core.errors import CheckpointError
-from rft_core.runs.integrity import (MANIFEST, check_rng_restored, is_full, load_plain, manifest,
-                                     mark_written, size_text, verify_checkpoint, write_whole)
+from rft_core.runs.integrity import (
+    MANIFEST,
+    check_rng_restored,
+    is_full,
+    load_plain,
+    manifest,
+    mark_written,
+    size_text,
+    verify_checkpoint,
+    write_whole,
+)
 from rft_core.runs.run_dir import check_free, on_main
 
 LATEST = "latest"

@@ -16,9 +16,9 @@ import statistics
 
 import torch
 
-from rft_core.runs.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
 from rft_core.errors import CheckpointError, TrainingDiverged
 from rft_core.experience import micro_batch_logprobs
+from rft_core.runs.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints
 
 
 def nonfinite_inputs(exp):

@@ -12,8 +12,15 @@ from tqdm import tqdm
 from rft_core.errors import ConfigError
 from rft_core.runs.integrity import append, read_rows, write_error, write_whole
 from rft_core.runs.plots import write_plots
-from rft_core.runs.run_dir import (move_previous, on_main, previous_run, refuse_overwrite, release_lock,
-                                   take_lock, with_segments)
+from rft_core.runs.run_dir import (
+    move_previous,
+    on_main,
+    previous_run,
+    refuse_overwrite,
+    release_lock,
+    take_lock,
+    with_segments,
+)
 
 
 class StepTimer:

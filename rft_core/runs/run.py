@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from rft_core.runs.checkpoint import latest_checkpoint
 from rft_core.errors import CheckpointError, Stopped, UserError
+from rft_core.runs.checkpoint import latest_checkpoint
 
 
 def run_main(main):
