@@ -445,7 +445,7 @@ def main():
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,
                            args.eval_n_samples, args.temperature, args.eval_reward_threshold, episodes)
-        log.write(step, metrics, print_line=True)
+        log.write(step, metrics)
         accelerator.print(eval_line(step, metrics, args.eval_n_samples))
         return metrics
 
@@ -576,7 +576,7 @@ def main():
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
             loop.kl_coef = adaptive_kl_coef(loop.kl_coef, metrics["rollout/kl"], args.kl_target,
                                             args.kl_horizon, plan.samples_per_step)
-        log.write(step, metrics)
+        log.write(step, metrics, print_line=True)
         guard.entropy(metrics["train/entropy"], step)
         log.samples_and_plots(step, samples, tokenizer, exp.action_mask.sum(-1).tolist(), step == num_steps)
 

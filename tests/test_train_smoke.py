@@ -41,8 +41,11 @@ def check_outputs(out, steps=2, eval_problems=96):
 
 
 def test_tiny_grpo(tiny_model_dir, tmp_path):
-    run(["--pretrain", tiny_model_dir, *TINY, "--output_dir", str(tmp_path)])
+    proc = run(["--pretrain", tiny_model_dir, *TINY, "--output_dir", str(tmp_path)])
     check_outputs(str(tmp_path))
+    # one `|`-separated line a step, and an eval's own line (not a step line) at step 0 and at the end
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1", "step 2"]
 
 
 @pytest.mark.parametrize("estimator, mode", [("dr_grpo", "seq-mean-token-sum-norm"),
