@@ -87,11 +87,42 @@ def main_raises(monkeypatch, script, args, match):
     (["--chunk_size", "-1"], "--chunk_size -1: must be >= 0"),
     (["--policy_loss_type", "ppo2"], "--policy_loss_type 'ppo2': choose one of ('ppo', 'gspo', 'cpg')"),
     (["--reward_failure_limit", "-0.5"], "--reward_failure_limit -0.5: must be >= 0"),
+    (["--reward_fallback", "nan"], "--reward_fallback nan: must be a finite number"),
+    (["--max_norm", "inf"], "--max_norm inf: must be a finite number"),
+    (["--reward_weights", "1", "inf"], "--reward_weights [1.0, inf]: must be a finite number"),
+    (["--seed", "-1"], "--seed -1: must be in [0, 2**32), numpy's seeds"),
+    (["--seed", str(2**32)], f"--seed {2**32}: must be in [0, 2**32), numpy's seeds"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(tmp_path, monkeypatch, extra, message):
     main_raises(monkeypatch, "train_ppo", ["--pretrain", "/not/loaded", *TINY, *extra, "--output_dir",
                                            str(tmp_path)], re.escape(message))
     assert not os.listdir(tmp_path)  # refused before anything was written
+
+
+@pytest.mark.parametrize("script", ["train_ppo", "train_ppo_vl"])
+def test_every_numeric_flag_is_checked(script):
+    """Every int and float flag has its range in the checks' tables (a new flag without one fails here), and
+    NaN and inf are refused for every float flag, whatever its range."""
+    import dataclasses
+    import importlib
+    import typing
+
+    from rft_core.runs import checks
+
+    Args = importlib.import_module(script).Args
+    hints, numeric = typing.get_type_hints(Args), []
+    for f in dataclasses.fields(Args):
+        kind = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        many = typing.get_origin(kind[0]) is tuple  # Tuple[float, ...]: --name A B ...
+        kind = typing.get_args(kind[0])[0] if many else kind[0]
+        if kind in (int, float):
+            numeric.append((f.name, kind, many))
+    tables = {*checks.RANGES, *checks.AT_LEAST_ONE, *checks.AT_LEAST_ZERO, *checks.ANY_FINITE}
+    assert [name for name, *_ in numeric if name not in tables] == []
+    for name, kind, many in numeric:
+        for bad in (math.nan, math.inf) if kind is float else ():
+            with pytest.raises(UserError, match=f"--{name} .*: must be a finite number"):
+                checks.check_values(replace(Args(), **{name: [1.0, bad] if many else bad}))
 
 
 def test_vl_script_checks_the_same_flags(tmp_path, monkeypatch):
