@@ -152,7 +152,7 @@ def warm_up(args, extra, env):
     model = os.path.join(args.root, "runs", name, "model")
     if not os.path.exists(model):  # held-out evaluation every 10 steps, whatever --eval_steps says
         flags = ["--generate_max_len", str(max_len), "--max_steps", str(args.warm_steps), "--eval_steps",
-                 "10", "--seed", "100", *extra]
+                 str(min(10, args.warm_steps)), "--seed", "100", *extra]
         rc = train(args, name, flags, env)
         if rc != 0 or not os.path.exists(model):
             raise SystemExit(f"the warm-up failed (rc {rc}): see {name}.log")
@@ -169,7 +169,7 @@ def run_seed(args, extra, seed, env):
     for mode in args.modes:
         name = f"{args.tag}-{mode}-seed{seed}" if args.tag else f"{mode}-seed{seed}"
         flags = ["--generate_max_len", str(args.max_len), "--max_steps", str(args.steps), "--eval_steps",
-                 str(args.eval_steps), "--seed", str(seed), *modes[mode], *start,
+                 str(min(args.eval_steps, args.steps)), "--seed", str(seed), *modes[mode], *start,
                  *shlex.split(args.arm_flags), *extra]
         if train(args, name, flags, env) != 0:
             failed.append(name)

@@ -93,7 +93,12 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     (HTTP 429, 502-504) is retried with exponential backoff, then fails the batch (ServiceDown); one that
     answers with another error status or a body that is not its JSON is not retried (ServerError); a redirect
     is not followed (ServiceDown). Each names the URL and the failure."""
-    if urllib.parse.urlparse(url).scheme not in ("http", "https"):
+    parts = urllib.parse.urlsplit(url)
+    try:
+        _ = parts.port  # raises past 65535, where a request would wrap around to another service
+    except ValueError as e:
+        raise ConfigError(f"--remote_rm_url {url!r}: {e} (e.g. http://host:5000/reward)") from e
+    if parts.scheme not in ("http", "https"):
         raise ConfigError(f"--remote_rm_url {url!r}: not an http(s) URL (e.g. http://host:5000/reward)")
     opener = urllib.request.build_opener(_NoRedirect)
 

@@ -166,13 +166,13 @@ def test_run_gives_each_arm_its_flags_and_the_warm_up_none(tmp_path, monkeypatch
                             "--", "--steps", "5", "--warm_steps", "2", "--root", str(tmp_path), "--x", "1"])
     warm, *runs = launched
     flags = lambda cmd: " ".join(cmd[cmd.index("--no_resume") + 1:])  # noqa: E731
-    assert flags(warm[0]) == "--generate_max_len 512 --max_steps 2 --eval_steps 10 --seed 100 --x 1"
+    assert flags(warm[0]) == "--generate_max_len 512 --max_steps 2 --eval_steps 2 --seed 100 --x 1"
     assert warm[1] == "0"
     start = f"--pretrain {tmp_path}/runs/warm-2/model"
     partial = "--partial_rollout --max_token_budget 64 --max_staleness 3"
     want = {}
     for seed in (3, 4):
-        common = f"--generate_max_len 512 --max_steps 5 --eval_steps 10 --seed {seed}"
+        common = f"--generate_max_len 512 --max_steps 5 --eval_steps 5 --seed {seed}"
         want[f"s-sync_tis-seed{seed}"] = (f"{common} --tis_cap 2 {start} --x 1", "0")
         want[f"p-partial-seed{seed}"] = (f"{common} {partial} {start} --tis_level token --x 1", "1")
     assert {os.path.basename(cmd[cmd.index("--output_dir") + 1]): (flags(cmd), gpu)

@@ -215,6 +215,15 @@ def test_a_redirect_is_not_followed(server):
     assert len(failures) == 8 and _Server.seen == ["/moved", "/moved"]  # one request a batch, no GET
 
 
+def test_a_reward_url_with_a_port_out_of_range_is_refused():
+    """A port past 65535 wrapped around to another service (the prompts went there): refused in one line."""
+    with pytest.raises(ConfigError, match=re.escape("--remote_rm_url 'http://localhost:70000/r': Port out of "
+                                                    "range 0-65535")):
+        remote_reward_fn("http://localhost:70000/r")
+    with pytest.raises(ConfigError, match="not an http"):
+        remote_reward_fn("ftp://localhost:21/r")
+
+
 def test_math_reward_works_in_the_scorers_thread():
     """math-verify's signal.alarm timeouts raised 'doesn't support threaded environment' for every sample in
     the scorer's worker thread: --reward_fn math scored nothing."""

@@ -92,6 +92,10 @@ def main_raises(monkeypatch, script, args, match):
     (["--reward_weights", "1", "inf"], "--reward_weights [1.0, inf]: must be a finite number"),
     (["--seed", "-1"], "--seed -1: must be in [0, 2**32), numpy's seeds"),
     (["--seed", str(2**32)], f"--seed {2**32}: must be in [0, 2**32), numpy's seeds"),
+    (["--prompt_data", ""], "--prompt_data '': empty; give it a value or leave the flag out"),
+    (["--use_kl_loss", "--init_kl_coef", "0"], "--use_kl_loss with --init_kl_coef 0: the loss weighs"),
+    (["--eval_steps", "50"], "--eval_steps 50: past --max_steps 2, so no periodic eval would run"),
+    (["--lora_rank", "4", "--target_modules", ","], "--target_modules ',': name the modules"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(tmp_path, monkeypatch, extra, message):
     main_raises(monkeypatch, "train_ppo", ["--pretrain", "/not/loaded", *TINY, *extra, "--output_dir",

@@ -54,6 +54,9 @@ AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batc
                 "micro_train_batch_size", "max_tokens_per_micro_batch", "train_batch_size")
 AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every",
                  "lora_rank", "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
+# flags that name a file or directory: an empty string is a mistake, not "none"
+PATHS = ("pretrain", "prompt_data", "eval_data", "reward_fn", "reward_pretrain", "critic_pretrain",
+         "pretrain_data", "env", "output_dir", "use_tensorboard", "images_key", "freeze_prefix")
 # numbers any finite value of suits (every numeric flag is in one of these tables: tests/test_user_errors.py)
 ANY_FINITE = ("entropy_coef", "reward_fallback", "reward_weights", "eval_reward_threshold")
 
@@ -111,6 +114,8 @@ def check_values(args):
         numbers = value if isinstance(value, (list, tuple)) else [value]
         finite = all(math.isfinite(v) for v in numbers if isinstance(v, float))
         check(finite, f"--{name} {value}: must be a finite number")
+    for name in (name for name in PATHS if name in names):
+        check(getattr(args, name) != "", f"--{name} '': empty; give it a value or leave the flag out")
     for name in (name for name in RANGES if name in names):  # in a fixed order: the same error every run
         valid, want = RANGES[name]
         check(valid(getattr(args, name)), f"--{name} {getattr(args, name)}: must be {want}")
@@ -142,6 +147,12 @@ def check_algorithm(args):
     check(not args.freezing_actor_steps or args.freezing_actor_steps < args.max_steps,
           f"--freezing_actor_steps {args.freezing_actor_steps}: the actor would never train in --max_steps "
           f"{args.max_steps}")
+    check(not (args.use_kl_loss and args.init_kl_coef == 0), "--use_kl_loss with --init_kl_coef 0: the loss "
+          "weighs nothing, but a reference model would load and run every step; set a coefficient or drop it")
+    check(args.eval_steps <= args.max_steps, f"--eval_steps {args.eval_steps}: past --max_steps "
+          f"{args.max_steps}, so no periodic eval would run (step 0 and the end always do); lower it, or 0")
+    check(args.target_modules.strip(", "), f"--target_modules {args.target_modules!r}: name the modules that "
+          "get adapters: all-linear, or names such as q_proj,v_proj")
 
 
 def check_batches(args, world, train_batch_size):
