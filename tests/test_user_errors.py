@@ -68,7 +68,7 @@ def main_raises(monkeypatch, script, args, match):
     (["--partial_rollout", "--inflight_ratio", "0.5"], "--inflight_ratio 0.5: must be >= 1"),
     (["--inflight_ratio", "2"], "--inflight_ratio 2.0: --partial_rollout is off"),
     (["--tis_mode", "mask"], "--tis_mode mask: --tis_cap is off"),
-    (["--tis_cap", "2", "--tis_mode", "clip"], "--tis_mode 'clip': choose truncate or mask"),
+    (["--tis_cap", "2", "--tis_mode", "clip"], "--tis_mode 'clip': choose one of ('truncate', 'mask')"),
     (["--tis_level", "sequence"], "--tis_level sequence: --tis_cap is off"),
     (["--tis_cap", "2", "--tis_level", "seq"], "--tis_level 'seq': choose one of ('token', 'sequence', "),
     (["--eps_clip", "0.3", "--eps_clip_low_high", "0.2", "0.28"],

@@ -123,17 +123,12 @@ def check_values(args):
         low = 1 if name in AT_LEAST_ONE else 0
         value = getattr(args, name)
         check(value is None or value >= low, f"--{name} {value}: must be >= {low}")
-    check(args.advantage_estimator in ADVANTAGE_ESTIMATORS,
-          f"--advantage_estimator {args.advantage_estimator!r}: choose one of {ADVANTAGE_ESTIMATORS}")
-    check(args.loss_agg_mode in LOSS_AGG_MODES,
-          f"--loss_agg_mode {args.loss_agg_mode!r}: choose one of {LOSS_AGG_MODES}")
-    check(args.tis_mode in ("truncate", "mask"), f"--tis_mode {args.tis_mode!r}: choose truncate or mask")
-    check(args.policy_loss_type in (None, *POLICY_LOSS_TYPES),
-          f"--policy_loss_type {args.policy_loss_type!r}: choose one of {POLICY_LOSS_TYPES}")
-    check(args.tis_level in (None, *TIS_LEVELS),
-          f"--tis_level {args.tis_level!r}: choose one of {TIS_LEVELS}")
-    check(args.kl_estimator in KL_ESTIMATORS,
-          f"--kl_estimator {args.kl_estimator!r}: choose one of {KL_ESTIMATORS}")
+    choices = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "loss_agg_mode": LOSS_AGG_MODES,
+               "tis_mode": ("truncate", "mask"), "policy_loss_type": POLICY_LOSS_TYPES,
+               "tis_level": TIS_LEVELS, "kl_estimator": KL_ESTIMATORS}
+    for name, allowed in choices.items():  # (None: the flag's own default, chosen by the plan)
+        value = getattr(args, name)
+        check(value is None or value in allowed, f"--{name} {value!r}: choose one of {allowed}")
 
 
 def check_algorithm(args):
