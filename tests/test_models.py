@@ -240,6 +240,7 @@ def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir, checkpointing):
                           compiled.model.layers[1].mlp.up_proj.weight.grad, atol=1e-6)
 
 
+@pytest.mark.slow  # torch.compile on a CPU: 5-8 s each
 @pytest.mark.parametrize("fix", [False, True])
 def test_compiled_lora_blocks_share_one_graph(tiny_model_dir, fix, monkeypatch):
     """Under LoRA the embeddings are frozen, so without compile_blocks' input hook the first decoder layer's
@@ -266,6 +267,7 @@ def test_compiled_lora_blocks_share_one_graph(tiny_model_dir, fix, monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
 
+@pytest.mark.slow  # torch.compile on a CPU: 7 s
 def test_the_memory_probe_compiles_every_graph_the_update_needs(tiny_model_dir, monkeypatch):
     """plan_update_memory's forwards (on a simulated GPU) compile the graphs of both kinds of update
     micro-batch: with padding, and without (equal lengths: transformers then passes no attention mask). The
