@@ -194,7 +194,8 @@ def build_experience(prompt_ids: list[list[int]], generations: list[Generation],
 
 
 def micro_batch_logprobs(model: torch.nn.Module, mb: "Experience", fwd: Forward = Forward(),
-                         with_entropy: Union[bool, str] = False) -> tuple:
+                         with_entropy: Union[bool, str] = False
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Response logprobs (and entropy, as response_logprobs) (B, T) of the micro-batch mb (an Experience):
     from its padded rows or, fwd.packed, from one row without padding (logprobs.packed_logprobs; text rows
     only); with fwd.sp (sequence_parallel.SequenceParallel), those this rank's slice predicts, zeros
