@@ -68,6 +68,7 @@ from rft_core.rewards import RewardScorer
 from rft_core.rollout import Rollouts
 from rft_core.runs.checkpoint import (LoopState, checkpoint_step, finished_run, load_checkpoint,
                                       resume_point, save_checkpoint)
+from rft_core.runs.checks import prompt_limit
 from rft_core.runs.cli import parse_args
 from rft_core.runs.health import HealthGuard, check_resumed_weights
 from rft_core.runs.metrics import (Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics,
@@ -351,14 +352,16 @@ def load_rows(args, log):
 
 
 def encode_prompts(args, rows, tokenizer, processor, model, log):
-    """{"train": [Sample], "eval": [Sample]}: the rows' prompts encoded."""
+    """{"train": [Sample], "eval": [Sample]}: the rows' prompts encoded; those too long for the model's
+    positions with a whole response (or for --prompt_max_len) skipped and counted."""
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    max_len, limit = prompt_limit(args, positions)
     prompts = {}
     for split, split_rows in rows.items():
-        prompts[split], skipped = encode_rows(tokenizer, split_rows, args.prompt_max_len,
-                                              args.apply_chat_template, args.system_prompt)
+        prompts[split], skipped = encode_rows(tokenizer, split_rows, max_len, args.apply_chat_template,
+                                              args.system_prompt)
         if skipped:
-            log(f"[data] skipped {skipped} {split} prompts longer than --prompt_max_len "
-                f"{args.prompt_max_len}")
+            log(f"[data] skipped {skipped} {split} prompts longer than {limit}")
     return prompts
 # VL end
 

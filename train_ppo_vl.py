@@ -55,6 +55,7 @@ from rft_core.rewards import RewardScorer
 from rft_core.rollout import Rollouts
 from rft_core.runs.checkpoint import (LoopState, checkpoint_step, finished_run, load_checkpoint,
                                       resume_point, save_checkpoint)
+from rft_core.runs.checks import prompt_limit
 from rft_core.runs.cli import parse_args
 from rft_core.runs.health import HealthGuard, check_resumed_weights
 from rft_core.runs.metrics import (Means, MetricsLog, StepTimer, gather_metrics, rollout_metrics,
@@ -347,15 +348,19 @@ def load_rows(args, log):
 
 
 def encode_prompts(args, rows, tokenizer, processor, model, log):
-    """{"train": [Sample], "eval": [Sample]}: the rows' prompts encoded, each with its images."""
+    """{"train": [Sample], "eval": [Sample]}: the rows' prompts encoded, each with its images (decoded when
+    a step draws them, a step's worth kept decoded); those too long for the model's positions with a whole
+    response (or for --prompt_max_len) skipped and counted."""
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    max_len, limit = prompt_limit(args, positions)
     prompts = {}
     for split, split_rows in rows.items():
         prompts[split], skipped = encode_vl_rows(
-            tokenizer, processor, split_rows, model.config.image_token_id, args.prompt_max_len,
-            args.limit_mm_image_per_prompt, args.mixed_mm_data, args.system_prompt)
+            tokenizer, processor, split_rows, model.config.image_token_id, max_len,
+            args.limit_mm_image_per_prompt, args.mixed_mm_data, args.system_prompt, args.rollout_batch_size)
         if skipped:
             log(f"[data] skipped {skipped} {split} prompts: no image (see --mixed_mm_data), more than "
-                "--limit_mm_image_per_prompt images, or longer than --prompt_max_len tokens")
+                f"--limit_mm_image_per_prompt images, or longer than {limit}")
     return prompts
 # VL end
 

@@ -1,18 +1,111 @@
 """Image and video inputs as the rollout engines and the trainer pass them (for vision-language models).
 
-A prompt's images travel as `mm`: None for a text-only prompt, else a dict from vision.encode_vl_prompt with
-pixel_values / image_grid_thw (and pixel_values_videos / video_grid_thw), the placeholder token ids, and the
-PIL images themselves for vLLM, which processes its own. `mm_inputs` turns a batch's into model inputs;
-`vllm_prompt` turns one into a vLLM request.
+A prompt's images travel as `mm`: None for a text-only prompt, else an ImageInputs from
+vision.encode_vl_prompt, read like a dict: pixel_values / image_grid_thw (and pixel_values_videos /
+video_grid_thw), the placeholder token ids, and the PIL images themselves for vLLM, which processes its own.
+Its grids come from the images' sizes; its pixels are decoded when first read (a step's prompts), not at
+start-up. `mm_inputs` turns a batch's into model inputs; `vllm_prompt` turns one into a vLLM request.
 """
 
 import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from rft_core.errors import DataError, MissingDependency
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+@dataclass(frozen=True)
+class ImageFile:
+    """An image file as start-up read it: its header (size) only; ImageInputs decodes its pixels."""
+    path: str
+    size: tuple  # (width, height)
+
+
+def grid(processor, size, frames=1):
+    """[t, h, w]: the patches the processor cuts an image (frames 1) or a video of this size (width, height)
+    into, from its own resize rule (smart_resize: 28-pixel multiples within its min / max pixels)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    patch = processor.patch_size
+    h, w = smart_resize(size[1], size[0], patch * processor.merge_size, processor.size.shortest_edge,
+                        processor.size.longest_edge)
+    return [-(-frames // processor.temporal_patch_size), h // patch, w // patch]
+
+
+def decode(image, processor):
+    """An image (an ImageFile, or a PIL image in memory) in RGB, resized once to the size the processor gives
+    it (which its own resize then keeps): a large image is never held at full size beyond this call."""
+    from PIL import Image
+
+    _, h, w = grid(processor, image.size)
+    size = (w * processor.patch_size, h * processor.patch_size)
+    if not isinstance(image, ImageFile):
+        return image.convert("RGB").resize(size, processor.resample)
+    try:
+        with Image.open(image.path) as f:
+            return f.convert("RGB").resize(size, processor.resample)
+    except (OSError, ValueError) as e:  # (its header was read at start-up: damaged further in, or changed)
+        raise DataError(f"image {image.path}: its pixels cannot be read ({type(e).__name__}: {e}); replace "
+                        "the file or drop its row") from e
+
+
+class ImageInputs(Mapping):
+    """A prompt's images and videos (`mm`), read like a dict. Its grids and placeholder ids come from the
+    images' sizes; its pixels (pixel_values, the PIL images for vLLM...) are decoded when read, by `pixels`
+    (decode_pixels behind a functools.lru_cache that a split's prompts share: the ones read last stay
+    decoded), so memory holds a step's prompts' pixels, whatever the number of rows. Equal only to itself."""
+    __eq__, __hash__ = object.__eq__, object.__hash__
+
+    def __init__(self, processor, images, token_ids, pixels=None):
+        self.processor, self.pixels = processor, pixels or functools.lru_cache(maxsize=1)(decode_pixels)
+        self.stills = [x for x in images if not isinstance(x, list)]
+        self.videos = [x for x in images if isinstance(x, list)]
+        self.fixed, self.decoded = dict(token_ids), []
+        for kind, frames in (("image", [[x] for x in self.stills]), ("video", self.videos)):
+            if frames:
+                thw = [grid(processor, f[0].size, len(f)) for f in frames]
+                self.fixed[f"{kind}_grid_thw"] = torch.tensor(thw)
+                self.decoded += ["pixel_values" if kind == "image" else "pixel_values_videos", f"{kind}s"]
+
+    def __getitem__(self, key):
+        if key in self.fixed:
+            return self.fixed[key]
+        if key not in self.decoded:
+            raise KeyError(key)
+        return self.pixels(self)[key]
+
+    def __contains__(self, key):
+        return key in self.fixed or key in self.decoded
+
+    def __iter__(self):
+        return iter([*self.fixed, *self.decoded])
+
+    def __len__(self):
+        return len(self.fixed) + len(self.decoded)
+
+    def __deepcopy__(self, memo):  # (dataclasses.asdict of a Sample) nothing in it changes once made
+        return self
+
+
+def decode_pixels(inputs):
+    """An ImageInputs' pixels: its images and videos decoded and resized (decode), through the processors."""
+    out, processor = {}, inputs.processor
+    if inputs.stills:
+        stills = [decode(x, processor) for x in inputs.stills]
+        out.update(processor(images=stills, do_resize=False, return_tensors="pt"), images=stills)
+    if inputs.videos:
+        videos = [[decode(f, processor) for f in v] for v in inputs.videos]
+        out.update(video_processor_like(processor)(videos=videos, do_resize=False, return_tensors="pt"),
+                   videos=videos)
+    for kind in ("image", "video"):  # the sizes read at start-up made the prompt's tokens
+        if f"{kind}_grid_thw" in out and not torch.equal(out[f"{kind}_grid_thw"], inputs[f"{kind}_grid_thw"]):
+            raise DataError(f"the images {[getattr(x, 'path', x) for x in inputs.stills + inputs.videos]} "
+                            "changed size since the run started: restart it")
+    return out
 
 
 def vllm_prompt(ids, mm, sample=None):
@@ -46,8 +139,8 @@ def vision_token_ids(tokenizer):
 
 
 def mm_inputs(mm, input_ids):
-    """A vision-language model's image and video inputs for a batch: mm holds per row None (text only) or a
-    dict from encode_vl_prompt; pixels and grids are concatenated in row order, as Qwen2-VL expects, and
+    """A vision-language model's image and video inputs for a batch: mm holds per row None (text only) or an
+    ImageInputs; pixels and grids are concatenated in row order, as Qwen2-VL expects, and
     mm_token_type_ids marks image tokens 1 and video tokens 2. None if no row has any."""
     rows = [m for m in mm or [] if m is not None]
     if not rows:

@@ -15,6 +15,7 @@ reference model all use the one distribution without them; vLLM and SGLang apply
 """
 
 import copy
+import functools
 import os
 
 import torch
@@ -24,7 +25,7 @@ from rft_core.errors import DataError, MissingPath
 from rft_core.experience import Sample
 from rft_core.model_training import checkpointing_on
 from rft_core.models import check_model_path
-from rft_core.multimodal import VISION_TOKENS, video_processor_like, vision_token_ids
+from rft_core.multimodal import VISION_TOKENS, ImageFile, ImageInputs, decode_pixels, vision_token_ids
 from rft_core.tasks.shapes import COLOURS, IMAGE_SIZE, NUMBERS
 
 SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>", *VISION_TOKENS)
@@ -35,23 +36,23 @@ WORDS = ("user", "assistant", "system", "what", "colour", "is", "the", "shape", 
 def load_image_rows(path, input_key, label_key, images_key, flag, log=print, strict=False):
     """Prompt rows of a data file or directory ({"prompt", "label", "images": [...]}): the images_key column
     holds a path or a list of paths, relative to the data file, each an image, or itself a list of frame
-    paths: a video (a list of PIL images). Empty: a text-only prompt; images_key "": no image column at all.
-    A row whose image is missing or unreadable is skipped and counted, the first named through log; with
-    strict, it is an error naming row, column and file."""
-    from PIL import Image
-
+    paths: a video (a list of frames). Empty: a text-only prompt; images_key "": no image column at all. Each
+    image becomes an ImageFile: its header is read (a cheap check that the file is an image), its pixels only
+    when a step draws its prompt. A row whose image is missing, unreadable or over PIL's pixel limit is
+    skipped and counted, the first named through log; with strict, it is an error naming row, column and
+    file."""
     rows, _ = load_prompt_rows(path, input_key, label_key, flag, {images_key: "--images_key"} if images_key
                                else {}, log=log)
     base = path if os.path.isdir(path) else os.path.dirname(path)
-    load = lambda p: Image.open(os.path.join(base, p)).convert("RGB")  # noqa: E731
     kept, bad = [], []
     for row in rows:
         paths = row.pop(images_key, None) or []
         paths = [paths] if isinstance(paths, str) else paths
         try:
-            row["images"] = [load(p) if isinstance(p, str) else [load(f) for f in p] for p in paths]
+            row["images"] = [image_file(base, p) if isinstance(p, str) else video_files(base, p)
+                             for p in paths]
             kept.append(row)
-        except (OSError, ValueError, TypeError) as e:  # missing, unreadable or not an image (PIL's errors)
+        except (OSError, ValueError, TypeError) as e:  # missing, unreadable, not an image, too large
             where = f"{flag} {path!r}: row {row['row']}, column {images_key!r}: {type(e).__name__}: {e}"
             if strict:
                 raise DataError(f"{where} (--strict_data; without it the row is skipped and counted)") from e
@@ -61,6 +62,34 @@ def load_image_rows(path, input_key, label_key, images_key, flag, log=print, str
     if not kept:
         raise DataError(f"{flag} {path!r}: no row has readable images (first failure: {bad[0]})")
     return kept
+
+
+def image_file(base, name):
+    """The ImageFile of base/name, from its header alone; raises OSError / ValueError for a missing file, one
+    that is not an image, or one over PIL's pixel limit (Image.MAX_IMAGE_PIXELS: a decompression bomb)."""
+    import warnings
+
+    from PIL import Image
+
+    path = os.path.join(base, name)
+    try:
+        with warnings.catch_warnings():  # over the limit PIL warns; over twice the limit it raises
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                size = image.size
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+        raise ValueError(f"{path}: {e} Shrink it (or raise PIL's Image.MAX_IMAGE_PIXELS)") from e
+    if max(size) > 200 * min(size):  # (Qwen2-VL's processor refuses them)
+        raise ValueError(f"{path}: {size[0]} x {size[1]} pixels, an aspect ratio over 200")
+    return ImageFile(path, size)
+
+
+def video_files(base, names):
+    """A video's frames (a list of paths) as ImageFiles, all of one size."""
+    frames = [image_file(base, name) for name in names]
+    if len({f.size for f in frames}) > 1:
+        raise ValueError(f"the frames {names} have different sizes: {sorted({f.size for f in frames})}")
+    return frames
 
 
 def word_tokenizer():
@@ -175,10 +204,12 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
     return block_tokens(model, vision_token_ids(tokenizer)), tokenizer, processor
 
 
-def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sample=None, system_prompt=None):
-    """(prompt ids, image / video inputs or None) for a text prompt and its images (PIL) and videos (lists of
-    PIL frames), in that order before the text: each placeholder expanded to the tokens its pixels take, the
-    counts checked. system_prompt: a system message first."""
+def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sample=None, system_prompt=None,
+                     pixels=None):
+    """(prompt ids, ImageInputs or None) for a text prompt and its images and videos (lists of frames), in
+    that order before the text (each a PIL image or an ImageFile): each placeholder expanded to the tokens
+    the image's size takes, the counts checked; no pixel is decoded here. system_prompt: a system message
+    first; pixels: the ImageInputs' decoding cache (shared by a split's prompts)."""
     content = [{"type": "video" if isinstance(x, list) else "image"} for x in images]
     messages = [{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]
     if system_prompt:
@@ -186,14 +217,9 @@ def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sampl
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if not images:
         return tokenizer(text, add_special_tokens=False)["input_ids"], None
-    video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-    mm = {"image_token_id": image_token_id, "video_token_id": video_token_id}
-    stills = [x for x in images if not isinstance(x, list)]
-    videos = [x for x in images if isinstance(x, list)]
-    if stills:  # images: for vLLM, which processes its own
-        mm.update(processor(images=stills, return_tensors="pt"), images=stills)
-    if videos:
-        mm.update(video_processor_like(processor)(videos=videos, return_tensors="pt"), videos=videos)
+    token_ids = {"image_token_id": image_token_id,
+                 "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>")}
+    mm = ImageInputs(processor, images, token_ids, pixels)
     for kind in ("image", "video"):
         text = expand_image_tokens(text, mm.get(f"{kind}_grid_thw", []), image_token=f"<|{kind}_pad|>")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -211,12 +237,14 @@ def freeze(prefix, *models):
 
 
 def encode_vl_rows(tokenizer, processor, rows, image_token_id, max_len, max_images, mixed=False,
-                   system_prompt=None):
+                   system_prompt=None, keep=64):
     """([Sample] of the rows' prompts encoded with their images, number skipped: rows without images (unless
-    mixed), with more than max_images, or longer than max_len tokens)."""
+    mixed), with more than max_images, or longer than max_len tokens). Their pixels are decoded when read,
+    those of the `keep` prompts read last kept decoded (ImageInputs)."""
+    pixels = functools.lru_cache(maxsize=keep)(decode_pixels)
     usable = [r for r in rows if (r["images"] or mixed) and len(r["images"]) <= max_images]
     encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_token_id, sample=i,
-                                system_prompt=system_prompt) for i, r in enumerate(usable)]
+                                system_prompt=system_prompt, pixels=pixels) for i, r in enumerate(usable)]
     samples = [Sample(ids, r["label"], r["prompt"], mm) for (ids, mm), r in zip(encoded, usable)]
     kept = [s for s in samples if len(s.prompt_ids) <= max_len]
     return kept, len(rows) - len(kept)

@@ -2,6 +2,7 @@
 accounting."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -295,4 +296,45 @@ def test_load_image_rows_reads_videos_as_frame_lists(tmp_path):
     assert [len(r["images"]) for r in got] == [1, 2, 0]
     video = got[1]["images"][1]
     assert isinstance(video, list) and len(video) == 3 and not isinstance(got[1]["images"][0], list)
-    assert video[0].tobytes() == video[2].tobytes() != video[1].tobytes()  # blue, green, blue
+    assert [os.path.basename(f.path) for f in video] == ["blue.png", "green.png", "blue.png"]
+
+
+def test_images_are_decoded_when_a_prompt_is_read_not_at_start_up(tmp_path, monkeypatch):
+    """Start-up reads each image's header alone (100k rows of full-size pixels would need ~390 GiB before step
+    1): encoding N rows decodes none. A prompt's pixels are decoded when it is read, resized once to the
+    processor's grid, the same pixels the processor makes of the whole image; only the prompts read last
+    stay decoded."""
+    import json
+    import random
+
+    from PIL import Image, ImageFile
+
+    from rft_core.multimodal import mm_inputs
+    from rft_core.vision import encode_vl_rows, load_image_rows
+
+    for i in range(6):  # 200 x 150 pixels: resized to 84 x 56 (the tiny processor's 84 x 84 at most)
+        image = draw_shapes("red", 1 + i % 3, random.Random(i), size=200).crop((0, 0, 200, 150))
+        image.save(tmp_path / f"{i}.png")
+    rows = [{"prompt": "how many shapes are there ?", "images": [f"{i}.png"], "label": "x"} for i in range(6)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    decoded, load = [], ImageFile.ImageFile.load  # the files whose pixels were decoded (tile: not yet)
+    monkeypatch.setattr(ImageFile.ImageFile, "load",
+                        lambda self: (self.tile and decoded.append(self.filename)) or load(self))
+    _, tok, processor = load_vl_model()
+    got = load_image_rows(str(tmp_path / "d.jsonl"), "prompt", "label", "images", "--prompt_data",
+                          log=print)
+    samples, skipped = encode_vl_rows(tok, processor, got, tok.convert_tokens_to_ids("<|image_pad|>"), 1024,
+                                      4, keep=2)
+    assert skipped == 0 and decoded == []  # headers only
+    assert [s.mm["image_grid_thw"].tolist() for s in samples] == [[[1, 4, 6]]] * 6
+    ids = torch.tensor([samples[3].prompt_ids])
+    assert torch.equal(mm_inputs([samples[3].mm], ids)["pixel_values"], processor(
+        images=[Image.open(tmp_path / "3.png").convert("RGB")], return_tensors="pt")["pixel_values"])
+    assert decoded == [str(tmp_path / "3.png")] * 2  # the prompt's, then the test's own whole image
+    assert samples[3].mm["images"][0].size == (84, 56) and len(decoded) == 2
+    for s in samples[:3]:  # three more prompts read: the first read is dropped, read again it decodes again
+        s.mm["pixel_values"]
+    samples[1].mm["pixel_values"]
+    assert len(decoded) == 5
+    samples[3].mm["pixel_values"]
+    assert len(decoded) == 6

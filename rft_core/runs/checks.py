@@ -4,6 +4,7 @@ row of a table) that raises ConfigError; `check_args` runs them all, in a fixed 
 run), and the plan (rft_core/plan.py) calls it once the values it needs are resolved."""
 
 import dataclasses
+import json
 import math
 import os
 import tempfile
@@ -57,6 +58,10 @@ AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log
 # flags that name a file or directory: an empty string is a mistake, not "none"
 PATHS = ("pretrain", "prompt_data", "eval_data", "reward_fn", "reward_pretrain", "critic_pretrain",
          "pretrain_data", "env", "output_dir", "use_tensorboard", "images_key", "freeze_prefix")
+# flags that name what the run reads: a path, paths joined by commas (reward_pretrain), or path.py:NAME
+# (reward_fn, env; without ":" a built-in's name); output_dir must neither hold nor be held by them
+INPUTS = ("pretrain", "critic_pretrain", "reward_pretrain", "prompt_data", "eval_data", "pretrain_data",
+          "reward_fn", "env")
 # numbers any finite value of suits (every numeric flag is in one of these tables: tests/test_user_errors.py)
 ANY_FINITE = ("entropy_coef", "reward_fallback", "reward_weights", "eval_reward_threshold")
 
@@ -188,7 +193,8 @@ def check_setup(args, world, deepspeed, sharded, engine_type):
     tp = args.engine_tp_size
     check(engine_type == "hf" or world % tp == 0, f"--engine_tp_size {tp}: must divide the {world} processes "
           "(groups of consecutive ranks share an engine)")
-    check_output_dir(args.output_dir)
+    check_paths(args)
+    prompt_limit(args, model_positions(args.pretrain))  # a response longer than the model's positions
     check(args.engine_sleep in ("auto", "always", "never"),
           f"--engine_sleep {args.engine_sleep!r}: choose auto, always or never")
 
@@ -207,6 +213,72 @@ def check_env(args, engine_type, sharded):
     check(args.max_episode_tokens > args.generate_max_len or args.max_turns == 1,
           f"--max_episode_tokens {args.max_episode_tokens}: one turn of --generate_max_len "
           f"{args.generate_max_len} tokens would fill it; raise it (or lower --generate_max_len)")
+
+
+def input_paths(args):
+    """(flag, path) of each file or directory the run reads (INPUTS), as given."""
+    for name in (name for name in INPUTS if getattr(args, name, None)):
+        value = getattr(args, name)
+        for path in value.split(",") if name == "reward_pretrain" else [value]:
+            path = path.rpartition(":")[0] if name in ("reward_fn", "env") else path
+            if path:
+                yield name, path
+
+
+def check_paths(args):
+    """Every path flag fits the filesystem's limits (else an OSError traceback once the run reaches it), and
+    --output_dir can be written and neither holds nor is held by anything the run reads, real paths
+    compared: its config.json once overwrote a --pretrain model's."""
+    given = [*input_paths(args), ("output_dir", args.output_dir), ("use_tensorboard", args.use_tensorboard)]
+    for name, path in ((name, path) for name, path in given if path):
+        full = os.fsencode(os.path.abspath(path))
+        longest = max(full.split(os.fsencode(os.sep)), key=len)
+        shown = f"--{name} {path[:50]!r}..."
+        check(len(longest) <= 255, f"{shown}: it holds a name of {len(longest)} bytes, over the filesystem's "
+              "limit of 255 (NAME_MAX); shorten it")
+        check(len(full) < 4096, f"{shown}: {len(full)} bytes, over the filesystem's limit of 4096 "
+              "(PATH_MAX); use a shorter path")
+    check_output_dir(args.output_dir)
+    out = os.path.realpath(args.output_dir)
+    for name, path in input_paths(args):
+        real = os.path.realpath(path)
+        common = os.path.commonpath([out, real])
+        if not os.path.exists(real) or common not in (out, real):
+            continue  # (a missing one is named when it loads)
+        how = "is" if real == out else "holds" if common == out else "is inside"
+        raise ConfigError(f"--output_dir {args.output_dir!r} {how} --{name} {path!r}: the run's files would "
+                          "overwrite or move what it reads; pass an --output_dir apart from the inputs")
+
+
+def model_positions(pretrain):
+    """The positions of a --pretrain model directory (max_position_embeddings in its config.json, its text
+    model's for a vision-language one), read before it loads; None where there is no config.json."""
+    path = os.path.join(pretrain or "", "config.json")
+    if not pretrain or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--pretrain {pretrain!r}: its config.json cannot be read ({e}); save the model "
+                          "again with save_pretrained") from e
+    config = config if isinstance(config, dict) else {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return config.get("max_position_embeddings") or text.get("max_position_embeddings")
+
+
+def prompt_limit(args, positions):
+    """(the longest prompt in tokens, what sets it): --prompt_max_len, or less where the model's positions
+    (None: not known) cannot hold such a prompt and a whole response (--generate_max_len; with --env,
+    --max_episode_tokens): longer prompts are skipped and counted. A response alone past them is refused."""
+    flag = "max_episode_tokens" if args.env else "generate_max_len"
+    response = getattr(args, flag)
+    check(positions is None or response < positions, f"--{flag} {response}: past the model's {positions} "
+          "positions (max_position_embeddings), which must hold the prompt and the response; lower it")
+    if positions is None or args.prompt_max_len + response <= positions:
+        return args.prompt_max_len, f"--prompt_max_len {args.prompt_max_len}"
+    limit = positions - response
+    return limit, f"{limit} tokens (the model's {positions} positions less --{flag} {response})"
 
 
 def check_output_dir(path):
