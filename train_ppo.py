@@ -59,7 +59,7 @@ from rft_core.memory import micro_batch_splits
 from rft_core.model_training import compile_blocks, text_lm_loss
 from rft_core.models import export_hf, lora_model, named_like
 from rft_core.model_training import load_value_model  # VL
-from rft_core.models import load_model_and_tokenizer  # VL
+from rft_core.models import embedded_model_path, load_model_and_tokenizer  # VL
 from rft_core.optim import (accumulate_over, accumulation_divisor, adamw_with_warmup, move_optimizer_state,
                             offload_after_update, step_optimizers)
 from rft_core.plan import default_bf16, resolve, with_memory_plan
@@ -67,7 +67,7 @@ from rft_core.reward_sources import reward_sources
 from rft_core.rewards import RewardScorer
 from rft_core.rollout import Rollouts
 from rft_core.runs.checkpoint import (LoopState, checkpoint_step, finished_run, load_checkpoint,
-                                      resume_point, save_checkpoint)
+                                      resume_point, save_checkpoint, schedule_length)
 from rft_core.runs.checks import prompt_limit
 from rft_core.runs.cli import parse_args
 from rft_core.runs.health import HealthGuard, check_resumed_weights
@@ -401,7 +401,8 @@ def main():
     world, deepspeed = plan.world, accelerator.state.deepspeed_plugin
     configure_deepspeed(accelerator, plan.rows_per_update, args.micro_train_batch_size, args.max_norm)
     set_seed(args.seed, device_specific=True)
-    resume_from, identity = resume_point(args, accelerator)  # identity: what a resume must share
+    # identity: what a resume must share, the model's and the data files' digests among it
+    resume_from, identity = resume_point(args, accelerator, args.pretrain or embedded_model_path())  # VL
 
     # ---- model, data, reward, optimizer, engine ----
     rows = load_rows(args, accelerator.print)  # data errors come before the model loads
@@ -426,6 +427,8 @@ def main():
     warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # optimizer steps of linear warm-up
     if finished_run(resume_from, num_steps, accelerator.print):  # a rerun of a finished run
         return end_run(accelerator)
+    # resumed: the schedule's length as the checkpoint has it (a higher --max_steps keeps the warm-up)
+    num_updates = schedule_length(resume_from, num_steps, num_updates, accelerator.print)
 
     sp = SequenceParallel.from_accelerator(accelerator, model)  # None without SP or CP
     # what one optimizer step updates, by the name its gradient norm is logged under
@@ -471,7 +474,7 @@ def main():
                         episodes)
     # the rest of a checkpoint beside the models (rft_core/runs/checkpoint.py): a field declared there is
     # saved and resumed; the loop reads and writes loop.<field>
-    loop = LoopState(rollouts, identity, args.init_kl_coef, ema=ema,
+    loop = LoopState(rollouts, identity, args.init_kl_coef, ema=ema, schedule=num_updates,
                      moments=RunningMoments() if args.normalize_reward else None)
     start = 0  # the last step done
     if resume_from:

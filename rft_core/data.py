@@ -8,10 +8,12 @@ import itertools
 import json
 import os
 import random
+import tempfile
 
 from rft_core.errors import DataError, MissingColumn, MissingPath
 from rft_core.experience import Sample
 
+KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}  # file readers
 JSON_TYPES = {type(None): "null", bool: "boolean", list: "list", dict: "object"}  # as JSON names them
 
 
@@ -60,38 +62,86 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
 def _load_dataset(path, flag, log=None):
     """The rows of a data file or directory through `datasets`; a bad file is one error naming it (and for
     JSON, the first line that is not UTF-8, or does not parse, or repeats a key). log(message): told the
-    files of a directory that are skipped for their kind."""
+    entries of a directory that are skipped for their kind (directories too, whatever their name)."""
     import datasets  # heavy; only needed for files
 
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
-        ds = datasets.load_from_disk(path)
-        return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-    files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
-    kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
-    other = [os.path.basename(f) + "/" * os.path.isdir(f) for f in files
-             if os.path.splitext(f)[1] not in kinds]
-    files = [f for f in files if os.path.splitext(f)[1] in kinds]
-    found = {kinds[os.path.splitext(f)[1]] for f in files}
-    if len(found) != 1:
-        raise DataError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, "
-                        f"found {found or 'none'}")
+    if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
+        return _load_saved(path, flag, log)
+    entries = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
+    files = [f for f in entries if os.path.isfile(f) and os.path.splitext(f)[1] in KINDS]
+    other = [os.path.basename(f) + "/" * os.path.isdir(f) for f in entries if f not in files]
+    found = {KINDS[os.path.splitext(f)[1]] for f in files}
     if log and other:
         log(f"[data] {path}: skipped {len(other)} entries that are not .jsonl/.json/.parquet/.arrow files: "
             f"{', '.join(other[:5])}{' ...' if len(other) > 5 else ''}")
+    if len(found) != 1:
+        raise DataError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, "
+                        f"found {found or 'none'}")
     for f in files:
         if os.path.getsize(f) == 0 or (f.endswith((".json", ".jsonl"))
                                        and not open(f, "rb").read(1 << 16).strip(b" \t\r\n\xef\xbb\xbf")):
             raise DataError(f"{flag} {f!r}: the file is empty")
-    try:
-        ds = datasets.load_dataset(next(iter(found)), data_files=files, split="train")
+    kind = found.pop()
+    try:  # datasets' own cache is keyed by path and modification time: it served an edited file's old rows
+        with tempfile.TemporaryDirectory() as cache:
+            ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache,
+                                       keep_in_memory=True)
         ds.data.table.validate(full=True)  # pyarrow reads JSON that is not UTF-8, to fail on its rows later
         return ds
     except Exception as e:  # datasets' own error buries the file and line in a long chain
-        for f in files if found == {"json"} else []:
-            if problem := _json_problem(f):
+        for f in files:
+            if problem := _json_problem(f) if kind == "json" else _table_problem(f, kind):
                 raise DataError(f"{flag} {f!r}: {problem}") from e
-        raise DataError(f"{flag} {path!r}: could not be read as {next(iter(found))} "
+        raise DataError(f"{flag} {path!r}: could not be read as {kind} "
                         f"({type(e).__name__}: {str(e)[:300]})") from e
+
+
+def _load_saved(path, flag, log=None):
+    """A `save_to_disk` directory's rows: a Dataset, or a DatasetDict's "train" split (said, log; without one,
+    its splits are named); a damaged Arrow file in it is one error naming it."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(path)
+        for split in ds.values() if isinstance(ds, datasets.DatasetDict) else [ds]:
+            split.data.table.validate(full=True)
+    except Exception as e:
+        for f in sorted(os.path.join(root, n) for root, _, names in os.walk(path) for n in names):
+            if f.endswith(".arrow") and (problem := _table_problem(f, "arrow")):
+                raise DataError(f"{flag} {f!r}: {problem}") from e
+        raise DataError(f"{flag} {path!r}: could not be read as a save_to_disk directory "
+                        f"({type(e).__name__}: {str(e)[:300]})") from e
+    if not isinstance(ds, datasets.DatasetDict):
+        return ds
+    if "train" not in ds:
+        raise DataError(f"{flag} {path!r} is a DatasetDict without a 'train' split (splits: {list(ds)}): "
+                        f"pass one split's directory, e.g. {os.path.join(path, next(iter(ds)))}")
+    if log and len(ds) > 1:
+        log(f"[data] {path}: a DatasetDict: its 'train' split is read (splits: {', '.join(ds)}; pass "
+            "another's directory to read that)")
+    return ds["train"]
+
+
+def _table_problem(path, kind):
+    """What makes a parquet or Arrow file unreadable (pyarrow's words and the fix), or None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if kind == "parquet":
+            pq.read_table(path)
+            return None
+        with pa.memory_map(path) as source:  # datasets writes Arrow streams; the file format reads too
+            try:
+                pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                pa.ipc.open_file(source).read_all()
+    except (pa.ArrowException, OSError) as e:
+        said = " ".join(str(e).split())[:150]  # (pyarrow's messages hold line breaks)
+        return (f"not a readable {kind} file, damaged or cut short ({type(e).__name__}: {said}): "
+                "write it again (Dataset.save_to_disk, to_parquet)")
+    return None
 
 
 UTF16_32 = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",

@@ -2,13 +2,21 @@
 export (save_pretrained, a LoRA model's adapters merged: the weights vLLM serves too); `named_like` names
 an EMA's tensors."""
 
+import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
+import socket
+import time
 
 import torch
 
 from rft_core.errors import ConfigError, MissingPath
+
+DIGESTS = "digests.json"  # a GGUF cache entry's record: its files' SHA-256, the transformers that wrote them
+_digests = {}  # content_digest's: (files' paths, sizes, change times, inodes; sampled) -> SHA-256
 
 
 def embedded_model_path():
@@ -27,8 +35,6 @@ def check_model_path(path, flag="--pretrain"):
     """Refuse, naming the fix, a model path that is missing, a directory without config.json, of a model type
     this transformers does not know (else the tokenizer loader blames sentencepiece or tiktoken), without
     weights, or without a tokenizer."""
-    import json
-
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -55,43 +61,90 @@ def check_model_path(path, flag="--pretrain"):
                           "save it beside the model with tokenizer.save_pretrained")
 
 
+def content_digest(path, suffixes="", sampled=False):
+    """The SHA-256 of a file's content, or of a directory's files ending in suffixes (their relative paths and
+    contents; hidden ones left out). sampled: a file over 64 MiB is read as its size and 64 blocks of 64 KiB
+    spread over it (another model's weights differ in every block; reading 15 GB whole takes 20 s).
+    Remembered, by the files' sizes and change times, for the process's later calls."""
+    files = [path] if os.path.isfile(path) else []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # (a model's .cache, a data repo's .git)
+        files += [os.path.join(root, n) for n in sorted(names) if n.endswith(suffixes) and n[0] != "."]
+    stats = [(f, os.stat(f)) for f in files]  # (a write changes the ctime, even when mtime is set back)
+    key = (tuple((f, st.st_size, st.st_ctime_ns, st.st_ino) for f, st in stats), sampled)
+    if key not in _digests:
+        digest = hashlib.sha256()
+        for file, size, *_ in key[0]:
+            digest.update(f"{os.path.relpath(file, path)}\0{size}\0".encode())
+            with open(file, "rb") as f:
+                if sampled and size > 64 << 20:
+                    for offset in range(0, size, size // 64):
+                        f.seek(offset)
+                        digest.update(f.read(64 << 10))
+                else:
+                    digest.update(hashlib.file_digest(f, "sha256").digest())
+        _digests[key] = digest.hexdigest()
+    return _digests[key]
+
+
 def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
     """Load a causal LM and its tokenizer from an HF directory or a .gguf file (None: embedded).
 
-    A GGUF model is dequantised on load but keeps a GGUF `quantization_config` that makes
-    `save_pretrained` refuse; we rebuild it from its config without that entry and copy the
-    weights over, so the trained model exports like any other.
+    The torch random state is left as it was: a GGUF's first load builds a model at random before its weights
+    are copied in, a later one reads the cache, and a run must sample alike whatever the cache holds.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pretrain = pretrain or embedded_model_path()
     check_model_path(pretrain)
-    cached = gguf_cache(pretrain) if pretrain.endswith(".gguf") else None
-    if cached and os.path.isdir(cached):
-        try:  # the GGUF dequantised by an earlier run (seconds instead of about 20 at 135M)
-            return _finish(AutoModelForCausalLM.from_pretrained(cached, dtype=dtype),
-                           AutoTokenizer.from_pretrained(cached))
-        except Exception:  # a damaged cache entry: dequantise again
-            shutil.rmtree(cached, ignore_errors=True)
-    kwargs = {"gguf_file": os.path.basename(pretrain)} if pretrain.endswith(".gguf") else {}
-    pretrain = os.path.dirname(pretrain) if kwargs else pretrain
-    tokenizer = AutoTokenizer.from_pretrained(pretrain, **kwargs)
-    # a GGUF is dequantised to fp32 (then cast): the cache holds the weights before any rounding
-    model = AutoModelForCausalLM.from_pretrained(pretrain, dtype=torch.float32 if cached else dtype, **kwargs)
-    if getattr(model.config, "quantization_config", None) is not None and "gguf_file" in kwargs:
+    with torch.random.fork_rng(devices=[]):  # (the model is built on the CPU)
+        if pretrain.endswith(".gguf"):
+            model, tokenizer = _load_gguf(os.path.abspath(pretrain), dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(pretrain, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(pretrain)
+    return _finish(model, tokenizer)
+
+
+def _load_gguf(path, dtype):
+    """A GGUF model and its tokenizer: from the cache where an intact entry is kept, else dequantised (and
+    kept). transformers leaves a GGUF `quantization_config` that makes `save_pretrained` refuse: the model is
+    rebuilt from its config without it and the weights copied over, so the trained model exports like any
+    other."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = gguf_cache(path)
+    if cached and _cache_intact(cached):  # seconds instead of about 20 at 135M
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        return model, AutoTokenizer.from_pretrained(cached)
+    folder, name = os.path.split(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # dequantised to fp32 (then cast): the cache holds the weights before any rounding
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                 dtype=torch.float32 if cached else dtype)
+    if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
         clean = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
         clean.load_state_dict(model.state_dict())
-        if cached:
-            _write_cache(cached, clean, tokenizer)
         model = clean
-    return _finish(model.to(dtype), tokenizer)
+    if cached:
+        _write_cache(cached, model, tokenizer)
+    return model.to(dtype), tokenizer
 
 
 def cache_root():
-    """Where runs keep what a later run can reuse: $RFT_CACHE (default ~/.cache/rft; "off": None)."""
-    root = os.environ.get("RFT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rft"))
-    return None if root == "off" else root
+    """Where runs keep what a later run can reuse: $RFT_CACHE (default ~/.cache/rft; "off": None), absolute:
+    a relative one is taken from the current directory, said, and set so in the environment (later calls,
+    and the processes the run starts, use the same)."""
+    root = os.environ.get("RFT_CACHE") or os.path.join("~", ".cache", "rft")
+    if root == "off":
+        return None
+    path = os.path.abspath(os.path.expanduser(root))
+    if not os.path.isabs(os.path.expanduser(root)):
+        os.environ["RFT_CACHE"] = path
+        _say(f"[cache] RFT_CACHE={root!r} is relative: the cache is {path} (set an absolute path to keep one "
+             "cache whatever the current directory)")
+    return path
 
 
 def pin_triton_cache():
@@ -105,35 +158,99 @@ def pin_triton_cache():
 
 
 def gguf_cache(path):
-    """Where a GGUF file's dequantised weights are kept for later runs (cache_root(); None when off), keyed
-    by the file (path, size, modification time) and the transformers version."""
-    import hashlib
+    """Where a GGUF file's dequantised weights are kept for later runs (cache_root(); None when off): one
+    entry per model, named by the file's SHA-256 wherever the file lies."""
+    root = cache_root()
+    return None if root is None else os.path.join(root, "gguf", content_digest(path)[:16])
 
+
+def _cache_intact(entry):
+    """Whether the cache entry holds the files written there (by their SHA-256 in its digests.json), by this
+    transformers version. An entry that does not is said and removed (the GGUF is dequantised again)."""
     import transformers
 
-    root = cache_root()
-    if root is None:
-        return None
-    stat = os.stat(path)
-    key = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    return os.path.join(root, "gguf", hashlib.sha256(key.encode()).hexdigest()[:16])
+    if not os.path.isdir(entry):
+        return False
+    try:
+        with open(os.path.join(entry, DIGESTS)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        record = None
+    files = {n: content_digest(os.path.join(entry, n)) for n in sorted(os.listdir(entry)) if n != DIGESTS}
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        problem = f"it has no readable {DIGESTS}"
+    elif record.get("transformers") != transformers.__version__:
+        problem = f"written by transformers {record.get('transformers')}, this is {transformers.__version__}"
+    else:
+        written = record["files"]
+        changed = sorted(n for n in files.keys() | written.keys() if files.get(n) != written.get(n))
+        problem = changed and f"{', '.join(changed)} changed since written (SHA-256)"
+    if problem:
+        _say(f"[cache] {entry}: {problem}; dequantising the GGUF again")
+        shutil.rmtree(entry, ignore_errors=True)
+    return not problem
 
 
 def _write_cache(path, model, tokenizer):
-    """The dequantised model (fp32) and its tokenizer at path, whole or not at all (written aside, then
-    renamed; a full disk or a read-only home only costs the next run the dequantisation)."""
+    """The dequantised model (fp32), its tokenizer and their SHA-256 (digests.json) at path, whole or not at
+    all: written aside, then renamed; the leftovers of writers that died are removed first. A full disk or a
+    read-only home only costs the next run the dequantisation."""
     import tempfile
 
-    tmp = None
+    import transformers
+
+    parent, tmp = os.path.dirname(path), None
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=".part-")
+        os.makedirs(parent, exist_ok=True)
+        _remove_leftovers(parent)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".part-{socket.gethostname()}-{os.getpid()}-")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        files = {n: content_digest(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, DIGESTS), "w") as f:
+            json.dump({"transformers": transformers.__version__, "files": files}, f)
         os.replace(tmp, path)  # (another process that wrote it first wins: this one's is dropped)
+        _say(f"[cache] the GGUF dequantised is kept in {path} for later runs (RFT_CACHE=off keeps nothing)")
     except OSError:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_leftovers(parent):
+    """Remove, and say, what earlier cache writes left in parent: the temporary directories of writers that
+    died (this host's by their pid; any over an hour old) and entries without digests (an earlier format)."""
+    now, host, gone = time.time(), socket.gethostname(), []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        writer = re.fullmatch(rf"\.part-{re.escape(host)}-(\d+)-.*", name)
+        if writer:
+            stale = not _alive(int(writer.group(1)))
+        elif name.startswith(".part-"):
+            stale = now - os.path.getmtime(path) > 3600
+        else:
+            stale = not os.path.exists(os.path.join(path, DIGESTS))
+        if stale:
+            gone.append(name)
+            shutil.rmtree(path, ignore_errors=True)
+    if gone:
+        _say(f"[cache] removed from {parent} what earlier runs left unfinished or in an earlier format: "
+             f"{', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _say(message):
+    """Print on the main process only (every rank loads the model: one line, not one a rank)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
 
 
 def _finish(model, tokenizer):
@@ -200,15 +317,33 @@ def merged_state_dict(model, state_dict=None, modules=None):
 
 def export_hf(model, tokenizer, path, state_dict=None, processor=None):
     """save_pretrained for model and tokenizer (and a vision-language model's image processor): loadable by
-    transformers and vLLM. A LoRA model is saved merged, with its adapter alone in path/adapter.
+    transformers and vLLM. A LoRA model is saved merged, with its adapter alone in path/adapter. Written
+    into path.tmp, then put in place whole (integrity.replace_dir): a kill leaves the previous export or none,
+    never half of one; a full disk is one line saying how much the export needs.
 
     state_dict: the full weights when the live model is sharded (accelerator.get_state_dict).
     """
-    os.makedirs(path, exist_ok=True)
-    if processor is not None:
-        processor.save_pretrained(path)
-    if hasattr(model, "peft_config"):
-        model.save_pretrained(os.path.join(path, "adapter"))
-        model, state_dict = model.get_base_model(), merged_state_dict(model, state_dict)
-    model.save_pretrained(path, state_dict=state_dict)
-    tokenizer.save_pretrained(path)
+    from rft_core.errors import CheckpointError
+    from rft_core.runs.integrity import is_full, nbytes, replace_dir, size_text, write_error
+
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        if processor is not None:
+            processor.save_pretrained(tmp)
+        if hasattr(model, "peft_config"):
+            model.save_pretrained(os.path.join(tmp, "adapter"))
+            model, state_dict = model.get_base_model(), merged_state_dict(model, state_dict)
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, path)
+    except Exception as e:  # (a full disk: OSError, or safetensors' own error)
+        shutil.rmtree(tmp, ignore_errors=True)
+        parent = os.path.dirname(os.path.abspath(path))
+        if not (isinstance(e, OSError) or is_full(e, parent)):
+            raise  # a bug of ours
+        size = size_text(nbytes(model.state_dict() if state_dict is None else state_dict))
+        raise CheckpointError(f"{write_error(e, parent)}: {os.path.basename(path)}/ (~{size}) could not be "
+                              "written there, and what was there before is as it was: free space there and "
+                              "rerun the same command (it resumes from the newest intact checkpoint)") from e

@@ -28,7 +28,9 @@ from typing import Any, Optional
 
 import torch
 
+from rft_core.data import KINDS
 from rft_core.errors import CheckpointError
+from rft_core.models import content_digest
 from rft_core.runs.integrity import (
     MANIFEST,
     check_rng_restored,
@@ -43,20 +45,25 @@ from rft_core.runs.integrity import (
 from rft_core.runs.run_dir import check_free, on_main
 
 LATEST = "latest"
-RESUME_FLAGS = ("pretrain", "prompt_data", "input_key", "label_key", "images_key", "seed",
-                "rollout_batch_size", "n_samples_per_prompt", "partial_rollout", "lora_rank",
+RESUME_FLAGS = ("input_key", "label_key", "images_key", "seed", "rollout_batch_size", "n_samples_per_prompt",
+                "partial_rollout", "lora_rank",
                 "normalize_reward")  # (its running statistics are in the trainer state)
 
 
-def run_identity(args, accelerator):
-    """What a run resuming a checkpoint must share with the run that wrote it (JSON-ready): RESUME_FLAGS
-    (paths made absolute), LoRA's target modules, whether a critic trains and an EMA is kept, the processes,
-    and the format of the saved states (DeepSpeed and its ZeRO stage, FSDP, or plain: DDP and one process
-    save alike)."""
+DATA_FLAGS = ("prompt_data", "eval_data", "pretrain_data")
+def run_identity(args, accelerator, model=None):
+    """What a run resuming a checkpoint must share with the run that wrote it (JSON-ready): RESUME_FLAGS, the
+    model it started from (model: its path) by the digest of its files (models.content_digest: the frozen
+    reference is loaded from it again), the DATA_FLAGS' files by their content's SHA-256 (a built-in task
+    by its name), LoRA's target modules, whether a critic trains and an EMA is kept, the processes, and the
+    format of the saved states (DeepSpeed and its ZeRO stage, FSDP, or plain: DDP and one process save
+    alike). Files are named by content, not path: moved, they still resume."""
+    def digest(path, **how):  # (a built-in task's name, or None, as it is)
+        return content_digest(path, **how) if path and os.path.exists(path) else path
+
     identity = {name: getattr(args, name) for name in RESUME_FLAGS if hasattr(args, name)}
-    for name in ("pretrain", "prompt_data"):
-        if identity.get(name) and os.path.exists(identity[name]):  # (not a built-in task's name)
-            identity[name] = os.path.abspath(identity[name])
+    identity["model"] = digest(model, sampled=not str(model).endswith(".gguf"))
+    identity["data"] = {name: digest(getattr(args, name, None), suffixes=tuple(KINDS)) for name in DATA_FLAGS}
     if args.lora_rank:
         identity["target_modules"] = args.target_modules
     kind = accelerator.distributed_type.name
@@ -66,11 +73,12 @@ def run_identity(args, accelerator):
             "processes": accelerator.num_processes, "states": states}
 
 
-def resume_point(args, accelerator):
+def resume_point(args, accelerator, model=None):
     """(the checkpoint to resume: the newest intact one in --output_dir, or None with --no_resume or none
-    there, refused if written with other settings; run_identity, which the run's checkpoints record). The
-    main process looks (and refuses a directory another live run holds), the others take its answer."""
-    identity = run_identity(args, accelerator)
+    there, refused if written with other settings; run_identity, which the run's checkpoints record; model:
+    the path the run loads its model from). The main process looks (and refuses a directory another live
+    run holds), the others take its answer."""
+    identity = run_identity(args, accelerator, model)
 
     def find():
         check_free(args.output_dir)
@@ -95,15 +103,40 @@ def finished_run(ckpt, num_steps, log):
 
 def check_identity(ckpt, identity):
     """Refuse to resume ckpt with settings other than those it was written with (its trainer state's "run";
-    checkpoints from before it was recorded pass)."""
+    the entries a checkpoint from before them lacks pass)."""
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         saved = json.load(f).get("run") or {}
     changed = [f"{name} {saved[name]!r} then, {value!r} now" for name, value in identity.items()
-               if name in saved and saved[name] != value]
+               if name in saved and saved[name] != value and name not in ("model", "data")]
+    if "model" in saved and saved["model"] != identity["model"]:
+        changed.append("--pretrain: another model (its files differ from those it started from)")
+    changed += [f"--{name}: other data (the file was edited, or is another)" for name, path in
+                identity.get("data", {}).items() if "data" in saved and saved["data"].get(name) != path]
     if changed:
         raise CheckpointError(f"{ckpt} was written with other settings ({'; '.join(changed)}): its data "
-                              "position, buffers and model state belong to those. Resume with them, or pass "
-                              "--no_resume to start afresh (or use another --output_dir)")
+                              "position, buffers, model state and reference model belong to those. Resume "
+                              "with them, or pass --no_resume to start afresh (or use another --output_dir)")
+
+
+def schedule_length(ckpt, num_steps, num_updates, log):
+    """The optimizer steps the learning-rate schedule spans (its warm-up is --lr_warmup_ratio of them): this
+    run's num_updates, or resuming ckpt, the length it was written with (said where they differ), so that a
+    higher --max_steps trains on at the rate reached instead of warming up again over the longer run. A run
+    that would end before ckpt's step is refused: the steps after it cannot be undone."""
+    if ckpt is None:
+        return num_updates
+    if num_steps < checkpoint_step(ckpt):
+        raise CheckpointError(f"{ckpt} is past this run's last step, {num_steps} (--max_steps, "
+                              "--num_episodes): its later steps cannot be undone. Resume with --max_steps "
+                              f"{checkpoint_step(ckpt)} or more, or pass --no_resume to start afresh (or use "
+                              "another --output_dir)")
+    with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        length = json.load(f).get("schedule") or num_updates  # (None in checkpoints from before it)
+    if length != num_updates:
+        log(f"[resume] the learning-rate schedule keeps the length {os.path.basename(ckpt)} was written "
+            f"with, {length} optimizer steps ({num_updates} for this run's steps): the warm-up is not "
+            "stretched")
+    return length
 
 
 @dataclass
@@ -114,7 +147,9 @@ class LoopState:
     through those (with buffer_state, its buffer to tensors.pt), a field marked TENSORS into tensors.pt, any
     other, plain data, into trainer_state.json."""
     rollouts: Any  # rollout.Rollouts: the prompt stream's position, partial rollout's buffer
-    run: Optional[dict] = None  # what a resume must share (run_identity)
+    # what a resume must share (run_identity; check_identity compared them): loaded under this run's, so
+    # entries new since the checkpoint (its files' digests) are written to the next one
+    run: Optional[dict] = field(default=None, metadata={"merged": True})
     kl_coef: float = 0.0  # the KL coefficient, adaptive with --kl_target
     first_eval: Optional[dict] = None  # the step-0 held-out eval, for the run's summary
     moments: Any = None  # advantages.RunningMoments with --normalize_reward
@@ -127,6 +162,7 @@ class LoopState:
             value = getattr(self, f.name)
             if f.metadata.get("tensors"):
                 tensors[f.name] = value
+    schedule: Optional[int] = None  # the optimizer steps the learning-rate schedule spans (schedule_length)
             elif hasattr(value, "state_dict"):
                 state[f.name] = value.state_dict()
                 if hasattr(value, "buffer_state"):
@@ -137,18 +173,21 @@ class LoopState:
 
     def load(self, state, tensors):
         """Every field from what load_checkpoint returned; a tensor field this run leaves off (None) stays
-        off. Returns the checkpoint's step."""
+        off, and a plain field a checkpoint from before it lacks keeps its value. Returns the checkpoint's
+        step."""
         tensors = tensors or {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.metadata.get("tensors"):
+            if f.metadata.get("merged"):
+                setattr(self, f.name, {**(state.get(f.name) or {}), **(value or {})})
+            elif f.metadata.get("tensors"):
                 setattr(self, f.name, tensors[f.name] if value is not None else None)
             elif hasattr(value, "load_state_dict"):
                 saved = state.get(f.name, state)  # (before LoopState the rollouts' entries were top-level)
                 args = (saved, tensors[f.name]) if hasattr(value, "buffer_state") else (saved,)
                 value.load_state_dict(*args)
             else:
-                setattr(self, f.name, state[f.name])
+                setattr(self, f.name, state.get(f.name, value))
         return state["step"]
 
 
