@@ -124,9 +124,11 @@ def tiny_rm_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def chars_reward(tmp_path):
-    """A reward that varies between samples even for a random tiny model, so gradients are not zero."""
-    path = tmp_path / "chars.py"
+def chars_reward(tmp_path_factory):
+    """A reward that varies between samples even for a random tiny model, so gradients are not zero (in a
+    folder of its own: a run refuses an --output_dir that holds its reward file, and tests write to
+    tmp_path)."""
+    path = tmp_path_factory.mktemp("reward") / "chars.py"
     path.write_text(CHARS_REWARD)
     return f"{path}:chars"
 

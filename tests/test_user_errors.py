@@ -245,6 +245,80 @@ def test_an_output_dir_that_cannot_be_written_is_refused_first(tmp_path, monkeyp
                     re.escape(f"--output_dir '{path}': {tmp_path / 'a_file'} is a file; pass a folder"))
 
 
+def test_an_output_dir_that_holds_or_is_held_by_an_input_is_refused(tmp_path, monkeypatch):
+    """--output_dir equal to, inside or around the model, a data file, the reward or the env file (real paths:
+    through a symbolic link too) is one line before anything loads or is written: the run's config.json once
+    overwrote a --pretrain model's, which then no longer loaded."""
+    model, data = tmp_path / "model", tmp_path / "data"
+    model.mkdir()
+    data.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))  # enough: nothing loads
+    (data / "train.jsonl").write_text('{"prompt": "1 + 1", "label": "2"}\n')
+    (data / "rw.py").write_text("def chars(p, completions, l, **kw):\n    return [1.0] * len(completions)\n")
+    (data / "env.py").write_text("class Env:\n    def step(self, state, text):\n        return None\n")
+    os.symlink(model, tmp_path / "link")
+    before = sorted(os.walk(tmp_path))
+    for extra, out, how in [
+            ([], model, "is --pretrain"), ([], model / "run", "is inside --pretrain"),
+            ([], tmp_path, "holds --pretrain"), ([], tmp_path / "link", "is --pretrain"),
+            (["--prompt_data", str(data / "train.jsonl")], data, "holds --prompt_data"),
+            (["--eval_data", str(data)], data / "run", "is inside --eval_data"),
+            (["--reward_fn", f"{data / 'rw.py'}:chars"], data, "holds --reward_fn"),
+            (["--env", f"{data / 'env.py'}:Env"], data, "holds --env")]:
+        main_raises(monkeypatch, "train_ppo", ["--pretrain", str(model), *TINY, *extra, "--output_dir",
+                                               str(out)], re.escape(f"--output_dir '{out}' {how}"))
+    assert sorted(os.walk(tmp_path)) == before  # nothing written
+
+
+def test_paths_too_long_for_the_filesystem_are_one_line(tmp_path, monkeypatch):
+    """A name over NAME_MAX (255 bytes) or a path over PATH_MAX (4096) in a path flag: one line before
+    anything loads, not an OSError traceback once the run reaches the path (or a "no such file")."""
+    name, deep = "x" * 300, os.path.join(str(tmp_path), *["d" * 200] * 25)
+    for flag, path, message in [
+            ("--output_dir", str(tmp_path / name), "it holds a name of 300 bytes, over the filesystem's "
+             "limit of 255 (NAME_MAX); shorten it"),
+            ("--output_dir", deep, f"{len(deep)} bytes, over the filesystem's limit of 4096 (PATH_MAX)"),
+            ("--prompt_data", str(tmp_path / f"{name}.jsonl"), "a name of 306 bytes"),
+            ("--reward_fn", f"{tmp_path / name}.py:f", "a name of 303 bytes")]:
+        out = [] if flag == "--output_dir" else ["--output_dir", str(tmp_path / "run")]
+        said = main_raises(monkeypatch, "train_ppo", ["--pretrain", "/not/loaded", *TINY, flag, path, *out],
+                           re.escape(message))
+        assert said.startswith(f"{flag} {path[:50]!r}...: ")
+    assert not os.listdir(tmp_path)
+
+
+def test_responses_longer_than_the_models_positions(tiny_model_dir, tmp_path, monkeypatch):
+    """The tiny Llama has 512 positions: a response limit that fills them is one line before the model loads
+    (vLLM's max_model_len was clamped to them without a word, the transformers engine generated past them);
+    prompts too long to fit beside a whole response are skipped and counted. The VL script's built-in model
+    (1024 positions) is checked once it is built."""
+    import train_ppo
+    import train_ppo_vl
+    from rft_core.models import load_model_and_tokenizer
+    from rft_core.vision import load_vl_model
+
+    args = ["--pretrain", tiny_model_dir, *TINY, "--prompt_data", str(tmp_path / "none.jsonl"),
+            "--output_dir", str(tmp_path / "run")]
+    main_raises(monkeypatch, "train_ppo", [*args, "--generate_max_len", "512"], re.escape(
+        "--generate_max_len 512: past the model's 512 positions (max_position_embeddings), which must hold "
+        "the prompt and the response; lower it"))
+    main_raises(monkeypatch, "train_ppo", [*args, "--env", "calculator", "--max_episode_tokens", "600"],
+                re.escape("--max_episode_tokens 600: past the model's 512 positions"))
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    rows = {"train": [{"prompt": "1 +" * n, "label": "2"} for n in (1, 5, 200)]}
+    said = []
+    prompts = train_ppo.encode_prompts(train_ppo.Args(generate_max_len=470), rows, tokenizer, None, model,
+                                       said.append)
+    assert [len(p.prompt_ids) for p in prompts["train"]] == [32, 40]  # (42 tokens at most)
+    assert said == ["[data] skipped 1 train prompts longer than 42 tokens (the model's 512 positions less "
+                    "--generate_max_len 470)"]
+    assert len(train_ppo.encode_prompts(train_ppo.Args(), rows, tokenizer, None, model, print)["train"]) == 3
+    model, tokenizer, processor = load_vl_model()
+    with pytest.raises(UserError, match=re.escape("--generate_max_len 1024: past the model's 1024 posit")):
+        train_ppo_vl.encode_prompts(train_ppo_vl.Args(generate_max_len=1024), {}, tokenizer, processor,
+                                    model, print)
+
+
 def test_trackers_that_cannot_start_leave_the_output_dir_alone(tmp_path):
     """wandb without a login (or any tracker failing to start): one line naming the fixes, raised before
     config.json and metrics.jsonl are touched, so a finished run's record stays as it was."""
@@ -335,6 +409,36 @@ def test_vl_image_rows(tmp_path, monkeypatch):
     main_raises(monkeypatch, "train_ppo_vl", ["--prompt_data", path, "--images_key", "imgs",
                                               "--mixed_mm_data", "--output_dir", str(tmp_path / "out")],
                 re.escape("has no column 'imgs'") + ".*--images_key")
+
+
+def test_an_image_over_pils_pixel_limit_is_a_counted_skip(tmp_path, monkeypatch):
+    """An image over PIL's pixel limit (Image.MAX_IMAGE_PIXELS: PIL warns, then decodes it whole; past twice
+    the limit it raises DecompressionBombError), or too thin for Qwen2-VL's processor (aspect ratio over
+    200): its row is skipped and counted, the file named; with --strict_data one line. Found from the
+    header, before any pixel is decoded."""
+    from PIL import Image
+
+    from rft_core.vision import load_image_rows
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    for name, size in (("ok", (20, 20)), ("big", (40, 40)), ("bomb", (50, 50)), ("thin", (402, 2))):
+        Image.new("RGB", size, "white").save(tmp_path / f"{name}.png")
+    rows = [{"prompt": "what colour is the shape ?", "images": [f"{name}.png"], "label": "red"}
+            for name in ("ok", "big", "bomb", "thin")]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    path, said = str(tmp_path / "train.jsonl"), []
+    loaded = load_image_rows(path, "prompt", "label", "images", "--prompt_data", log=said.append)
+    assert [r["row"] for r in loaded] == [0] and len(said) == 1
+    assert said[0].startswith("[data] skipped 3 rows whose images could not be read (first: --prompt_data")
+    assert f"row 1, column 'images': ValueError: {tmp_path / 'big.png'}: Image size (1600 pixels)" in said[0]
+    assert "Shrink it (or raise PIL's Image.MAX_IMAGE_PIXELS)" in said[0]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[2:]))
+    with pytest.raises(UserError, match=r"row 0, column 'images'.*bomb.png: Image size \(2500 pixels\).*"
+                                        "--strict_data"):
+        load_image_rows(path, "prompt", "label", "images", "--prompt_data", strict=True)
+    (tmp_path / "train.jsonl").write_text(json.dumps(rows[3]))
+    with pytest.raises(UserError, match=r"thin.png: 402 x 2 pixels, an aspect ratio over 200"):
+        load_image_rows(path, "prompt", "label", "images", "--prompt_data", strict=True)
 
 
 # ---- rewards ----
