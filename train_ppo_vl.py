@@ -598,16 +598,19 @@ def main():
         if stop and step < num_steps:
             raise stop_error(stop, step, args)
 
-    # the final weights pass the checks a checkpoint's do
-    guard.before_checkpoint(model, exp, logprob_split, fwd, accelerator, step)
-    last_eval = run_eval(num_steps) if prompts["eval"] else None
-    log.plots(exp.action_mask.sum(-1).tolist())  # the curves again, with the final eval point
+    last_eval = None
+    if start < num_steps:  # (else resumed from the last step's checkpoint: only its export is left to do)
+        # the final weights pass the checks a checkpoint's do
+        guard.before_checkpoint(model, exp, logprob_split, fwd, accelerator, step)
+        last_eval = run_eval(num_steps) if prompts["eval"] else None
+        log.plots(exp.action_mask.sum(-1).tolist())  # the curves again, with the final eval point
     accelerator.wait_for_everyone()
-    export(os.path.join(args.output_dir, "model"))
+    export(os.path.join(args.output_dir, "model"))  # written aside, then renamed: whole or not at all
     if loop.ema is not None:  # the same architecture with the averaged weights
         export(os.path.join(args.output_dir, "ema_model"),
                named_like(accelerator.unwrap_model(model), loop.ema))
-    if loop.first_eval:
+    log.finished(num_steps)  # after the exports: the same command again then has nothing to do
+    if loop.first_eval and last_eval:
         accelerator.print(f"[done] {eval_summary(loop.first_eval, last_eval)}; "
                           f"model in {args.output_dir}/model")
     end_run(accelerator)  # last: every rank waits for the others, then the process groups are torn down

@@ -38,19 +38,21 @@ from rft_core.runs.integrity import (
     load_plain,
     manifest,
     mark_written,
+    nbytes,
+    replace_dir,
     size_text,
     verify_checkpoint,
     write_whole,
 )
-from rft_core.runs.run_dir import check_free, on_main
+from rft_core.runs.run_dir import check_free, finished_step, on_main
 
 LATEST = "latest"
 RESUME_FLAGS = ("input_key", "label_key", "images_key", "seed", "rollout_batch_size", "n_samples_per_prompt",
                 "partial_rollout", "lora_rank",
                 "normalize_reward")  # (its running statistics are in the trainer state)
-
-
 DATA_FLAGS = ("prompt_data", "eval_data", "pretrain_data")
+
+
 def run_identity(args, accelerator, model=None):
     """What a run resuming a checkpoint must share with the run that wrote it (JSON-ready): RESUME_FLAGS, the
     model it started from (model: its path) by the digest of its files (models.content_digest: the frozen
@@ -92,8 +94,14 @@ def checkpoint_step(ckpt):
 
 
 def finished_run(ckpt, num_steps, log):
-    """Whether ckpt (None: not resuming) already ends a run of num_steps steps; if so, it says what to do."""
+    """Whether ckpt (None: not resuming) already ends a run of num_steps steps; if so, it says what to do. A
+    checkpoint of the last step whose run has no whole export (run_dir.finished_step: a kill while the model
+    was written) is said and resumed: the run exports it again."""
     if ckpt is None or checkpoint_step(ckpt) < num_steps:
+        return False
+    if checkpoint_step(ckpt) == num_steps and finished_step(os.path.dirname(ckpt)) != num_steps:
+        log(f"[resume] {ckpt} is step {num_steps} of {num_steps}, but the run's model was not exported whole "
+            "(it was stopped while writing it): exporting it again")
         return False
     log(f"[done] {ckpt} is step {num_steps} of {num_steps}: the run is finished, nothing to do, and the "
         "output directory is left as it is (raise --max_steps to train further, or --no_resume to start "
@@ -154,6 +162,7 @@ class LoopState:
     first_eval: Optional[dict] = None  # the step-0 held-out eval, for the run's summary
     moments: Any = None  # advantages.RunningMoments with --normalize_reward
     ema: Optional[list] = field(default=None, metadata={"tensors": True})  # the EMA weights, --ema_beta
+    schedule: Optional[int] = None  # the optimizer steps the learning-rate schedule spans (schedule_length)
 
     def save(self):
         """(trainer_state.json's entries, tensors.pt's)."""
@@ -162,7 +171,6 @@ class LoopState:
             value = getattr(self, f.name)
             if f.metadata.get("tensors"):
                 tensors[f.name] = value
-    schedule: Optional[int] = None  # the optimizer steps the learning-rate schedule spans (schedule_length)
             elif hasattr(value, "state_dict"):
                 state[f.name] = value.state_dict()
                 if hasattr(value, "buffer_state"):
@@ -196,10 +204,7 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
     to it. A failure on any rank (a full disk) removes the partial checkpoint and is one line on every rank;
     `latest` still names the previous one."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
-    tmp = final + ".tmp"
-    if accelerator.is_main_process and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # left by a run killed while saving
-    accelerator.wait_for_everyone()
+    tmp = final + ".tmp"  # (one a killed save left was removed at the start: run_dir.clean_leftovers)
     error = None
     try:
         accelerator.save_state(tmp)
@@ -207,17 +212,16 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump({"step": step, **state}, f)
             if tensors:
-                torch.save(tensors, os.path.join(tmp, "tensors.pt"))
+                with open(os.path.join(tmp, "tensors.pt"), "wb") as f:  # (a full disk's errno kept)
+                    torch.save(tensors, f)
     except Exception as e:  # (a full disk: OSError, or torch's `iostream error`)
         error = e
     if _on_any_rank(accelerator, error is not None):  # every rank's files are written, or one failed
-        raise _save_failed(accelerator, output_dir, step, tmp, error)
+        raise _save_failed(accelerator, output_dir, step, tmp, error, nbytes(tensors))
     if accelerator.is_main_process:
         try:
             write_whole(os.path.join(tmp, MANIFEST), json.dumps(manifest(tmp), indent=1))
-            if os.path.exists(final):  # an older save of the same step
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)  # (over an older save of the same step)
             write_whole(os.path.join(output_dir, LATEST), os.path.basename(final))
         except OSError as e:
             error = e
@@ -229,7 +233,7 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
         for old in older[:max(0, len(older) - max_ckpt_num + 1)] if max_ckpt_num else []:
             shutil.rmtree(old)
     if _on_any_rank(accelerator, error is not None):
-        raise _save_failed(accelerator, output_dir, step, tmp, error)
+        raise _save_failed(accelerator, output_dir, step, tmp, error, nbytes(tensors))
     mark_written(final)  # on every rank: naming it later (a stop, a divergence) hashes nothing
     return final
 
@@ -245,13 +249,14 @@ def _size(path):
     return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
 
 
-def _save_failed(accelerator, output_dir, step, tmp, error):
+def _save_failed(accelerator, output_dir, step, tmp, error, tensor_bytes):
     """The one-line error of a save that failed on some rank (error: this rank's, None if another's), once
-    the partial checkpoint is removed: with a full disk, how much it needs and what is free. Other errors on
-    this rank keep their traceback."""
+    the partial checkpoint is removed: with a full disk, how much it needs (as much as the previous
+    checkpoint, or what was written and tensors.pt's tensor_bytes) and what is free. Other errors on this rank
+    keep their traceback."""
     previous = [c for c in list_checkpoints(output_dir) if checkpoint_step(c) < step]
-    written = _size(tmp) if os.path.isdir(tmp) else 0
-    needed = _size(previous[-1]) if previous else written
+    written = (_size(tmp) if os.path.isdir(tmp) else 0) + tensor_bytes
+    needed = max(_size(previous[-1]) if previous else 0, written)
     full = error is not None and is_full(error, output_dir)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,9 +41,10 @@ def size_text(size):
 
 def is_full(error, directory):
     """Whether error (raised writing into directory; torch's writer says only `iostream error`) came from a
-    full disk or quota: ENOSPC / EDQUOT in its chain, or under 64 MiB left there."""
+    full disk or quota: ENOSPC / EDQUOT in its chain (or in its text: safetensors'), or under 64 MiB left."""
     for _ in range(8):  # the error and what caused it
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or re.search(
+                rf"os error ({errno.ENOSPC}|{errno.EDQUOT})\b", str(error)):  # (safetensors' Rust error)
             return True
         error = error and (error.__cause__ or error.__context__)
     try:
@@ -61,14 +63,41 @@ def write_error(error, directory):
     return f"{type(error).__name__}: {error}"
 
 
-def write_whole(path, text):
-    """Replace path by text: written to path.tmp, synced, then renamed over it (a kill leaves one or the
-    other, never half of one)."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
+def write_whole(path, data, mode=None):
+    """Replace path by data (text or bytes): written to path.tmp, synced, then renamed over it (a kill leaves
+    one or the other, never half of one); mode: its permissions (0o600: the user's alone)."""
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    with open(fd, "wb") as f:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
-        os.fsync(f.fileno())
+        os.fsync(fd)
     os.replace(path + ".tmp", path)
+
+
+def replace_dir(tmp, final):
+    """Put the directory tmp, written whole, at final: its files synced, then renamed (an older final moved to
+    final.old first, deleted after), so a kill leaves final whole, old or new, or absent; never half of one.
+    What a kill leaves aside (tmp, final.old) is removed at the next start (run_dir.clean_leftovers)."""
+    for root, _, names in os.walk(tmp):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    if os.path.exists(final):
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        os.rename(final, final + ".old")
+    os.rename(tmp, final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
+
+
+def nbytes(tensors):
+    """The bytes of the tensors in a (nested) dict, list or tuple: what torch.save will need, about."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    values = tensors.values() if isinstance(tensors, dict) else tensors
+    return sum(map(nbytes, values)) if isinstance(tensors, (dict, list, tuple)) else 0
 
 
 def _write(path, text):

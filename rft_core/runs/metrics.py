@@ -3,6 +3,7 @@ means and the gather over ranks, the rollout's summary, the metrics log and the 
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -13,9 +14,12 @@ from rft_core.errors import ConfigError
 from rft_core.runs.integrity import append, read_rows, write_error, write_whole
 from rft_core.runs.plots import write_plots
 from rft_core.runs.run_dir import (
+    FINISHED,
     move_previous,
     on_main,
     previous_run,
+    redact,
+    redact_output,
     refuse_overwrite,
     release_lock,
     take_lock,
@@ -180,17 +184,20 @@ class MetricsLog:
         its checkpoint's step) keeps the rows up to that step (a row cut by a full disk is dropped and said),
         and its config.json keeps, under "resumed", each resume's step and the values that changed there; a
         new run starts it empty. With trackers, the accelerator's start first (the project: $WANDB_PROJECT,
-        else rft), with the config's scalars and strings (TensorBoard's hparams refuse anything else).
-        samples_every, plot_every (steps; 0: never), max_len (of a response): samples_and_plots below. Only
-        the main process writes."""
+        else rft), with the config's scalars and strings (TensorBoard's hparams refuse anything else). Every
+        file is written aside and renamed, config.json the user's alone (mode 0600), and credentials in the
+        config and command line are hidden (run_dir.redact). samples_every, plot_every (steps; 0: never),
+        max_len (of a response): samples_and_plots below. Only the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
         self.said = set()  # the notices given (each once): "idle", "cut"
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_every, self.plot_every, self.max_len = samples_every, plot_every, max_len
+        config = redact(config)  # (a token in --remote_rm_url)
         on_main(accelerator, lambda: take_lock(output_dir, tqdm.write))
         try:
             if trackers:  # first: a tracker that cannot start leaves output_dir as it was
+                sys.argv = redact(sys.argv)  # wandb records the command line with the run
                 plain = (int, float, str, bool)
                 scalars = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
                 try:
@@ -199,6 +206,7 @@ class MetricsLog:
                     raise ConfigError(f"the trackers could not start ({type(e).__name__}: {str(e)[:200]}): "
                                       "for wandb run `wandb login` or set WANDB_MODE=offline; or drop "
                                       "--use_wandb / --use_tensorboard") from e
+                redact_output()
             on_main(accelerator, lambda: self._start(output_dir, config, keep_until))
         except BaseException:
             if self.enabled:
@@ -225,10 +233,9 @@ class MetricsLog:
                 config = with_segments(config_path, config, keep_until, tqdm.write)
         try:
             if config is not None:
-                write_whole(config_path, json.dumps(config, indent=2))
+                write_whole(config_path, json.dumps(config, indent=2), mode=0o600)
             for path, kept in files.items():
-                with open(path, "wb") as f:
-                    f.writelines(kept)
+                write_whole(path, b"".join(kept))  # (a kill leaves the old rows or the kept ones)
         except OSError as e:
             said = write_error(e, output_dir)
             raise ConfigError(f"{said}: the run's record (config.json, metrics.jsonl) could not be written; "
@@ -254,6 +261,12 @@ class MetricsLog:
                                "shows the others")
         if self.accelerator is not None and self.accelerator.trackers:
             self.accelerator.log(metrics, step=step)
+
+    def finished(self, step):
+        """The run's exports are whole: FINISHED names its last step, written after them (a rerun of the same
+        command then has nothing to do: checkpoint.finished_run)."""
+        if self.enabled:
+            write_whole(os.path.join(os.path.dirname(self.path), FINISHED), json.dumps({"step": step}))
 
     def _say_once(self, kind, message):
         if kind not in self.said:

@@ -11,6 +11,7 @@ import torch
 
 from rft_core.errors import CheckpointError, Stopped, UserError
 from rft_core.runs.checkpoint import latest_checkpoint
+from rft_core.runs.run_dir import redact_output
 
 
 def run_main(main):
@@ -18,8 +19,9 @@ def run_main(main):
     or a diverging run) ends the process with its one line, `error: ...`, and status 2; a stop on SIGINT /
     SIGTERM with its line and 130 / 143; a CUDA out-of-memory error with one line naming the flags that make
     room, and 2; RFT_DEBUG=1 shows the traceback instead. Anything else is a bug and keeps its
-    traceback."""
+    traceback. Whatever is printed has its credentials hidden (run_dir.redact: a token in --remote_rm_url)."""
     debug = os.environ.get("RFT_DEBUG", "0") not in ("", "0")
+    redact_output()
     try:
         main()
     except (UserError, KeyboardInterrupt, torch.OutOfMemoryError) as e:  # (StopNow: a KeyboardInterrupt)

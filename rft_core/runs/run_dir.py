@@ -1,18 +1,28 @@
-"""The output directory: one run writes there at a time, and a new run never overwrites a previous one.
+"""The output directory: one run writes there at a time, what a killed run left half-written is cleaned up, a
+new run never overwrites a previous one, and no credential is written there.
 
-The lock: `run.lock` names the process writing there (pid, host, its start, the command). Only the main
-process takes it, when the run's record starts (MetricsLog), and it is removed at exit; the other ranks wait
-for the main one's answer. A run that finds it held by a live process is refused in one line, before anything
-loads (`check_free`, from resume_point) and again before anything is written. A lock left by a process that
-died without removing it (SIGKILL, a lost node) is said and taken over: on the same host its pid is gone (or
-is another process's now), on another host it has not been touched for STALE_S (its holder touches it every
-HEARTBEAT_S).
+The lock: `run.lock` (the user's alone: mode 0600) names the process writing there (pid, host, its start,
+the command). Only the main process takes it, when the run's record starts (MetricsLog), and it is removed at
+exit; the other ranks wait for the main one's answer. A run that finds it held by a live process is refused
+in one line, before anything loads (`check_free`, from resume_point) and again before anything is written. A
+lock left by a process that died without removing it (SIGKILL, a lost node) is said and taken over: on the
+same host at once, its pid being gone (or another process's now); from another host once its heartbeat has
+stopped: its holder touches it every HEARTBEAT_S, and a lock that does not change while watched for WATCH_S
+(on this host's monotonic clock) is dead. Two hosts' clocks are never compared: one running ahead would take
+a live lock for an old one.
+
+Every file of the run is written aside and renamed (integrity.write_whole, integrity.replace_dir,
+move_previous) or appended whole (integrity.append); what a killed writer left aside is removed at the next
+start (`clean_leftovers`), said in one line.
 
 A previous run: a new run (nothing to resume) into a directory holding a previous run's steps (metrics.jsonl
 rows, model/, checkpoints) is refused naming --no_resume; with --no_resume the previous run's files move into
 previous-N/ when the new record starts (a failed start leaves them where they were). A rename costs no space
 and loses nothing, and the top level then holds one run, so `latest`, checkpoint pruning and metrics.jsonl
 cannot mix two.
+
+Credentials (a token in --remote_rm_url's user:password@ or query) are hidden by `redact` in what the run
+writes (config.json, the lock, the trackers' config and command line) and prints (run.run_main).
 """
 
 import atexit
@@ -20,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -27,13 +38,50 @@ import time
 
 from rft_core.errors import ConfigError, UserError
 
-LOCK = "run.lock"
-HEARTBEAT_S, STALE_S = 60, 600
+LOCK, FINISHED = "run.lock", "finished.json"
+HEARTBEAT_S, WATCH_S = 10, 60  # a live run touches its lock every HEARTBEAT_S; one still for WATCH_S is dead
 # what a run writes at the top of its output directory, moved together into previous-N/
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "curves.png", "gen_len.png", "latest", "model",
-             "ema_model")
-RUN_DIRS = re.compile(r"(checkpoint|hf-step)-\d+(\.tmp)?")
+             "ema_model", FINISHED)
+RUN_DIRS = re.compile(r"(checkpoint|hf-step)-\d+")
+LEFTOVER = re.compile(r".+\.(tmp|old)|run\.lock\.stale-\d+")  # what a killed writer leaves aside
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 _held = set()  # output directories (absolute) whose lock this process holds
+_dead = {}  # lock path -> its beat when watched and found still: not watched again while unchanged
+
+
+def redact(value):
+    """value with the credentials of every URL in it hidden: user:password@ and query values as ***. A string,
+    or a dict, list or tuple of them (nested); other values as they are."""
+    if isinstance(value, dict):
+        return {key: redact(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value] if isinstance(value, list) else tuple(redact(v) for v in value)
+    return _URL.sub(_hide, value) if isinstance(value, str) else value
+
+
+def _hide(match):
+    head, mark, query = re.sub(r"^([^:]+://)[^/?#]*@", r"\1***@", match.group()).partition("?")
+    return head + mark + re.sub(r"=[^&#]*", "=***", query)
+
+
+class Redacting:
+    """A text stream (sys.stdout, sys.stderr) that hides URL credentials (redact) in what is written to it."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self.stream.write(redact(text))
+
+    def __getattr__(self, name):  # flush, fileno, isatty...
+        return getattr(self.stream, name)
+
+
+def redact_output():
+    """From now on, sys.stdout and sys.stderr hide credentials: as the run starts (run.run_main), and again
+    once the trackers started (wandb copies what is printed on its way to the stream it found there)."""
+    sys.stdout, sys.stderr = Redacting(sys.stdout), Redacting(sys.stderr)
 
 
 def on_main(accelerator, fn):
@@ -67,36 +115,51 @@ def _start_ticks(pid):
 
 
 def _read_lock(path):
-    """(the holder's record, seconds since the lock was last touched), or None where there is no lock. A lock
-    being written (or damaged) reads as an empty record."""
+    """(the holder's record, the lock's beat: what its heartbeat changes), or None where there is no lock. A
+    lock being written, damaged or another user's (unreadable) reads as an empty record."""
+    text = ""
     try:
-        age = time.time() - os.path.getmtime(path)
-        with open(path) as f:
-            holder = json.load(f)
+        with contextlib.suppress(PermissionError), open(path) as f:  # (an open revalidates NFS's mtime)
+            text = f.read()
+        beat = os.stat(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
+    try:
+        holder = json.loads(text)
+    except ValueError:
         holder = {}
-    return (holder if isinstance(holder, dict) else {}), age
+    return (holder if isinstance(holder, dict) else {}), (beat.st_ino, beat.st_mtime_ns, beat.st_size)
 
 
 def _mine(holder):
     return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
 
 
-def _alive(holder, age):
-    """Whether the holder may still run: on this host, its pid lives and started when the lock says; on
-    another host (or unreadable), the lock was touched within STALE_S."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return age < STALE_S
-    try:
-        os.kill(holder["pid"], 0)
-    except ProcessLookupError:
+def _alive(path, holder, beat, log):
+    """Whether the lock's holder may still run. On this host, at once: its pid lives and started when the lock
+    says. Elsewhere (or unreadable): whether the lock's beat changes while watched for WATCH_S on this host's
+    monotonic clock (a lock found still so is not watched again while unchanged)."""
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # alive, another user's
+            pass
+        start = _start_ticks(holder["pid"])
+        return None in (start, holder.get("start")) or start == holder["start"]
+    if _dead.get(path) == beat:
         return False
-    except PermissionError:  # alive, another user's
-        pass
-    start = _start_ticks(holder["pid"])
-    return None in (start, holder.get("start")) or start == holder["start"]
+    log(f"[output] {path} is held by a run of another host ({_who(holder)}): watching its heartbeat for "
+        f"{WATCH_S:g} s to tell whether that run is alive")
+    end = time.monotonic() + WATCH_S
+    while time.monotonic() < end:
+        time.sleep(min(1.0, WATCH_S / 10))
+        found = _read_lock(path)
+        if found is None or found[1] != beat:
+            return found is not None  # it beats; or it was released meanwhile
+    _dead[path] = beat
+    return False
 
 
 def _who(holder):
@@ -104,24 +167,27 @@ def _who(holder):
             f"{str(holder.get('command', '?'))[:120]}")
 
 
-def _busy(output_dir, found):
+def _busy(output_dir, found, log):
     """The line refusing this run if `found` (_read_lock's) is a live process other than this one."""
-    if found is None or _mine(found[0]) or not _alive(*found):
+    path = os.path.join(output_dir, LOCK)
+    if found is None or _mine(found[0]) or not _alive(path, *found, log):
         return None
     return (f"--output_dir {output_dir} is in use by another run ({_who(found[0])}): wait for it to end or "
-            f"use another --output_dir (if that run is gone, delete {os.path.join(output_dir, LOCK)})")
+            f"use another --output_dir (if that run is gone, delete {path})")
 
 
-def check_free(output_dir):
-    """Refuse in one line an output directory that another live run holds (read only: nothing is written)."""
-    busy = _busy(output_dir, _read_lock(os.path.join(output_dir, LOCK)))
+def check_free(output_dir, log=print):
+    """Refuse in one line an output directory that another live run holds; else clean up what a killed run
+    left there (clean_leftovers), so that the checkpoints are looked for in a whole directory."""
+    busy = _busy(output_dir, _read_lock(os.path.join(output_dir, LOCK)), log)
     if busy:
         raise ConfigError(busy)
+    clean_leftovers(output_dir, log)
 
 
 def take_lock(output_dir, log=print):
-    """Hold output_dir's lock until this process exits (again: nothing to do). A second live run is refused
-    in one line; a dead one's lock is said (log) and taken over."""
+    """Hold output_dir's lock until this process exits (again: nothing to do), and clean up what a killed run
+    left there. A second live run is refused in one line; a dead one's lock is said (log) and taken over."""
     path = os.path.join(output_dir, LOCK)
     os.makedirs(output_dir, exist_ok=True)
     if not any(_acquire(path, output_dir, log) for _ in range(5)):  # (any stops at the first that holds it)
@@ -131,17 +197,18 @@ def take_lock(output_dir, log=print):
         atexit.register(release_all)
         threading.Thread(target=_heartbeat, daemon=True, name="run.lock heartbeat").start()
     _held.add(os.path.abspath(output_dir))
+    clean_leftovers(output_dir, log)
 
 
 def _acquire(path, output_dir, log):
     """One try at the lock: True if this process holds it now, False to try again; a live holder: refused."""
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         found = _read_lock(path)
         if found is None or _mine(found[0]):  # released meanwhile; or held already (a second record)
             return found is not None
-        busy = _busy(output_dir, found)
+        busy = _busy(output_dir, found, log)
         if busy:
             raise ConfigError(busy) from None
         aside = f"{path}.stale-{os.getpid()}"  # taken over by a rename: only one taker gets the dead lock
@@ -157,7 +224,7 @@ def _acquire(path, output_dir, log):
         return False
     with os.fdopen(fd, "w") as f:
         json.dump({"pid": os.getpid(), "host": socket.gethostname(), "start": _start_ticks(os.getpid()),
-                   "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}, f)
+                   "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": redact(" ".join(sys.argv))}, f)
     return True
 
 
@@ -183,6 +250,52 @@ def release_lock(output_dir):
 def release_all():
     for output_dir in list(_held):
         release_lock(output_dir)
+
+
+def clean_leftovers(output_dir, log=print):
+    """Remove what a killed writer left aside at the top of output_dir (LEFTOVER: a save's checkpoint-N.tmp/,
+    an export's model.tmp/ or .old/, a rewrite's config.json.tmp, a lock taken over halfway), said in one
+    line; a previous-N.tmp/ (a --no_resume killed while it moved the previous run aside) is moved back."""
+    if not os.path.isdir(output_dir):
+        return
+    removed = []
+    for name in sorted(n for n in os.listdir(output_dir) if LEFTOVER.fullmatch(n)):
+        path = os.path.join(output_dir, name)
+        if re.fullmatch(r"previous-\d+\.tmp", name):
+            _move_back(output_dir, path, log)
+        elif os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+            removed.append(name + "/")
+        else:
+            os.remove(path)
+            removed.append(name)
+    if removed:
+        log(f"[output] {output_dir}: removed what a killed run left half-written: {', '.join(removed)}")
+
+
+def _move_back(output_dir, aside, log):
+    """Undo move_previous's first half: aside's entries back at the top (those whose name was taken since
+    stay together, in the next previous-N/)."""
+    for name in os.listdir(aside):
+        if not os.path.exists(os.path.join(output_dir, name)):
+            os.rename(os.path.join(aside, name), os.path.join(output_dir, name))
+    named = os.listdir(aside) and _previous_dir(output_dir)
+    if named:
+        os.rename(aside, named)
+    else:
+        os.rmdir(aside)
+    log(f"[output] {aside}/: a --no_resume stopped while moving the previous run aside; its files are back "
+        f"in {output_dir}{f' (but those now in {named}/)' if named else ''}")
+
+
+def finished_step(output_dir):
+    """The last step of the run whose exports are whole in output_dir (FINISHED, written after them), or
+    None."""
+    try:
+        with open(os.path.join(output_dir, FINISHED)) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def last_step(rows):
@@ -221,11 +334,14 @@ def refuse_overwrite(output_dir, found):
 
 
 def move_previous(output_dir, found, log=print):
-    """Move previous_run's entries into output_dir/previous-N/ (--no_resume: the new run starts beside)."""
+    """Move previous_run's entries into output_dir/previous-N/ (--no_resume: the new run starts beside) in one
+    step: into previous-N.tmp/, then renamed (a kill in between is undone at the next start:
+    clean_leftovers)."""
     target = _previous_dir(output_dir)
-    os.makedirs(target)
+    os.makedirs(target + ".tmp")
     for name in found[1]:
-        os.rename(os.path.join(output_dir, name), os.path.join(target, name))
+        os.rename(os.path.join(output_dir, name), os.path.join(target + ".tmp", name))
+    os.rename(target + ".tmp", target)
     log(f"[output] --no_resume: the previous run ({found[0]}) moved from {output_dir} to {target}/")
     return target
 
