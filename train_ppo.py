@@ -47,7 +47,6 @@ from rft_core.advantages import (RunningMoments, adaptive_kl_coef, outcome_score
 from rft_core.data import encode_rows, load_prompt_rows, text_batches  # VL
 from rft_core.distributed import configure_deepspeed, end_run, prepare_frozen, process_group_kwargs
 from rft_core.engines import create_engine
-from rft_core.environments import load_env
 from rft_core.episodes import EpisodeRunner
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
@@ -63,7 +62,7 @@ from rft_core.models import embedded_model_path, load_model_and_tokenizer  # VL
 from rft_core.optim import (accumulate_over, accumulation_divisor, adamw_with_warmup, move_optimizer_state,
                             offload_after_update, step_optimizers)
 from rft_core.plan import default_bf16, resolve, with_memory_plan
-from rft_core.reward_sources import reward_sources
+from rft_core.reward_sources import reward_sources, start_workers
 from rft_core.rewards import RewardScorer
 from rft_core.rollout import Rollouts
 from rft_core.runs.checkpoint import (LoopState, checkpoint_step, finished_run, load_checkpoint,
@@ -136,8 +135,12 @@ class Args:
     """the penalty at generate_max_len tokens"""
     reward_fallback: float = 0.0
     """reward of a sample whose reward raises, is not finite or is missing (rollout/reward_errors)"""
-    reward_timeout: float = 60.0
-    """seconds a --reward_fn call (or a --remote_rm_url request) may take; then its samples fail"""
+    call_timeout: float = 60.0
+    """seconds one call into user code may take (a --reward_fn call, a --remote_rm_url request, an --env
+    reset or step); then its samples or episode fail, and a worker's call is stopped (killed)"""
+    workers: int = 4
+    """worker processes per training process that run a --reward_fn file and the --env, a call at a time
+    each (rft_core/workers.py)"""
     reward_failure_limit: float = 1.0
     """stop when this share of a step's samples failed their reward (0: at the first failure, showing the
     sample; 1: all of them; above 1: never)"""
@@ -229,8 +232,6 @@ class Args:
     """with --env: assistant turns per episode at most (each of --generate_max_len tokens at most)"""
     max_episode_tokens: int = 1024
     """with --env: response tokens per episode at most, the policy's and the environment's"""
-    env_timeout: float = 30.0
-    """with --env: seconds a reset or step call may take; then its episode fails (rollout/env_errors)"""
     # ---- batches ----
     rollout_batch_size: int = 8
     """prompts per step, over all ranks"""
@@ -408,13 +409,15 @@ def main():
     rows = load_rows(args, accelerator.print)  # data errors come before the model loads
     ptx_batches = text_batches(args.pretrain_data, args.pretrain_key, args.micro_train_batch_size or 8, rank,
                                world) if args.pretrain_data else None  # for the ptx loss
+    # user code (a --reward_fn file, --env) runs in worker processes: whatever it does stays there
+    workers = start_workers(args.reward_fn, args.env, args.workers, args.call_timeout, args.seed, rank,
+                            tqdm.write)
     sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, device,
-                             torch.bfloat16 if plan.bf16 else None,
+                             torch.bfloat16 if plan.bf16 else None, workers, args.call_timeout,
                              place=lambda m: prepare_frozen(accelerator, m),
                              default_rule="answer")  # VL
-    score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_timeout,
-                             args.reward_failure_limit, log=tqdm.write)  # score_all(samples)
-    env = load_env(args.env) if args.env else None  # multi-turn: the environment (rft_core/environments.py)
+    score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_failure_limit,
+                             log=tqdm.write)  # score_all(samples)
     model, tokenizer, processor, ref_model, critic = load_models(args, plan, accelerator)
     for net in [net for net in (model, critic) if net is not None and plan.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
@@ -446,7 +449,8 @@ def main():
     fwd = Forward(args.temperature, plan.chunk_size, args.packing_samples, sp)  # how each forward runs
     optimizers = [opt for _, opt, _ in trained.values()]
     engine = create_engine(plan.engine, accelerator.unwrap_model(model), tokenizer, processor)
-    episodes = EpisodeRunner(env, tokenizer, plan.episodes, args.env, tqdm.write) if env else None
+    # multi-turn: episodes against the --env, in the workers (rft_core/episodes.py)
+    episodes = EpisodeRunner(workers, tokenizer, plan.episodes, args.env, tqdm.write) if args.env else None
 
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,

@@ -1,49 +1,59 @@
-"""The boundary with an environment's code (--env, rft_core/episodes.py runs the episodes): loading one from a
-user's file, calling it where a hang or an exit cannot take the run down (a thread per call, a timeout), and
+"""The boundary with an environment's code (--env; rft_core/episodes.py runs the episodes): the State its
+step sees, the environment as a worker process builds and calls it (`load_env`, rft_core/workers.py), and
 checking what its step returned."""
 
 import math
-import threading
-import time
+import os
+from dataclasses import dataclass, field
 
-from rft_core.errors import MissingName
-from rft_core.reward_sources import load_from_file
+from rft_core.errors import ConfigError, MissingName
 from rft_core.tasks.calculator import Calculator
+from rft_core.workers import line_in, load_from_file
+
+
+@dataclass
+class State:
+    """What step(state, text) sees of its episode. It goes to a worker process and back with each step, so
+    it pickles: state.data holds what the environment keeps from one step to the next (any worker may run
+    the next), in built-in types (numbers, strings, lists, dicts)."""
+    sample: dict  # {"prompt": the opening as the data or reset gave it, "label": ...}
+    turn: int = 0  # assistant turns so far, the one being answered included
+    messages: list = field(default_factory=list)  # the turns so far: {"role", "content"}, assistant first
+    data: dict = field(default_factory=dict)  # the environment's own, kept from one step to the next
+
+
+class HostedEnv:
+    """An environment as its worker holds it: reset (None, the data's prompt, where it has none) and step,
+    which returns the state too, as step left it (the trainer's copy is not the one step changed)."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def reset(self, sample):
+        return self.env.reset(sample) if callable(getattr(self.env, "reset", None)) else None
+
+    def step(self, state, text):
+        return self.env.step(state, text), state
 
 
 def load_env(spec):
-    """The environment --env names: "calculator" (rft_core/tasks/calculator.py), or 'path/to/file.py:NAME', an
-    object with step (and optionally reset), or a class of them (made with no arguments)."""
-    if spec == "calculator":
-        return Calculator()
-    env = load_from_file(spec, "--env", "NAME", ["calculator"], "an environment file")
+    """The environment --env names, built in a worker process: "calculator" (rft_core/tasks/calculator.py),
+    or 'path/to/file.py:NAME', an object with step (and optionally reset), or a class of them (made with no
+    arguments: what its constructor raises is one line)."""
+    env = Calculator() if spec == "calculator" else load_from_file(spec, "--env", "NAME", ["calculator"],
+                                                                 "an environment file")
     if isinstance(env, type):
-        env = env()
+        try:
+            env = env()
+        except BaseException as e:  # whatever it raised (a TypeError for a missing argument too)
+            line = line_in(e, os.path.abspath(spec.rpartition(":")[0]))
+            where = f" (line {line})" if line else ""
+            raise ConfigError(f"--env {spec!r}: making {env.__name__}() failed{where}: {e!r}; an environment "
+                              "class is made with no arguments") from None
     if not callable(getattr(env, "step", None)):
         raise MissingName(f"--env {spec!r}: {spec.rpartition(':')[0]} defines no {spec.rpartition(':')[2]!r} "
                           "with a step(state, text) function (docs/multi_turn.md)")
-    return env
-
-
-def call_all(calls, timeout):
-    """Each zero-argument call in its own daemon thread, all started at once and waited for together, at most
-    `timeout` seconds: per call ("ok", value), ("raised", exception) or ("timeout", None). A call that timed
-    out goes on in its thread (Python cannot stop one); its result is dropped."""
-    results = [("timeout", None)] * len(calls)
-
-    def run(i, fn):
-        try:
-            results[i] = ("ok", fn())
-        except BaseException as e:  # the environment's, whatever it is: its episode's failure
-            results[i] = ("raised", e)
-
-    threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return [results[i] if not t.is_alive() else ("timeout", None) for i, t in enumerate(threads)]
+    return HostedEnv(env)
 
 
 def is_message(m):

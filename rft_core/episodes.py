@@ -2,7 +2,8 @@
 
 An environment is an object with `step(state, text) -> (observation, done[, reward[, info]])` and optionally
 `reset(sample) -> opening` (chat messages, a string, or None for the data's prompt), in a user's file named
-as `--env path/to/file.py:NAME` (docs/multi_turn.md has the interface and an example).
+as `--env path/to/file.py:NAME` (docs/multi_turn.md has the interface and an example). It runs in worker
+processes (rft_core/workers.py): each episode's State goes to a worker with each call and comes back.
 
 Token in, token out: each turn continues from the episode's own token ids, so the ids that train are the
 engine's sampled ids (and logprobs) exactly. An environment turn is rendered once (the chat template's
@@ -10,8 +11,9 @@ markers and the next assistant header) and tokenized once; its tokens carry mask
 experience's action_mask), so no loss, KL term, entropy, advantage or length statistic sees them. An
 episode ends when the environment says done, or is cut at `max_turns`, or when a turn reaches its token
 limit unfinished. Every rank runs the same number of turns (`any_active`): a tensor-parallel engine's call is
-a collective. A reset or step that raises, hangs, returns something malformed or overflows the episode ends
-that episode (counted, the first of each kind printed) and the episode scores as a failed reward.
+a collective. A reset or step that raises, hangs (stopped at the timeout), ends its worker process, returns
+something malformed or overflows the episode ends that episode (counted, the first of each kind printed) and
+the episode scores as a failed reward.
 """
 
 import math
@@ -21,8 +23,9 @@ from typing import Optional
 
 from rft_core.data import prompt_text
 from rft_core.engines.base import Generation
-from rft_core.environments import call_all, is_message, parse_step
+from rft_core.environments import State, is_message, parse_step
 from rft_core.errors import ConfigError
+from rft_core.workers import UserCodeError
 
 
 @dataclass(frozen=True)
@@ -30,19 +33,10 @@ class EpisodeSettings:
     max_turns: int = 4  # assistant turns per episode at most
     max_tokens: int = 1024  # response tokens per episode at most: the policy's and the environment's
     turn_tokens: int = 32  # new tokens per assistant turn at most (--generate_max_len)
-    timeout: float = 30.0  # seconds a reset or step call may take
+    timeout: float = 60.0  # seconds a reset or step call may take (--call_timeout)
     prompt_max_len: int = 1024  # tokens of an opening that reset returns, at most
     apply_chat_template: bool = True
     system_prompt: Optional[str] = None
-
-
-@dataclass
-class State:
-    """What step(state, text) sees of its episode."""
-    sample: dict  # {"prompt": the opening as the data or reset gave it, "label": ...}
-    turn: int = 0  # assistant turns so far, the one being answered included
-    messages: list = field(default_factory=list)  # the turns so far: {"role", "content"}, assistant first
-    data: dict = field(default_factory=dict)  # the environment's own, kept from one step to the next
 
 
 @dataclass
@@ -63,10 +57,12 @@ BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 class EpisodeRunner:
     """Runs batches of episodes through an engine and an environment (`run`), and renders the environment's
-    turns as token ids."""
+    turns as token ids. workers: the worker processes holding the environment, as target "env"
+    (reward_sources.start_workers)."""
 
-    def __init__(self, env, tokenizer, settings, name="env", log=print):
-        self.env, self.tokenizer, self.settings, self.name, self.log = env, tokenizer, settings, name, log
+    def __init__(self, workers, tokenizer, settings, name="env", log=print):
+        self.workers, self.tokenizer, self.settings = workers, tokenizer, settings
+        self.name, self.log = name, log
         self.seen = set()  # failure kinds shown
         self.env_s = 0.0  # seconds spent waiting for the environment
         self.templated = bool(settings.apply_chat_template and getattr(tokenizer, "chat_template", None))
@@ -137,23 +133,26 @@ class EpisodeRunner:
                     episode.cut = "tokens"
                 else:
                     stepping.append(i)
-            calls = [lambda i=i: self.env.step(states[i], samples[i].episode.completion) for i in stepping]
-            active = [i for i, outcome in zip(stepping, self._call(calls))
-                      if self._answer(samples[i], states[i], outcome, turn, ids[i], mask[i], logprobs[i])]
+            outcomes = self._call("step", [(states[i], samples[i].episode.completion) for i in stepping])
+            active = [i for i, outcome in zip(stepping, outcomes)
+                      if self._answer(samples[i], states, i, outcome, turn, ids[i], mask[i], logprobs[i])]
         return [replace(s, generation=Generation(ids[i], logprobs[i], mask=mask[i]))
                 for i, s in enumerate(samples)]
 
-    def _answer(self, sample, state, outcome, turn, ids, mask, logprobs):
+    def _answer(self, sample, states, i, outcome, turn, ids, mask, logprobs):
         """The environment's answer to an assistant turn (outcome: its step call's, as _call gives it) taken
-        into the episode: its reward and info, and its messages appended to the response (ids, mask and
-        logprobs, extended in place: masked out, logprob 0). Returns whether the episode goes on."""
+        into the episode: states[i] as step left it, its reward and info, and its messages appended to the
+        response (ids, mask and logprobs, extended in place: masked out, logprob 0). Returns whether the
+        episode goes on."""
         episode, cfg = sample.episode, self.settings
         episode.env_calls += 1
         try:
-            messages, done, reward, info = self._outcome(*outcome, "step")
+            out, states[i] = self._outcome(*outcome, "step")
+            messages, done, reward, info = _parsed(out)
         except _Failed as failed:
             self._fail(sample, failed.kind, failed.why, f"turn {turn}")
             return False
+        state = states[i]
         episode.env_reward += reward
         episode.info = info or episode.info
         if done:
@@ -180,14 +179,11 @@ class EpisodeRunner:
     def _reset(self, samples, states):
         """Call reset (if the environment has one) for every sample: its opening becomes the sample's prompt
         and prompt ids. The indices of the episodes that can start."""
-        reset = getattr(self.env, "reset", None)
-        if reset is None:
-            return list(range(len(samples)))
         cfg, active = self.settings, []
-        results = self._call([lambda s=s: reset({"prompt": s.prompt, "label": s.label}) for s in samples])
-        for i, (kind, out) in enumerate(results):
+        results = self._call("reset", [({"prompt": s.prompt, "label": s.label},) for s in samples])
+        for i, (ok, out) in enumerate(results):
             try:
-                opening = self._outcome(kind, out, "reset")
+                opening = self._outcome(ok, out, "reset")
                 if opening is None:
                     active.append(i)
                     continue
@@ -211,25 +207,20 @@ class EpisodeRunner:
             active.append(i)
         return active
 
-    def _call(self, calls):
+    def _call(self, method, calls):
+        """The environment's reset or step on each call's arguments, in the workers: (ok, value) each."""
         start = time.perf_counter()
-        results = call_all(calls, self.settings.timeout)
+        results = self.workers.map("env", method, calls, self.settings.timeout)
         self.env_s += time.perf_counter() - start
         return results
 
-    def _outcome(self, kind, out, what):
-        """A call's value (step's parsed); _Failed if it raised or timed out, or step's is malformed."""
-        if kind == "raised":
-            raise _Failed(f"raised {type(out).__name__}", f"{what} raised {out!r}")
-        if kind == "timeout":
-            raise _Failed("timeout", f"{what} took longer than --env_timeout {self.settings.timeout} s (the "
-                          "call goes on in its thread; Python cannot stop it)")
-        if what == "reset":
+    def _outcome(self, ok, out, what):
+        """A call's value; _Failed if it raised, timed out, ended its worker or did not pickle."""
+        if ok:
             return out
-        try:
-            return parse_step(out)
-        except ValueError as e:
-            raise _Failed("malformed", str(e)) from None
+        if isinstance(out, UserCodeError):
+            raise _Failed(f"raised {out.kind}", f"{what} raised {out!r}")
+        raise _Failed("timeout" if isinstance(out, TimeoutError) else type(out).__name__, f"{what}: {out}")
 
     def _fail(self, sample, kind, why, where):
         sample.episode.failure = f"{kind}: {why}"
@@ -244,6 +235,14 @@ class _Failed(Exception):
     def __init__(self, kind, why):
         super().__init__(why)
         self.kind, self.why = kind, why
+
+
+def _parsed(out):
+    """step's value as parse_step reads it; _Failed if it is malformed."""
+    try:
+        return parse_step(out)
+    except ValueError as e:
+        raise _Failed("malformed", str(e)) from None
 
 
 def score(samples, score_all, strict=False):

@@ -114,8 +114,8 @@ def resolve(args, accelerator, default_lr=None):
                    "beside the AdamW state)")
     by_rows = args.micro_train_batch_size is not None
     episodes = None if args.env is None else EpisodeSettings(
-        args.max_turns, args.max_episode_tokens, args.generate_max_len, args.env_timeout, args.prompt_max_len,
-        args.apply_chat_template, args.system_prompt)
+        args.max_turns, args.max_episode_tokens, args.generate_max_len, args.call_timeout,
+        args.prompt_max_len, args.apply_chat_template, args.system_prompt)
     return Plan(
         world, sp_size, sharded, samples_per_step, train_batch_size, train_batch_size * sp_size // world,
         bf16, torch_compile, args.chunk_size or None,

@@ -1,82 +1,46 @@
 """Where a run's rewards come from: a --reward_fn file's function (or a built-in rule by name), a remote
 reward server (--remote_rm_url, JSON over HTTP), and local reward models (--reward_pretrain); `reward_sources`
-gives a run's list of them, which rewards.RewardScorer scores.
+gives a run's list of them, which rewards.RewardScorer scores. `start_workers` starts the processes that run
+the user's code, a --reward_fn file and the --env (rft_core/workers.py).
 """
 
-import importlib.util
 import json
-import os
-import signal
-import sys
-import threading
 import time
-import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from rft_core.errors import ConfigError, MissingName, MissingPath
+from rft_core.environments import load_env
+from rft_core.errors import ConfigError
 from rft_core.logprobs import positions
 from rft_core.model_training import load_value_model
-from rft_core.rewards import BUILTIN_REWARDS, ServerError, ServiceDown
+from rft_core.rewards import BUILTIN_REWARDS, ServerError, ServiceDown, file_reward
+from rft_core.workers import Workers
 
 
-def load_reward_fn(spec):
-    """A built-in reward by name (answer, math) or the function named by 'path/to/file.py:function'."""
+def start_workers(reward_fn, env, size, timeout, seed=0, rank=0, log=print):
+    """The worker processes (--workers of them) that run a run's user code: the --reward_fn file's function
+    unless it names a built-in rule, and the --env (the built-in calculator too); None when there is none.
+    What fails to load is its one-line error here, before any model loads."""
+    targets = {"env": (load_env, env)} if env else {}
+    if reward_fn and reward_fn not in BUILTIN_REWARDS:
+        targets["reward_fn"] = (file_reward, reward_fn)
+    return Workers(targets, size, timeout, seed, rank, log) if targets else None
+
+
+def load_reward_fn(spec, workers=None, timeout=60.0):
+    """A built-in reward by name (answer, math), or a function that runs 'path/to/file.py:function' in the
+    worker processes `workers` (start_workers'; none: a process of its own), timeout seconds a call."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    fn = load_from_file(spec, "--reward_fn", "function", sorted(BUILTIN_REWARDS), "a reward file")
-    if not callable(fn):
-        raise MissingName(f"--reward_fn {spec!r}: {spec.rpartition(':')[0]} defines no function "
-                          f"{spec.rpartition(':')[2]!r}")
+    workers = workers or Workers({"reward_fn": (file_reward, spec)}, timeout=timeout)
+
+    def fn(prompts, completions, labels, **kwargs):
+        return workers.call("reward_fn", None, (prompts, completions, labels), timeout)
+
+    fn.path, _, fn.__qualname__ = spec.rpartition(":")  # how reward messages name it (rewards.describe)
+    fn.workers = workers
     return fn
-
-
-def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
-    """What 'path/to/file.py:NAME' names (None if the file defines no NAME), the file imported as a module
-    of its own; a file that fails to import, exits or is interrupted at import is one line naming the flag
-    and the line. kind: what NAME should be; builtins: the names the flag also takes; owner: "a reward
-    file"... (for the messages)."""
-    path, _, name = spec.rpartition(":")
-    if not path or not name:
-        raise ConfigError(f"{flag} {spec!r}: expected path/to/file.py:{kind}"
-                          + (f" or one of {builtins}" if builtins else ""))
-    if not os.path.isfile(path):
-        raise MissingPath(f"{flag} {spec!r}: no such file {path!r}")
-    module_spec = importlib.util.spec_from_file_location(f"user_module_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    argv, handlers, raised = sys.argv, {}, []
-
-    def noted(signum, frame):  # what a signal's handler raises (a real Ctrl-C...) stays the signal's
-        try:
-            handlers[signum](signum, frame)
-        except BaseException as e:
-            raised.append(e)
-            raise
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if callable(signal.getsignal(sig)) and threading.current_thread() is threading.main_thread():
-            handlers[sig] = signal.signal(sig, noted)
-    sys.argv = [path]  # a file that parses arguments at import sees none of the trainer's flags
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException as e:  # the user's file, whatever it raised: where in it, a line (RFT_DEBUG=1: all)
-        if any(e is r for r in raised):
-            raise
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if os.path.abspath(f.filename) == os.path.abspath(path)]
-        line = e.lineno if isinstance(e, SyntaxError) else frames[-1].lineno if frames else None
-        where = f" (line {line})" if line else ""
-        what = f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
-        if not isinstance(e, Exception):  # sys.exit, KeyboardInterrupt...
-            what = f"{e!r}: {owner} cannot end or interrupt the run (imported with sys.argv [{path!r}])"
-        raise ConfigError(f"{flag} {spec!r}: loading {path} failed{where}: {what}") from e
-    finally:
-        sys.argv = argv
-        for sig, handler in handlers.items():
-            if signal.getsignal(sig) is noted:  # unless the file installed its own
-                signal.signal(sig, handler)
-    return getattr(module, name, None)
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -178,11 +142,12 @@ def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
 
 
 def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None,
-                   place=None, default_rule="answer"):
-    """A run's (name, fn) reward sources: "rule" (--reward_fn or --remote_rm_url; the built-in default_rule
-    when no source is given at all), then "rm0", "rm1"... for the comma-separated --reward_pretrain."""
-    rule = (load_reward_fn(reward_fn) if reward_fn
-            else remote_reward_fn(remote_rm_url) if remote_rm_url else None)
+                   workers=None, timeout=60.0, place=None, default_rule="answer"):
+    """A run's (name, fn) reward sources: "rule" (--reward_fn, in `workers`, or --remote_rm_url; the built-in
+    default_rule when no source is given at all), then "rm0", "rm1"... for the comma-separated
+    --reward_pretrain. timeout: seconds a --reward_fn call or a --remote_rm_url request may take."""
+    rule = (load_reward_fn(reward_fn, workers, timeout) if reward_fn
+            else remote_reward_fn(remote_rm_url, timeout) if remote_rm_url else None)
     models = reward_pretrain.split(",") if reward_pretrain else []
     sources = [("rule", rule or BUILTIN_REWARDS[default_rule])] if rule or not models else []
     return sources + [(f"rm{i}", reward_model_fn(path, device, dtype, place=place))

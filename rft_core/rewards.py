@@ -6,18 +6,18 @@ function has the signature
 and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>).
 Built in: `answer_reward` (exact match in <answer></answer> plus a format term), `math_reward`, and the
 shapes task's `first_word_reward`; yours (--reward_fn, --remote_rm_url, reward models) come from
-rft_core/reward_sources.py. `score` contains failures: a sample whose reward raises (anything: sys.exit
-too), is not finite or is missing gets the fallback and is counted; `RewardScorer` sums a run's sources.
-Shaping: DAPO's `overlong_penalty` (running normalisation: advantages.py).
+rft_core/reward_sources.py, a --reward_fn file's function run in worker processes (rft_core/workers.py).
+`score` contains failures: a sample whose reward raises (anything: sys.exit too), is not finite or is
+missing gets the fallback and is counted; `RewardScorer` sums a run's sources. Shaping: DAPO's
+`overlong_penalty` (running normalisation: advantages.py).
 """
 
 import math
-import os
 import re
 import threading
-import traceback
 
-from rft_core.errors import ConfigError, RewardError
+from rft_core.errors import ConfigError, MissingName, RewardError
+from rft_core.workers import UserCodeError, WorkerLost, load_from_file
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -67,8 +67,8 @@ def math_reward(prompts, completions, labels, format_weight=0.1, **kwargs):
     or of the last answer in the completion when it has no tag, plus a format term."""
     from math_verify import parse, verify  # optional: pip install math-verify
 
-    # math-verify's timeouts use signal.alarm, which only the main thread may set: in the scorer's worker
-    # thread (rewards._call) --reward_timeout bounds the whole call instead
+    # math-verify bounds each parse and verify with signal.alarm, which only a main thread may set: the
+    # trainer's (built-in rules run in process) or a worker's; called from another thread, it runs unbounded
     limit = 5 if threading.current_thread() is threading.main_thread() else None
     correct, formatted = [], []
     for completion, label in zip(completions, labels):
@@ -86,6 +86,16 @@ def first_word_reward(prompts, completions, labels, **kwargs):
 
 
 BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward, "first_word": first_word_reward}
+
+
+def file_reward(spec):
+    """The function 'path/to/file.py:NAME' names (--reward_fn), loaded in a worker process
+    (rft_core/workers.py)."""
+    fn = load_from_file(spec, "--reward_fn", "function", sorted(BUILTIN_REWARDS), "a reward file")
+    if not callable(fn):
+        raise MissingName(f"--reward_fn {spec!r}: {spec.rpartition(':')[0]} defines no function "
+                          f"{spec.rpartition(':')[2]!r}")
+    return fn
 
 
 def overlong_penalty(length, max_len, buffer_len, factor=1.0):
@@ -108,23 +118,25 @@ class ServerError(ConnectionError):
 
 
 def describe(fn, error=None):
-    """How messages name a reward function: 'name in path/to/file.py' (and the line that raised `error`),
-    or the name alone for rft_core's own (a built-in rule, the --remote_rm_url client)."""
+    """How messages name a reward function: 'name in path/to/file.py' (and the line that raised `error`) for
+    a --reward_fn file's, the name alone for rft_core's own (a built-in rule, the --remote_rm_url client)."""
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    path = getattr(getattr(fn, "__code__", None), "co_filename", "")
-    if not path or os.path.dirname(os.path.abspath(path)) == os.path.dirname(os.path.abspath(__file__)):
-        return name
-    frames = traceback.extract_tb(getattr(error, "__traceback__", None))
-    lines = [f.lineno for f in frames if f.filename == path]
-    return f"{name} in {path}" + (f" line {lines[-1]}" if lines else "")
+    path, line = getattr(fn, "path", None), getattr(error, "line", None)
+    return f"{name} in {path}" + (f" line {line}" if line else "") if path else name
 
 
-def _rows(reward_fn, prompts, completions, labels, timeout=None):
-    """One {component: value} dict per sample; raises if the call fails, takes longer than timeout seconds or
-    returns something malformed. The reward gets copies of the lists: one that pops from them cannot change
-    the samples, nor the count its values are checked against."""
+def _rows(reward_fn, prompts, completions, labels):
+    """One {component: value} dict per sample; raises if the call fails or returns something malformed. The
+    reward gets copies of the lists: one that pops from them cannot change the samples, nor the count its
+    values are checked against. What a file's reward raised that is no Exception (sys.exit...) is named."""
     n = len(completions)
-    out = _call(reward_fn, (list(prompts), list(completions), list(labels)), timeout)
+    try:
+        out = reward_fn(list(prompts), list(completions), list(labels))
+    except UserCodeError as e:
+        if not e.interrupt:
+            raise
+        raise RewardError(f"{e!r} raised by {describe(reward_fn, e)}: a reward function returns its values "
+                          "or raises an Exception, it cannot end or interrupt the run") from None
     components = out if isinstance(out, dict) else {"reward": out}
     for name, values in components.items():
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
@@ -135,50 +147,18 @@ def _rows(reward_fn, prompts, completions, labels, timeout=None):
     return [{name: float(values[i]) for name, values in components.items()} for i in range(n)]
 
 
-_left_running = []  # reward calls that timed out: they go on in their daemon threads
-
-
-def _call(fn, args, timeout):
-    """fn(*args) in a worker thread, waited for up to timeout seconds (None: no limit). What the reward raises
-    stays its own: a BaseException (sys.exit, KeyboardInterrupt...) becomes a RewardError naming it, while a
-    real Ctrl-C interrupts this wait in the main thread as it would anywhere. After timeout seconds,
-    TimeoutError: the call goes on in the background (Python cannot stop a thread), as its message says."""
-    result = {}
-
-    def target():
-        try:
-            result["out"] = fn(*args)
-        except BaseException as e:  # handed to the caller below
-            result["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        _left_running[:] = [t for t in _left_running if t.is_alive()] + [thread]
-        raise TimeoutError(f"no result within --reward_timeout {timeout} s; the call goes on in the "
-                           f"background (Python cannot stop a thread): {len(_left_running)} such call(s) "
-                           "running")
-    error = result.get("error")
-    if error is not None and not isinstance(error, Exception):  # the reward's, not a signal to this process
-        raise RewardError(f"{error!r} raised by {describe(fn, error)}: a reward function returns its values "
-                          "or raises an Exception, it cannot end or interrupt the run") from error
-    if error is not None:
-        raise error
-    return result["out"]
-
-
 def _why(e):  # a RewardError's message reads as it is; any other exception as its repr, its type first
     return str(e) if isinstance(e, RewardError) else repr(e)
 
 
-def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, timeout=None):
+def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
     """Rewards (a list), components {name: list}, and the failures [(sample index, why)]: those samples got
     `fallback`.
 
     The batch is scored in one call; if that call fails (raises, wrong length), each sample is scored
-    alone so one bad sample costs only itself (a batch that timed out, or whose reward server did not answer,
-    is not retried: every sample fails; nor are the rest once the server failed the first two alone alike).
+    alone so one bad sample costs only itself (a batch that timed out or ended its worker process, or whose
+    reward server did not answer, is not retried: every sample fails; nor are the rest once the server failed
+    the first two alone alike).
     Non-finite values count as failures. strict=True raises on the first failure instead, showing the sample.
     """
     failures = []
@@ -191,8 +171,8 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, t
         return None
 
     try:
-        rows = _rows(reward_fn, prompts, completions, labels, timeout)
-    except (TimeoutError, ServiceDown) as e:
+        rows = _rows(reward_fn, prompts, completions, labels)
+    except (TimeoutError, WorkerLost, ServiceDown) as e:
         rows = [fail(i, _why(e)) for i in range(len(completions))]
     except Exception as batch_error:  # find the culprit(s): score one by one
         rows, alike = [], 0  # alike: the first samples alone that the server failed as it failed the batch
@@ -201,7 +181,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, t
                 rows.append(fail(i, _why(batch_error)))
                 continue
             try:
-                rows += _rows(reward_fn, prompts[i:i + 1], completions[i:i + 1], labels[i:i + 1], timeout)
+                rows += _rows(reward_fn, prompts[i:i + 1], completions[i:i + 1], labels[i:i + 1])
             except Exception as e:
                 rows.append(fail(i, _why(e)))
                 alike += i == alike and isinstance(e, ServerError) and str(e) == str(batch_error)
@@ -221,12 +201,12 @@ class RewardScorer:
     under its name. The first failure of each kind (source and exception type) is printed with its sample;
     `check(failed, total, step)` stops the run when the share of failed samples reaches `failure_limit`."""
 
-    def __init__(self, sources, weights=None, fallback=0.0, timeout=None, failure_limit=1.0, log=print):
+    def __init__(self, sources, weights=None, fallback=0.0, failure_limit=1.0, log=print):
         self.sources, self.weights = sources, weights or [1.0] * len(sources)
         if len(self.weights) != len(sources):
             raise ConfigError(f"--reward_weights has {len(self.weights)} values for {len(sources)} reward "
                               f"sources ({', '.join(name for name, _ in sources)})")
-        self.fallback, self.timeout, self.failure_limit, self.log = fallback, timeout, failure_limit, log
+        self.fallback, self.failure_limit, self.log = fallback, failure_limit, log
         self.seen, self.last_failure = set(), None
 
     def __call__(self, samples, strict=False):
@@ -234,8 +214,7 @@ class RewardScorer:
         completions = [s.completion for s in samples]
         total, components, failed = [0.0] * len(samples), [{} for _ in samples], set()
         for (name, reward_fn), weight in zip(self.sources, self.weights):
-            rewards, comps, failures = score(reward_fn, prompts, completions, labels, self.fallback, strict,
-                                             self.timeout)
+            rewards, comps, failures = score(reward_fn, prompts, completions, labels, self.fallback, strict)
             total = [t + weight * r for t, r in zip(total, rewards)]
             named = comps if name == "rule" else {name: rewards}
             for i, sample_components in enumerate(components):

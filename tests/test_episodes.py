@@ -11,11 +11,12 @@ import torch
 
 from rft_core.advantages import gae, token_level_advantages, token_rewards, whiten
 from rft_core.engines.base import Generation
-from rft_core.environments import call_all, parse_step
+from rft_core.environments import HostedEnv, State, load_env, parse_step
 from rft_core.episodes import EpisodeRunner, EpisodeSettings, episode_metrics, score
 from rft_core.experience import Experience, Forward, Sample, build_experience
 from rft_core.losses import LossSettings, actor_loss
 from rft_core.runs.metrics import rollout_metrics
+from rft_core.workers import UserCodeError, Workers
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,23 @@ class TurnEngine:
             ids = ids[:limit]
             out.append(Generation(ids, [-(k + 1) / 10 for k in range(len(ids))]))
         return out
+
+
+class InProcess:
+    """The workers' map for an environment object of this file's, called in this process (the tests of the
+    episodes' logic; the workers' own tests use a file)."""
+
+    def __init__(self, env):
+        self.env = HostedEnv(env)
+
+    def map(self, name, method, calls, timeout):
+        results = []
+        for args in calls:
+            try:
+                results.append((True, getattr(self.env, method)(*args)))
+            except Exception as e:
+                results.append((False, UserCodeError(repr(e), type(e).__name__)))
+        return results
 
 
 class Scripted:
@@ -67,7 +85,7 @@ def prompts(tokenizer, n=2):
 def run(env, tokenizer, samples, engine=None, **settings):
     engine = engine or TurnEngine(tokenizer.eos_token_id)
     settings = EpisodeSettings(**{"turn_tokens": 8, **settings})
-    runner = EpisodeRunner(env, tokenizer, settings, log=lambda m: None)
+    runner = EpisodeRunner(InProcess(env), tokenizer, settings, log=lambda m: None)
     out = runner.run(lambda p, limits, mm: engine.generate(p, limits, mm=mm), samples, lambda n: n > 0)
     return out, engine, runner
 
@@ -127,7 +145,7 @@ def test_every_rank_runs_the_same_number_of_turns(tokenizer):
     prompts): a tensor-parallel engine's call is a collective."""
     engine = TurnEngine(tokenizer.eos_token_id)
     others = iter([True, True, False])
-    runner = EpisodeRunner(Scripted([(None, True)]), tokenizer, EpisodeSettings(turn_tokens=8),
+    runner = EpisodeRunner(InProcess(Scripted([(None, True)])), tokenizer, EpisodeSettings(turn_tokens=8),
                            log=lambda m: None)
     runner.run(lambda p, limits, mm: engine.generate(p, limits), prompts(tokenizer, 1),
                lambda n: n > 0 or next(others))
@@ -135,29 +153,56 @@ def test_every_rank_runs_the_same_number_of_turns(tokenizer):
 
 
 
-def test_environment_faults_end_the_episode_not_the_run(tokenizer):
-    """An environment that raises (an Exception, or SystemExit), hangs, returns something malformed or an
-    answer too long for the episode: that episode ends with its failure, counted, the first of each kind
-    printed; the others go on."""
-    def step(state, text):
+ENV = """import os, threading, time
+class Env:
+    def step(self, state, text):
         kind = state.sample["label"]
+        state.data.setdefault("pids", []).append(os.getpid())
         if kind == "raise":
             raise ValueError("boom")
         if kind == "exit":
             raise SystemExit(3)
+        if kind == "os_exit":
+            os._exit(0)
         if kind == "hang":
-            time.sleep(5)
+            time.sleep(30)
         if kind == "malformed":
             return 42
         if kind == "long":
             return "word " * 200, False
+        if kind == "lock":
+            state.data["lock"] = threading.Lock()
+        if kind == "leak":
+            state.data["n"] = len(LEAKED)
+            LEAKED.append(bytearray(40 << 20))
+        if kind == "spin" and not state.data.get("spun"):
+            state.data["spun"] = threading.Thread(target=lambda: sum(iter(int, 1)), daemon=True).start()
         return (None, True) if state.turn == 2 else ("fine", False)
+LEAKED = []
+"""
 
-    env = Scripted([step, step])
-    kinds = ["raise", "exit", "hang", "malformed", "long", "ok", "raise"]
+
+@pytest.fixture(scope="module")
+def env_workers(tmp_path_factory):
+    """Two worker processes holding the ENV file's environment; the lines they said."""
+    path = tmp_path_factory.mktemp("env") / "env.py"
+    path.write_text(ENV)
+    said = []
+    workers = Workers({"env": (load_env, f"{path}:Env")}, size=2, timeout=0.5, log=said.append)
+    yield workers, said
+    workers.close()
+
+
+def test_environment_faults_end_the_episode_not_the_run(tokenizer, env_workers):
+    """An environment (in worker processes) that raises (an Exception, or SystemExit), calls os._exit, hangs,
+    keeps a state that does not pickle, returns something malformed or an answer too long for the episode:
+    that episode ends with its failure, counted, the first of each kind printed; the others go on. The hung
+    call is stopped at the timeout (its worker killed) and the workers that ended are replaced."""
+    workers, said = env_workers
+    kinds = ["raise", "exit", "os_exit", "hang", "lock", "malformed", "long", "ok", "raise"]
     samples = [replace(s, label=k) for s, k in zip(prompts(tokenizer, len(kinds)), kinds)]
     lines = []
-    runner = EpisodeRunner(env, tokenizer, EpisodeSettings(turn_tokens=8, timeout=0.5, max_tokens=100),
+    runner = EpisodeRunner(workers, tokenizer, EpisodeSettings(turn_tokens=8, timeout=0.5, max_tokens=100),
                            log=lines.append)
     engine = TurnEngine(tokenizer.eos_token_id)
     start = time.monotonic()
@@ -165,10 +210,45 @@ def test_environment_faults_end_the_episode_not_the_run(tokenizer):
     assert time.monotonic() - start < 4  # the hung call was not waited for
     failures = [s.episode.failure for s in out]
     assert failures[0].startswith("raised ValueError") and failures[1].startswith("raised SystemExit")
-    assert failures[2].startswith("timeout") and failures[3].startswith("malformed")
-    assert failures[4].startswith("context") and failures[5] is None and failures[6].startswith("raised")
-    assert out[5].episode.env_calls == 2 and len(lines) == 5  # the second ValueError is not printed again
+    assert failures[2].startswith("WorkerLost: step: its worker process ended during the call (exit status 0")
+    assert failures[3].startswith("timeout: step: no result within --call_timeout 0.5 s: the call was")
+    assert failures[4].startswith("PicklingError: step: its result does not pickle") and "lock" in failures[4]
+    assert failures[5].startswith("malformed") and failures[6].startswith("context")
+    assert failures[7] is None and failures[8].startswith("raised")
+    assert out[7].episode.env_calls == 2 and len(lines) == 7  # the second ValueError is not printed again
     assert "--reward_fallback" in lines[0] and "ValueError('boom')" in lines[0]
+    assert workers.restarts["ended"] >= 1 and workers.restarts["timeout"] == 1
+    assert any(line.startswith("[workers] a call ran past --call_timeout 0.5 s: killed") for line in said)
+
+
+def test_the_state_goes_to_whichever_worker_runs_the_next_step(env_workers):
+    """state.data persists across turns though another worker process runs each step; the trainer's copy is
+    the one step returned."""
+    workers, _ = env_workers
+    a, b = State({"prompt": "p", "label": "ok"}, turn=1), State({"prompt": "p", "label": "ok"}, turn=1)
+    (_, (out_a, a)), (_, (_, b)) = workers.map("env", "step", [(a, "x"), (b, "x")])
+    (_, (_, b)), (_, (out_a, a)) = workers.map("env", "step", [(b, "x"), (replace(a, turn=2), "x")])
+    assert out_a == (None, True) and len(a.data["pids"]) == 2 and len(set(a.data["pids"])) == 2
+
+
+def test_a_worker_that_leaks_or_spins_is_replaced(env_workers, monkeypatch):
+    """A worker whose memory grew past the bound is replaced after its call; one that burns CPU between
+    calls (a thread left spinning) before its next call; each kind said once."""
+    import rft_core.workers as pool
+
+    workers, said = env_workers
+    monkeypatch.setattr(pool, "LEAK_BYTES", 30 << 20)
+    monkeypatch.setattr(pool, "BUSY_MIN_S", 0.1)
+    state = State({"prompt": "p", "label": "leak"}, turn=1)
+    pids = [workers.call("env", "step", (state, "x"))[1].data["pids"][-1] for _ in range(3)]
+    assert len(set(pids)) == 3 and workers.restarts["memory"] == 3
+    state = State({"prompt": "p", "label": "spin"}, turn=1)
+    _, state = workers.call("env", "step", (state, "x"))
+    time.sleep(0.4)
+    _, state = workers.call("env", "step", (state, "x"))
+    assert workers.restarts["busy"] == 1 and len(set(state.data["pids"])) == 2
+    assert sum(line.startswith("[workers] a worker used") for line in said) == 1
+    assert sum("memory grew" in line for line in said) == 1
 
 
 def test_a_reset_that_fails_or_returns_an_opening(tokenizer):
@@ -194,17 +274,6 @@ def test_malformed_steps_are_named(bad, why):
     with pytest.raises(ValueError, match=why.replace("(", r"\(")):
         parse_step(bad)
     assert parse_step(("x", 0)) == ([{"role": "user", "content": "x"}], False, 0.0, {})
-
-
-def test_call_all():
-    def hang():
-        time.sleep(2)
-
-    def fail():
-        raise KeyboardInterrupt
-
-    results = call_all([lambda: 1, fail, hang], timeout=0.2)
-    assert results[0] == ("ok", 1) and results[1][0] == "raised" and results[2] == ("timeout", None)
 
 
 def test_scoring_episodes():
@@ -396,7 +465,8 @@ def test_greedy_episodes_reproduce_and_the_trainer_scores_the_sampled_tokens(eos
     tok = AutoTokenizer.from_pretrained(eos_model_dir)
     engine = HFEngine(model, tok)
     env = Scripted([("a", False), ("b c", False), (None, True)])
-    runner = EpisodeRunner(env, tok, EpisodeSettings(turn_tokens=12, max_turns=3), log=lambda m: None)
+    settings = EpisodeSettings(turn_tokens=12, max_turns=3)
+    runner = EpisodeRunner(InProcess(env), tok, settings, log=lambda m: None)
 
     def episodes(temperature):
         torch.manual_seed(0)
@@ -421,7 +491,8 @@ def test_greedy_episodes_reproduce_and_the_trainer_scores_the_sampled_tokens(eos
     (["--env", "calculator", "--overlong_buffer_len", "4"], "--overlong_buffer_len with --env"),
     (["--max_turns", "2"], "--max_turns 2: it limits the episodes of --env"),
     (["--env", "calculator", "--max_episode_tokens", "16"], "--max_episode_tokens 16: one turn"),
-    (["--env", "calculator", "--env_timeout", "0"], "--env_timeout 0.0: must be > 0")])
+    (["--env", "calculator", "--call_timeout", "0"], "--call_timeout 0.0: must be > 0"),
+    (["--env", "calculator", "--workers", "0"], "--workers 0: must be >= 1")])
 def test_flags_that_cannot_work_with_episodes(flags, why):
     from rft_core.errors import ConfigError
     from rft_core.runs.checks import check_args
@@ -434,19 +505,29 @@ def test_flags_that_cannot_work_with_episodes(flags, why):
 
 
 def test_environment_files_that_cannot_load(tmp_path):
-    from rft_core.environments import load_env
+    """Each is one line when the workers start, before any model loads: a file that is not there, exits at
+    import or has no such environment, a class that cannot be made with no arguments."""
     from rft_core.errors import ConfigError, MissingName, MissingPath
+    from rft_core.reward_sources import start_workers
 
-    (tmp_path / "env.py").write_text("class NoStep:\n    pass\nimport sys\nx = 1\n")
+    (tmp_path / "env.py").write_text("class NoStep:\n    pass\nimport sys\nx = 1\n"
+                                     "class Needs:\n    def __init__(self, n):\n        self.step = n\n")
     with pytest.raises(MissingName, match="no 'NoStep' with a step"):
         load_env(f"{tmp_path}/env.py:NoStep")
     with pytest.raises(MissingPath):
         load_env(f"{tmp_path}/none.py:Env")
     with pytest.raises(ConfigError, match="expected path/to/file.py:NAME or one of"):
         load_env("calculatr")
-    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
-    with pytest.raises(ConfigError, match="an environment file cannot end"):
-        load_env(f"{tmp_path}/exits.py:Env")
+    with pytest.raises(ConfigError, match=r"making Needs\(\) failed: TypeError\(.*an environment class is "
+                       "made with no arguments"):
+        load_env(f"{tmp_path}/env.py:Needs")
     (tmp_path / "ok.py").write_text("class Env:\n    def step(self, state, text):\n"
                                     "        return None, True\n")
-    assert load_env(f"{tmp_path}/ok.py:Env").step(None, "") == (None, True)
+    assert load_env(f"{tmp_path}/ok.py:Env").step(None, "") == ((None, True), None)
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ConfigError, match="an environment file cannot end"):  # through a worker process
+        start_workers(None, f"{tmp_path}/exits.py:Env", 2, 30)
+    workers = start_workers("answer", "calculator", 1, 30)  # the built-in calculator runs in a worker too
+    opening = workers.call("env", "reset", ({"prompt": "What is 12 * 34?"},))
+    workers.close()
+    assert list(workers.targets) == ["env"] and opening[-1]["content"] == "What is 12 * 34?"

@@ -469,9 +469,9 @@ def test_reward_failures_are_printed_once_and_bounded(tmp_path):
     for name, why in [("raises", "RuntimeError('reward server down')"),
                       ("wrong_length", "has 1 values for 1"),
                       ("strings", "could not convert string to float"), ("nan", "non-finite"),
-                      ("slow", "no result within --reward_timeout 0.2 s")]:
+                      ("slow", "no result within --call_timeout 0.2 s")]:
         said = []
-        scorer = RewardScorer([("rule", load_reward_fn(f"{tmp_path}/rw.py:{name}"))], timeout=0.2,
+        scorer = RewardScorer([("rule", load_reward_fn(f"{tmp_path}/rw.py:{name}", timeout=0.2))],
                               log=said.append)
         samples = [Sample([1], "x", "p", completion=c) for c in ("a", "b")]
         assert scorer(samples) == (2 if name != "wrong_length" else 0), name

@@ -1,0 +1,357 @@
+"""User code (a --reward_fn file's function, an --env) runs in worker processes, never in the trainer's, so
+whatever it does stays there: it reseeds random / numpy / torch, changes directory, exits, crashes, hangs,
+leaks memory, leaves a thread spinning or starts children of its own. Each of those is at most that call's
+failure, and the worker is replaced.
+
+    workers = Workers({"env": (load_env, "calculator")}, size=4, timeout=60, seed=args.seed, rank=rank)
+    workers.call("env", "reset", (sample,))                       # one call: its result, or it raises
+    workers.map("env", "step", [(state, text), ...])              # spread over the workers: (ok, value) each
+
+A worker is `python -m rft_core.workers FD` (this module imports nothing heavy: it starts in ~0.1 s, not
+multiprocessing's spawn, which imports the training script again) in a session of its own, with the
+trainer's working directory and environment, talking pickles over a socket. It builds each target itself,
+loader(spec) (the user's file imported there, never in the trainer), seeds random (and numpy / torch where
+the user's code imported them) from (seed, rank) and again before each call from (seed, rank, call number):
+the same run draws the same numbers whichever worker runs a call.
+
+A call past its timeout is stopped: the worker's whole process group is killed (SIGKILL) and a new worker
+starts at its next call. So is a worker that ended during a call, one whose memory grew LEAK_BYTES past its
+start, and one that used CPU while idle between calls (a thread it left running). Restarts are counted and
+said once per kind. The pool is closed, every process group killed, when it is dropped or the trainer exits
+by any path; a worker whose trainer died without a word kills its own group within a second.
+"""
+
+import collections
+import importlib.util
+import os
+import pickle
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from rft_core.errors import ConfigError, MissingPath, UserError
+
+LEAK_BYTES = 1 << 30  # a worker whose resident memory grew this much since it started is replaced
+BUSY_SHARE, BUSY_MIN_S = 0.5, 1.0  # ... and one that used this share of a CPU while idle (at least this long)
+START_S = 120.0  # seconds a worker may take to load the user's file, at least (heavy imports take a while)
+
+
+class UserCodeError(Exception):
+    """What user code raised in its worker: reads as the original (repr: RuntimeError('boom')); `kind` is its
+    type's name, `line` the line of the user's file it came from, `interrupt` whether it was no Exception
+    (sys.exit, KeyboardInterrupt...: user code cannot end the run)."""
+
+    def __init__(self, what, kind, line=None, interrupt=False):
+        super().__init__(what)
+        self.kind, self.line, self.interrupt = kind, line, interrupt
+
+    def __repr__(self):
+        return self.args[0]
+
+
+class WorkerLost(ChildProcessError):
+    """The worker running a call ended during it (os._exit, a crash, the out-of-memory killer)."""
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+    rss: int = 0  # resident bytes once it had loaded its targets
+    cpu: float = 0.0  # CPU seconds it had used when its last call ended ...
+    since: float = 0.0  # ... and when that was (time.monotonic())
+
+
+class Workers:
+    """`size` worker processes, each holding its own copy of the targets {name: (loader, spec)}: loader(spec),
+    a module-level function of a module that does not import torch. Start-up waits for every worker to build
+    them: a file that fails to import (or an environment class that cannot be made) is its one-line error
+    here, a UserError. `timeout`: seconds a call (and a worker's start) may take, unless the call says."""
+
+    def __init__(self, targets, size=1, timeout=60.0, seed=0, rank=0, log=print):
+        self.targets, self.timeout, self.seed, self.rank, self.log = targets, timeout, seed, rank, log
+        self.procs = [None] * size  # a _Worker, or None: stopped (started again at its next call)
+        self.calls, self.restarts = 0, collections.Counter()
+        self.close = weakref.finalize(self, _stop_all, self.procs, os.getpid())  # also at exit
+        try:
+            for i in range(size):
+                self._spawn(i)
+            for i in range(size):
+                self._ready(i)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, i):
+        ours, theirs = socket.socketpair()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where rft_core is
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        with theirs:  # the worker's stdout is the run's stderr: the step lines stay apart from its prints
+            proc = subprocess.Popen([sys.executable, "-m", "rft_core.workers", str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()], start_new_session=True, stdout=2,
+                                    stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
+        self.procs[i] = _Worker(proc, Connection(ours.detach()))
+        self.procs[i].conn.send((self.targets, self.seed, self.rank))
+
+    def _ready(self, i):
+        """Wait for worker i to build the targets; what failed there is raised here."""
+        worker, named, limit = self.procs[i], self._named(), max(self.timeout, START_S)
+        if not worker.conn.poll(limit):
+            raise ConfigError(f"{named}: loading it took longer than {limit} s")
+        try:
+            reply = worker.conn.recv()
+        except EOFError:
+            status = _status(worker.proc)
+            raise ConfigError(f"{named}: loading it ended its worker process ({status})") from None
+        if reply[0] == "error":
+            raise reply[1]
+        worker.cpu, worker.rss = _usage(worker.proc.pid) or (0.0, 0)
+        worker.since = time.monotonic()
+
+    def call(self, name, method, args, timeout=None):
+        """Target `name`'s `method` (None: the target itself) called with args in a worker: its result, or the
+        call's error (as map gives it) raised."""
+        (ok, value), = self.map(name, method, [args], timeout)
+        if not ok:
+            raise value
+        return value
+
+    def map(self, name, method, calls, timeout=None):
+        """Each call (a tuple of arguments) run in a worker, spread over them, one at a time in each. Returns
+        per call (True, result) or (False, error): a UserCodeError (what the code raised), TimeoutError (no
+        result within timeout seconds: the call was stopped), WorkerLost, or pickle.PicklingError (its
+        arguments or result could not cross between the processes)."""
+        timeout = self.timeout if timeout is None else timeout
+        results, todo, running = [None] * len(calls), list(range(len(calls))), {}  # worker: (call, deadline)
+        try:
+            while todo or running:
+                for i in range(len(self.procs)):  # each idle worker takes the next call
+                    if todo and i not in running:
+                        k = todo.pop(0)
+                        error = self._send(i, (name, method, calls[k]))
+                        if error is None:
+                            running[i] = (k, time.monotonic() + timeout)
+                        else:
+                            results[k] = (False, error)
+                if running:
+                    self._collect(running, results, timeout)
+        except BaseException:  # a real Ctrl-C while waiting: the calls under way are stopped
+            for i in running:
+                self._stop(i)
+            raise
+        return results
+
+    def _send(self, i, message):
+        """Start a call in worker i (started afresh if it is stopped or past a bound); the call's error if it
+        could not be sent, else None."""
+        worker = self.procs[i]
+        if worker is not None:
+            usage, idle = _usage(worker.proc.pid), time.monotonic() - worker.since
+            if usage and usage[0] - worker.cpu > max(BUSY_MIN_S, BUSY_SHARE * idle):
+                self._stop(i, "busy", f"a worker used {usage[0] - worker.cpu:.1f} s of CPU in {idle:.1f} s "
+                                      f"between calls (a thread of {self._named()} left running?)")
+        if self.procs[i] is None:
+            try:
+                self._spawn(i)
+                self._ready(i)
+            except BaseException:
+                self._stop(i)
+                raise
+        self.calls += 1
+        try:
+            data = pickle.dumps((*message, self.calls))
+        except Exception as e:  # nothing was sent
+            return pickle.PicklingError(f"its arguments do not pickle (they go to a worker process): {e!r}")
+        try:
+            self.procs[i].conn.send_bytes(data)
+        except OSError:
+            return self._lost(i)
+        return None
+
+    def _collect(self, running, results, timeout):
+        """Wait until a running call ends or reaches its deadline; take in every result there is."""
+        ends = min(deadline for _, deadline in running.values())
+        ready = wait([self.procs[i].conn for i in running], max(0.0, ends - time.monotonic()))
+        now = time.monotonic()
+        for i, (k, deadline) in list(running.items()):
+            if self.procs[i].conn in ready:
+                del running[i]
+                results[k] = self._receive(i)
+            elif now >= deadline:
+                del running[i]
+                self._stop(i, "timeout", f"a call ran past --call_timeout {timeout} s")
+                stopped = f"no result within --call_timeout {timeout} s: the call was stopped (its worker "
+                results[k] = (False, TimeoutError(stopped + "process killed, a new one started)"))
+
+    def _receive(self, i):
+        worker = self.procs[i]
+        try:
+            reply = worker.conn.recv()
+        except EOFError:
+            return False, self._lost(i)
+        except Exception as e:  # a result of a class only the user's file defines
+            return False, pickle.PicklingError(f"its result cannot be read outside its worker: {e!r}; return "
+                                               "built-in types (numbers, strings, lists, dicts)")
+        worker.cpu, rss = _usage(worker.proc.pid) or (0.0, 0)
+        worker.since = time.monotonic()
+        if rss > worker.rss + LEAK_BYTES:
+            grew = (rss - worker.rss) / 2**30
+            self._stop(i, "memory", f"a worker's memory grew to {rss / 2**30:.1f} GiB, by {grew:.1f} GiB "
+                                    f"since it started (a leak in {self._named()}?)")
+        if reply[0] == "ok":
+            return True, reply[1]
+        if reply[0] == "unpicklable":
+            return False, pickle.PicklingError(reply[1])
+        return False, UserCodeError(*reply[1:])
+
+    def _lost(self, i):
+        status = _status(self.procs[i].proc)
+        self._stop(i, "ended", f"a worker process ended during a call ({status})")
+        return WorkerLost(f"its worker process ended during the call ({status}: os._exit, a crash or the "
+                          "out-of-memory killer?); a new one takes its place")
+
+    def _stop(self, i, kind=None, why=None):
+        """Kill worker i and whatever it started; it starts afresh at its next call. A restart of a kind
+        (timeout, ended, memory, busy) is counted, and `why` said the first time."""
+        if self.procs[i] is not None:
+            _kill(self.procs[i])
+        self.procs[i] = None
+        if kind:
+            self.restarts[kind] += 1
+            if self.restarts[kind] == 1:
+                self.log(f"[workers] {why}: killed with whatever it started; a new worker takes its place "
+                         "(said once per kind)")
+
+    def _named(self):
+        return " / ".join(f"--{name} {spec!r}" for name, (_, spec) in self.targets.items())
+
+
+def _usage(pid):
+    """(CPU seconds, resident bytes) of process pid from /proc (Linux); None where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command's name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[21]) * os.sysconf(
+            "SC_PAGE_SIZE")  # utime, stime and rss: fields 14, 15 and 24 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _status(proc):
+    """How a worker whose connection closed ended: its exit status, or the signal that killed it."""
+    try:
+        code = proc.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+        return "it closed its connection"
+    return f"killed by signal {-code} ({signal.strsignal(-code)})" if code < 0 else f"exit status {code}"
+
+
+def _kill(worker):
+    try:
+        os.killpg(worker.proc.pid, signal.SIGKILL)  # its group: the worker and what it started
+    except ProcessLookupError:
+        pass
+    worker.proc.wait()
+    worker.conn.close()
+
+
+def _stop_all(procs, owner):
+    if os.getpid() != owner:  # a forked copy of the trainer: the workers are not its own
+        return
+    for i, worker in enumerate(procs):
+        if worker is not None:
+            _kill(worker)
+            procs[i] = None
+
+
+def line_in(error, path):
+    """The line of file `path` where `error` was raised (the innermost frame there), or None."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == path]
+    return error.lineno if isinstance(error, SyntaxError) else frames[-1].lineno if frames else None
+
+
+def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
+    """What 'path/to/file.py:NAME' names (None if the file defines no NAME), the file imported as a module
+    of its own, with sys.argv [path] (it sees none of the trainer's flags); whatever it raises at import is
+    one line naming the flag and the line. kind: what NAME should be; builtins: the names the flag also
+    takes; owner: "a reward file"... (for the messages). Called in a worker."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ConfigError(f"{flag} {spec!r}: expected path/to/file.py:{kind}"
+                          + (f" or one of {builtins}" if builtins else ""))
+    if not os.path.isfile(path):
+        raise MissingPath(f"{flag} {spec!r}: no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(f"user_module_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.argv = [path]
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:  # the user's file, whatever it raised: where in it, a line
+        line = line_in(e, os.path.abspath(path))
+        what = f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
+        if not isinstance(e, Exception):  # sys.exit, KeyboardInterrupt...
+            what = f"{e!r}: {owner} cannot end or interrupt the run (imported with sys.argv [{path!r}])"
+        raise ConfigError(f"{flag} {spec!r}: loading {path} failed{f' (line {line})' if line else ''}: "
+                          f"{what}") from None
+    return getattr(module, name, None)
+
+
+def _seed(*key):
+    """random, and numpy and torch where the user's code imported them, seeded from key."""
+    random.seed(repr(key))  # a string seeds through SHA-512: the same in every process
+    value = random.getrandbits(32)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(value)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(value)
+
+
+def _watch(parent):
+    """A worker's watch on its trainer: once the trainer is gone (killed without closing its workers), the
+    worker's group goes too, whatever the user's code is doing."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.killpg(0, signal.SIGKILL)
+
+
+def serve(fd):
+    """A worker's life: build the targets the first message names (reply ("ready",) or ("error", UserError)),
+    then answer calls (name, method, args, number) until the trainer closes the socket."""
+    conn = Connection(fd)
+    targets, seed, rank = conn.recv()
+    threading.Thread(target=_watch, args=(os.getppid(),), daemon=True).start()
+    _seed(seed, rank)
+    paths = {name: os.path.abspath(spec.rpartition(":")[0]) for name, (_, spec) in targets.items()}
+    try:
+        built = {name: loader(spec) for name, (loader, spec) in targets.items()}
+    except UserError as e:
+        return conn.send(("error", e))
+    conn.send(("ready",))
+    while True:
+        try:
+            name, method, args, number = conn.recv()
+        except EOFError:
+            return
+        _seed(seed, rank, number)
+        try:
+            reply = ("ok", (built[name] if method is None else getattr(built[name], method))(*args))
+        except BaseException as e:  # the user's, whatever it is (sys.exit too): that call's failure
+            line = line_in(e, paths[name])
+            reply = ("raised", repr(e), type(e).__name__, line, not isinstance(e, Exception))
+        try:
+            conn.send(reply)
+        except Exception as e:
+            conn.send(("unpicklable", f"its result does not pickle (it comes back from a worker process): "
+                                      f"{e!r}"))
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
