@@ -288,11 +288,13 @@ def test_episodes_through_vllm(engine_and_model):
     from rft_core.data import encode_rows
     from rft_core.episodes import EpisodeRunner, EpisodeSettings
     from rft_core.experience import batched_logprobs, build_experience
-    from rft_core.tasks.calculator import Calculator, multiply_task
+    from rft_core.reward_sources import start_workers
+    from rft_core.tasks.calculator import multiply_task
 
     engine, model, tokenizer = engine_and_model
     samples, _ = encode_rows(tokenizer, multiply_task(num_train=1)[1][:16], 512)
-    runner = EpisodeRunner(Calculator(), tokenizer, EpisodeSettings(turn_tokens=32, max_tokens=160))
+    runner = EpisodeRunner(start_workers(None, "calculator", 4, 60), tokenizer,
+                           EpisodeSettings(turn_tokens=32, max_tokens=160))
 
     def episodes(temperature):
         return runner.run(lambda p, limits, mm: engine.generate(p, limits, temperature, mm=mm), samples,
