@@ -98,3 +98,64 @@ def test_text_batches_name_their_flag(tmp_path):
     assert [next(stream) for _ in range(3)] == [["b"], ["b"], ["b"]]
     with pytest.raises(KeyError, match="--pretrain_data .* has no column 'body'"):
         next(text_batches(str(path), "body", 2))
+
+
+def test_an_edited_file_is_read_afresh(tmp_path):
+    """datasets' cache, keyed by path and modification time, served an edited file's old rows (an edit that
+    kept the size and time: a copy with `cp -p`, a checkout); every load reads the file now."""
+    import os
+    import time
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 1 + 1?", "label": "2"}))
+    stat = os.stat(path)
+    assert load_prompt_rows(str(path))[0][0]["label"] == "2"
+    time.sleep(0.02)
+    path.write_text(json.dumps({"prompt": "What is 1 + 2?", "label": "3"}))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert load_prompt_rows(str(path))[0][0]["label"] == "3"
+
+
+def test_a_dataset_dict_directory_gives_its_train_split(tmp_path):
+    """A save_to_disk DatasetDict was read as a JSON file of one row (`no column 'prompt' (columns:
+    ['splits'])`): its 'train' split is read and said; without one, its splits are named."""
+    import datasets
+
+    train = datasets.Dataset.from_list([{"prompt": "a", "label": "1"}, {"prompt": "b", "label": "2"}])
+    datasets.DatasetDict({"train": train, "test": train.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    said = []
+    rows, _ = load_prompt_rows(str(tmp_path / "dd"), log=said.append)
+    assert [r["label"] for r in rows] == ["1", "2"]
+    assert said == [f"[data] {tmp_path / 'dd'}: a DatasetDict: its 'train' split is read (splits: train, "
+                    "test; pass another's directory to read that)"]
+    datasets.DatasetDict({"validation": train}).save_to_disk(str(tmp_path / "dv"))
+    with pytest.raises(ValueError, match=r"--prompt_data .*dv' is a DatasetDict without a 'train' split "
+                                         r"\(splits: \['validation'\]\): pass one split's directory, e.g. "
+                                         r".*dv/validation$"):
+        load_prompt_rows(str(tmp_path / "dv"))
+
+
+def test_damaged_arrow_files_and_directories_named_like_data_are_one_line(tmp_path):
+    """A save_to_disk directory whose Arrow file is cut short was a pyarrow traceback; a directory of Arrow
+    files named the directory, not the damaged file; a directory `x.jsonl` inside a data directory was an
+    IsADirectoryError traceback. Each is one line naming the file (the directory is skipped and said)."""
+    import datasets
+
+    data = datasets.Dataset.from_list([{"prompt": "a" * 100, "label": "1"}] * 200)
+    data.save_to_disk(str(tmp_path / "saved"))
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    with open(arrow, "r+b") as f:
+        f.truncate(arrow.stat().st_size // 2)
+    with pytest.raises(ValueError, match=rf"--eval_data '{arrow}': not a readable arrow file, damaged or cut "
+                                         r"short \(.*\): write it again"):
+        load_prompt_rows(str(tmp_path / "saved"), flag="--eval_data")
+    (tmp_path / "arrows").mkdir()
+    (tmp_path / "arrows" / "a.arrow").write_bytes(b"not arrow" * 10)
+    with pytest.raises(ValueError, match=r"arrows/a.arrow': not a readable arrow file"):
+        load_prompt_rows(str(tmp_path / "arrows"))
+    (tmp_path / "dir" / "x.jsonl").mkdir(parents=True)
+    (tmp_path / "dir" / "y.jsonl").write_text(json.dumps({"prompt": "q", "label": "1"}))
+    said = []
+    assert len(load_prompt_rows(str(tmp_path / "dir"), log=said.append)[0]) == 1
+    assert said == [f"[data] {tmp_path / 'dir'}: skipped 1 entries that are not .jsonl/.json/.parquet/.arrow "
+                    "files: x.jsonl/"]

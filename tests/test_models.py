@@ -1,6 +1,7 @@
 """The critic / reward-model head, and the ptx loss, against transformers' own outputs."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -509,3 +510,143 @@ def test_the_embedded_gguf_is_dequantised_once(tmp_path, monkeypatch):
     assert same(again, cold) and os.path.getsize(os.path.join(entry, "model.safetensors")) > 1e8
     monkeypatch.setenv("RFT_CACHE", "off")
     assert gguf_cache(embedded_model_path()) is None
+
+
+def write_tiny_gguf(path, seed=0, hidden=16):
+    """A 1-layer random Llama as a GGUF (float32 tensors; a byte-level tokenizer of 260 tokens and a chat
+    template): loads through transformers' GGUF path as the embedded model does, in a fraction of a second."""
+    import gguf
+    import numpy as np
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte-to-unicode table
+    chars = [chr(b) for b in printable] + [chr(256 + i) for i in range(256 - len(printable))]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars, "hi"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden // 2)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["h i"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                             "<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rng = np.random.default_rng(seed)
+    shapes = {"token_embd": (len(tokens), hidden), "output_norm": (hidden,), "blk.0.attn_norm": (hidden,),
+              "blk.0.ffn_norm": (hidden,), "blk.0.attn_q": (hidden, hidden),
+              "blk.0.attn_k": (hidden // 2, hidden), "blk.0.attn_v": (hidden // 2, hidden),
+              "blk.0.attn_output": (hidden, hidden),
+              "blk.0.ffn_gate": (32, hidden), "blk.0.ffn_up": (32, hidden), "blk.0.ffn_down": (hidden, 32)}
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def rng_states():
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state().tolist(), random.getstate(), str(np.random.get_state())
+
+
+def test_a_cold_and_a_warm_gguf_load_leave_the_random_state_alike(tmp_path, monkeypatch):
+    """A fresh machine's first run sampled otherwise than every later one: a cold load built the model at
+    random (from_config) before copying the GGUF's weights in, a warm one read the cache. Now the random
+    state after a load is the one before it, cold, warm or without a cache; the weights are the same, the
+    cache keeps one entry per model (a copy of the file elsewhere, or a relative path, finds it)."""
+    from rft_core.models import gguf_cache, load_model_and_tokenizer
+
+    monkeypatch.setenv("RFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf")
+    loaded = {}
+    for load in ("cold", "warm", "uncached"):
+        monkeypatch.setenv("RFT_CACHE", "off" if load == "uncached" else str(tmp_path / "cache"))
+        torch.manual_seed(0)
+        before = rng_states()
+        loaded[load] = load_model_and_tokenizer("tiny.gguf")[0]  # (relative: its folder is '')
+        assert rng_states() == before, load
+    assert all(torch.equal(a, b) for model in (loaded["warm"], loaded["uncached"])
+               for a, b in zip(loaded["cold"].state_dict().values(), model.state_dict().values()))
+    monkeypatch.setenv("RFT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "copy").mkdir()
+    copy = tmp_path / "copy" / "same.gguf"
+    copy.write_bytes(open(gguf_file, "rb").read())
+    assert gguf_cache(str(copy)) == gguf_cache(gguf_file)
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
+
+
+def test_a_damaged_cache_entry_is_said_and_rebuilt(tmp_path, monkeypatch, capsys):
+    """A cache entry whose weights changed on disk (a bit flipped, the same size) loaded silently and trained
+    every later run from wrong weights: entries are checked against the digests written with them."""
+    from rft_core.models import gguf_cache, load_model_and_tokenizer
+
+    monkeypatch.setenv("RFT_CACHE", str(tmp_path / "cache"))
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cold = load_model_and_tokenizer(gguf_file)[0]
+    weights = os.path.join(gguf_cache(gguf_file), "model.safetensors")
+    assert f"[cache] the GGUF dequantised is kept in {gguf_cache(gguf_file)}" in capsys.readouterr().out
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) - 8)
+        f.write(b"\x7f" * 8)  # the last weight's bytes
+    again = load_model_and_tokenizer(gguf_file)[0]
+    assert (f"[cache] {gguf_cache(gguf_file)}: model.safetensors changed since written (SHA-256); "
+            "dequantising the GGUF again") in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a, b in zip(cold.state_dict().values(), again.state_dict().values()))
+    load_model_and_tokenizer(gguf_file)
+    assert "[cache]" not in capsys.readouterr().out
+
+
+def test_the_cache_is_absolute_and_dead_writers_leftovers_are_removed(tmp_path, monkeypatch, capsys):
+    """A relative RFT_CACHE wrote 0.5 GB under whatever directory a run started in: it is made absolute (and
+    said). A writer killed mid-write left its 0.5 GB temporary directory for ever: the next write removes it,
+    not one a live writer is filling."""
+    import socket
+    import subprocess
+
+    from rft_core.models import _write_cache, cache_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RFT_CACHE", "cache")
+    assert cache_root() == str(tmp_path / "cache") == os.environ["RFT_CACHE"]
+    assert capsys.readouterr().out == (f"[cache] RFT_CACHE='cache' is relative: the cache is "
+                                       f"{tmp_path / 'cache'} (set an absolute path to keep one cache "
+                                       "whatever the current directory)\n")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    parent = tmp_path / "cache" / "gguf"
+    for pid in (dead.pid, os.getpid()):
+        (parent / f".part-{socket.gethostname()}-{pid}-x").mkdir(parents=True)
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    _write_cache(str(parent / "entry"), model, FakeTokenizer())
+    live = f".part-{socket.gethostname()}-{os.getpid()}-x"
+    assert sorted(p.name for p in parent.iterdir()) == [live, "entry"]
+
+
+class FakeTokenizer:
+    def save_pretrained(self, path):
+        with open(os.path.join(path, "tokenizer.json"), "w") as f:
+            f.write("{}")
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)

@@ -140,7 +140,8 @@ def test_resume_refuses_edited_data_and_fewer_steps_and_keeps_the_warm_up(tiny_m
     rate it reached (the warm-up was 2 optimizer steps long, not 4)."""
     data = tmp_path / "data" / "train.jsonl"
     data.parent.mkdir()
-    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "label": str(i + 1)}) + "\n" for i in range(8)))
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "label": str(i + 1)}) + "\n"
+                            for i in range(8)))
     out = tmp_path / "run"
     args = ["--pretrain", tiny_model_dir, "--prompt_data", str(data), "--rollout_batch_size", "2",
             "--n_samples_per_prompt", "2", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
@@ -157,6 +158,6 @@ def test_resume_refuses_edited_data_and_fewer_steps_and_keeps_the_warm_up(tiny_m
     assert proc.returncode == 2 and "checkpoint-2 is past this run's last step, 1" in proc.stderr
     assert not (out / "model").exists()
     proc = run_script("train_ppo.py", [*args, "--max_steps", "4"])
-    assert "the learning-rate schedule keeps the length checkpoint-2 was written with, 2 optimizer" in proc.stdout
+    assert "the learning-rate schedule keeps the length checkpoint-2 was written with, 2 " in proc.stdout
     rates = [row["train/lr"] for row in read_metrics(str(out))[0]]
     assert rates[1:] == [rates[1]] * 3 and rates[0] < rates[1]  # warm-up over steps 1-2, then constant
