@@ -8,7 +8,6 @@ start-up. `mm_inputs` turns a batch's into model inputs; `vllm_prompt` turns one
 """
 
 import functools
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -53,46 +52,38 @@ def decode(image, processor):
                         "the file or drop its row") from e
 
 
-class ImageInputs(Mapping):
-    """A prompt's images and videos (`mm`), read like a dict. Its grids and placeholder ids come from the
-    images' sizes; its pixels (pixel_values, the PIL images for vLLM...) are decoded when read, by `pixels`
-    (decode_pixels behind a functools.lru_cache that a split's prompts share: the ones read last stay
-    decoded), so memory holds a step's prompts' pixels, whatever the number of rows. Equal only to itself."""
-    __eq__, __hash__ = object.__eq__, object.__hash__
+class ImageInputs(dict):
+    """A prompt's images and videos (`mm`): a dict of their grids (from the images' sizes) and placeholder
+    ids, whose pixels (pixel_values, pixel_values_videos; the PIL images and videos for vLLM) are decoded
+    when read, by `pixels`: decode_pixels behind a functools.lru_cache that a split's prompts share (those
+    read last stay decoded), so memory holds a step's prompts' pixels, whatever the number of rows."""
+    __eq__, __hash__ = object.__eq__, object.__hash__  # (the lru_cache's key)
 
     def __init__(self, processor, images, token_ids, pixels=None):
+        super().__init__(token_ids)
         self.processor, self.pixels = processor, pixels or functools.lru_cache(maxsize=1)(decode_pixels)
         self.stills = [x for x in images if not isinstance(x, list)]
         self.videos = [x for x in images if isinstance(x, list)]
-        self.fixed, self.decoded = dict(token_ids), []
+        self.decoded = []  # the keys decode_pixels gives
         for kind, frames in (("image", [[x] for x in self.stills]), ("video", self.videos)):
             if frames:
-                thw = [grid(processor, f[0].size, len(f)) for f in frames]
-                self.fixed[f"{kind}_grid_thw"] = torch.tensor(thw)
+                self[f"{kind}_grid_thw"] = torch.tensor([grid(processor, f[0].size, len(f)) for f in frames])
                 self.decoded += ["pixel_values" if kind == "image" else "pixel_values_videos", f"{kind}s"]
 
-    def __getitem__(self, key):
-        if key in self.fixed:
-            return self.fixed[key]
+    def __missing__(self, key):
         if key not in self.decoded:
             raise KeyError(key)
         return self.pixels(self)[key]
 
     def __contains__(self, key):
-        return key in self.fixed or key in self.decoded
-
-    def __iter__(self):
-        return iter([*self.fixed, *self.decoded])
-
-    def __len__(self):
-        return len(self.fixed) + len(self.decoded)
+        return super().__contains__(key) or key in self.decoded
 
     def __deepcopy__(self, memo):  # (dataclasses.asdict of a Sample) nothing in it changes once made
         return self
 
 
 def decode_pixels(inputs):
-    """An ImageInputs' pixels: its images and videos decoded and resized (decode), through the processors."""
+    """An ImageInputs' pixels: its images and videos decoded, resized (decode), then processed unresized."""
     out, processor = {}, inputs.processor
     if inputs.stills:
         stills = [decode(x, processor) for x in inputs.stills]
@@ -101,10 +92,9 @@ def decode_pixels(inputs):
         videos = [[decode(f, processor) for f in v] for v in inputs.videos]
         out.update(video_processor_like(processor)(videos=videos, do_resize=False, return_tensors="pt"),
                    videos=videos)
-    for kind in ("image", "video"):  # the sizes read at start-up made the prompt's tokens
-        if f"{kind}_grid_thw" in out and not torch.equal(out[f"{kind}_grid_thw"], inputs[f"{kind}_grid_thw"]):
-            raise DataError(f"the images {[getattr(x, 'path', x) for x in inputs.stills + inputs.videos]} "
-                            "changed size since the run started: restart it")
+    for grids in ("image_grid_thw", "video_grid_thw"):  # the sizes read at start-up made the prompt's tokens
+        if grids in out and not torch.equal(out.pop(grids), inputs[grids]):
+            raise DataError(f"the images {inputs.stills + inputs.videos} changed size since the run started")
     return out
 
 

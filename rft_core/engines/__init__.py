@@ -103,6 +103,7 @@ def create_engine(settings, model, tokenizer, processor=None):
         raise ConfigError(f"--engine_tp_size {tp_size} must divide the model's {heads} attention heads")
     model.config.architectures = [hf_architecture(model)]
     model_dir = engine_dir(model.config, tokenizer, processor)  # weights come by sync below
+    # a prompt that would not fit beside a whole response was skipped at encoding (checks.prompt_limit)
     max_len = min(settings.max_model_len, getattr(text_config, "max_position_embeddings", 1 << 30))
     settings = replace(settings, max_model_len=max_len)
     if processor is None:

@@ -215,39 +215,32 @@ def check_env(args, engine_type, sharded):
           f"{args.generate_max_len} tokens would fill it; raise it (or lower --generate_max_len)")
 
 
-def input_paths(args):
-    """(flag, path) of each file or directory the run reads (INPUTS), as given."""
-    for name in (name for name in INPUTS if getattr(args, name, None)):
-        value = getattr(args, name)
-        for path in value.split(",") if name == "reward_pretrain" else [value]:
-            path = path.rpartition(":")[0] if name in ("reward_fn", "env") else path
-            if path:
-                yield name, path
-
-
 def check_paths(args):
     """Every path flag fits the filesystem's limits (else an OSError traceback once the run reaches it), and
-    --output_dir can be written and neither holds nor is held by anything the run reads, real paths
-    compared: its config.json once overwrote a --pretrain model's."""
-    given = [*input_paths(args), ("output_dir", args.output_dir), ("use_tensorboard", args.use_tensorboard)]
+    --output_dir can be written and neither holds nor is held by anything the run reads (INPUTS; real paths
+    compared): its config.json once overwrote a --pretrain model's."""
+    inputs = []  # (flag, path)
+    for name in (name for name in INPUTS if getattr(args, name, None)):
+        for path in getattr(args, name).split(",") if name == "reward_pretrain" else [getattr(args, name)]:
+            path = path.rpartition(":")[0] if name in ("reward_fn", "env") else path
+            inputs += [(name, path)] if path else []
+    given = [*inputs, ("output_dir", args.output_dir), ("use_tensorboard", args.use_tensorboard)]
     for name, path in ((name, path) for name, path in given if path):
         full = os.fsencode(os.path.abspath(path))
-        longest = max(full.split(os.fsencode(os.sep)), key=len)
-        shown = f"--{name} {path[:50]!r}..."
+        longest, shown = max(full.split(os.fsencode(os.sep)), key=len), f"--{name} {path[:50]!r}..."
         check(len(longest) <= 255, f"{shown}: it holds a name of {len(longest)} bytes, over the filesystem's "
               "limit of 255 (NAME_MAX); shorten it")
         check(len(full) < 4096, f"{shown}: {len(full)} bytes, over the filesystem's limit of 4096 "
               "(PATH_MAX); use a shorter path")
     check_output_dir(args.output_dir)
     out = os.path.realpath(args.output_dir)
-    for name, path in input_paths(args):
+    for name, path in inputs:
         real = os.path.realpath(path)
         common = os.path.commonpath([out, real])
-        if not os.path.exists(real) or common not in (out, real):
-            continue  # (a missing one is named when it loads)
-        how = "is" if real == out else "holds" if common == out else "is inside"
-        raise ConfigError(f"--output_dir {args.output_dir!r} {how} --{name} {path!r}: the run's files would "
-                          "overwrite or move what it reads; pass an --output_dir apart from the inputs")
+        if os.path.exists(real) and common in (out, real):  # (a missing one is named as it loads)
+            how = "is" if real == out else "holds" if common == out else "is inside"
+            raise ConfigError(f"--output_dir {args.output_dir!r} {how} --{name} {path!r}: the run's files "
+                              "would overwrite or move what it reads; pass an --output_dir apart from them")
 
 
 def model_positions(pretrain):
@@ -259,12 +252,11 @@ def model_positions(pretrain):
     try:
         with open(path) as f:
             config = json.load(f)
-    except (OSError, ValueError) as e:
+        return config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+            "max_position_embeddings")
+    except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"--pretrain {pretrain!r}: its config.json cannot be read ({e}); save the model "
                           "again with save_pretrained") from e
-    config = config if isinstance(config, dict) else {}
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return config.get("max_position_embeddings") or text.get("max_position_embeddings")
 
 
 def prompt_limit(args, positions):
