@@ -145,9 +145,10 @@ def test_resume_refuses_edited_data_and_fewer_steps_and_keeps_the_warm_up(tiny_m
     out = tmp_path / "run"
     args = ["--pretrain", tiny_model_dir, "--prompt_data", str(data), "--rollout_batch_size", "2",
             "--n_samples_per_prompt", "2", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
-            "--generate_max_len", "8", "--save_steps", "1", "--lr_warmup_ratio", "1.0",
+            "--generate_max_len", "8", "--save_steps", "1", "--lr_warmup_ratio", "0.9",
             "--output_dir", str(out)]
     run_script("train_ppo.py", [*args, "--max_steps", "2"])
+    metrics = (out / "metrics.jsonl").read_text()
     original = data.read_text()
     edit_keeping_size_and_time(data, original.replace("0 + 1", "0 + 0"))
     proc = run_script("train_ppo.py", [*args, "--max_steps", "4"], check=False)
@@ -156,7 +157,7 @@ def test_resume_refuses_edited_data_and_fewer_steps_and_keeps_the_warm_up(tiny_m
     data.write_text(original)
     proc = run_script("train_ppo.py", [*args, "--max_steps", "1"], check=False)
     assert proc.returncode == 2 and "checkpoint-2 is past this run's last step, 1" in proc.stderr
-    assert not (out / "model").exists()
+    assert (out / "metrics.jsonl").read_text() == metrics  # both refusals left the run as it was
     proc = run_script("train_ppo.py", [*args, "--max_steps", "4"])
     assert "the learning-rate schedule keeps the length checkpoint-2 was written with, 2 " in proc.stdout
     rates = [row["train/lr"] for row in read_metrics(str(out))[0]]
