@@ -147,8 +147,7 @@ class EpisodeRunner:
         episode, cfg = sample.episode, self.settings
         episode.env_calls += 1
         try:
-            out, states[i] = self._outcome(*outcome, "step")
-            messages, done, reward, info = _parsed(out)
+            (messages, done, reward, info), states[i] = self._outcome(*outcome, "step")
         except _Failed as failed:
             self._fail(sample, failed.kind, failed.why, f"turn {turn}")
             return False
@@ -215,12 +214,19 @@ class EpisodeRunner:
         return results
 
     def _outcome(self, ok, out, what):
-        """A call's value; _Failed if it raised, timed out, ended its worker or did not pickle."""
-        if ok:
-            return out
-        if isinstance(out, UserCodeError):
+        """A call's value (step's parsed, and the state as step left it); _Failed if it raised, timed out,
+        ended its worker or did not pickle, or step's is malformed."""
+        if not ok and isinstance(out, UserCodeError):
             raise _Failed(f"raised {out.kind}", f"{what} raised {out!r}")
-        raise _Failed("timeout" if isinstance(out, TimeoutError) else type(out).__name__, f"{what}: {out}")
+        if not ok:  # TimeoutError, WorkerLost, PicklingError
+            kind = "timeout" if isinstance(out, TimeoutError) else type(out).__name__
+            raise _Failed(kind, f"{what}: {out}")
+        if what == "reset":
+            return out
+        try:
+            return parse_step(out[0]), out[1]
+        except ValueError as e:
+            raise _Failed("malformed", str(e)) from None
 
     def _fail(self, sample, kind, why, where):
         sample.episode.failure = f"{kind}: {why}"
@@ -235,14 +241,6 @@ class _Failed(Exception):
     def __init__(self, kind, why):
         super().__init__(why)
         self.kind, self.why = kind, why
-
-
-def _parsed(out):
-    """step's value as parse_step reads it; _Failed if it is malformed."""
-    try:
-        return parse_step(out)
-    except ValueError as e:
-        raise _Failed("malformed", str(e)) from None
 
 
 def score(samples, score_all, strict=False):

@@ -1,24 +1,20 @@
-"""User code (a --reward_fn file's function, an --env) runs in worker processes, never in the trainer's, so
-whatever it does stays there: it reseeds random / numpy / torch, changes directory, exits, crashes, hangs,
-leaks memory, leaves a thread spinning or starts children of its own. Each of those is at most that call's
-failure, and the worker is replaced.
+"""User code (a --reward_fn file's function, an --env) runs in worker processes, never in the trainer's:
+whatever it does there (reseed random / numpy / torch, change directory, exit, crash, hang, leak memory,
+leave a thread spinning, start children) is at most that call's failure, and the worker is replaced.
 
     workers = Workers({"env": (load_env, "calculator")}, size=4, timeout=60, seed=args.seed, rank=rank)
-    workers.call("env", "reset", (sample,))                       # one call: its result, or it raises
-    workers.map("env", "step", [(state, text), ...])              # spread over the workers: (ok, value) each
+    workers.call("env", "reset", (sample,))                # one call: its result, or it raises
+    workers.map("env", "step", [(state, text), ...])       # spread over the workers: (ok, value) each
 
-A worker is `python -m rft_core.workers FD` (this module imports nothing heavy: it starts in ~0.1 s, not
-multiprocessing's spawn, which imports the training script again) in a session of its own, with the
-trainer's working directory and environment, talking pickles over a socket. It builds each target itself,
-loader(spec) (the user's file imported there, never in the trainer), seeds random (and numpy / torch where
-the user's code imported them) from (seed, rank) and again before each call from (seed, rank, call number):
-the same run draws the same numbers whichever worker runs a call.
-
-A call past its timeout is stopped: the worker's whole process group is killed (SIGKILL) and a new worker
-starts at its next call. So is a worker that ended during a call, one whose memory grew LEAK_BYTES past its
-start, and one that used CPU while idle between calls (a thread it left running). Restarts are counted and
-said once per kind. The pool is closed, every process group killed, when it is dropped or the trainer exits
-by any path; a worker whose trainer died without a word kills its own group within a second.
+A worker is `python -m rft_core.workers FD` (no torch: it starts in ~0.15 s) in a session of its own, with
+the trainer's directory and environment, talking pickles over a socket. It builds each target itself,
+loader(spec): the user's file is imported there, never in the trainer. It seeds random (and numpy / torch
+where the user's code imported them) from (seed, rank), and before each call from (seed, rank, call number):
+a run draws the same numbers whichever worker runs a call. A call past its timeout is stopped: the worker's
+process group is killed (SIGKILL) and a new worker starts at its next call; so is a worker that ended during
+a call, one whose memory grew LEAK_BYTES past its start, and one that burnt CPU while idle (a thread left
+running). Restarts are counted and said once per kind. Every process group is killed when the pool is
+dropped or the trainer exits, by any path; a worker whose trainer was killed kills its own within a second.
 """
 
 import collections
@@ -206,11 +202,7 @@ class Workers:
             grew = (rss - worker.rss) / 2**30
             self._stop(i, "memory", f"a worker's memory grew to {rss / 2**30:.1f} GiB, by {grew:.1f} GiB "
                                     f"since it started (a leak in {self._named()}?)")
-        if reply[0] == "ok":
-            return True, reply[1]
-        if reply[0] == "unpicklable":
-            return False, pickle.PicklingError(reply[1])
-        return False, UserCodeError(*reply[1:])
+        return (True, reply[1]) if reply[0] == "ok" else (False, UserCodeError(*reply[1:]))
 
     def _lost(self, i):
         status = _status(self.procs[i].proc)
@@ -348,9 +340,9 @@ def serve(fd):
             reply = ("raised", repr(e), type(e).__name__, line, not isinstance(e, Exception))
         try:
             conn.send(reply)
-        except Exception as e:
-            conn.send(("unpicklable", f"its result does not pickle (it comes back from a worker process): "
-                                      f"{e!r}"))
+        except Exception as e:  # what the trainer reads as PicklingError('its result does not pickle...')
+            error = pickle.PicklingError(f"its result does not pickle (it comes back from a worker): {e!r}")
+            conn.send(("raised", repr(error), "PicklingError", None, False))
 
 
 if __name__ == "__main__":

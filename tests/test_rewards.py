@@ -2,6 +2,7 @@ import http.server
 import itertools
 import json
 import math
+import os
 import socket
 import threading
 
@@ -14,6 +15,7 @@ from rft_core.reward_sources import load_reward_fn, remote_reward_fn, reward_mod
 from rft_core.rewards import (
     RewardScorer,
     answer_reward,
+    describe,
     math_label,
     math_reward,
     overlong_penalty,
@@ -96,6 +98,24 @@ def test_load_reward_fn(tmp_path):
         load_reward_fn(f"{tmp_path / 'missing.py'}:length")
     with pytest.raises(ValueError, match="expected path/to/file.py:function"):
         load_reward_fn("just_a_name")
+
+
+def test_a_reward_file_runs_in_a_worker_process_without_torch(tmp_path):
+    """A --reward_fn file (rft_core's own too) runs in a worker process, which imports no torch (it starts in
+    a fraction of a second) and is named by its file in messages; a built-in rule needs no worker."""
+    from rft_core.reward_sources import start_workers
+
+    (tmp_path / "mods.py").write_text("import os, sys\ndef f(p, c, l, **kw):\n"
+                                      "    return [float('torch' in sys.modules), float(os.getpid())]\n")
+    workers = start_workers("rft_core/rewards.py:answer_reward", None, 1, 30)
+    fn = load_reward_fn("rft_core/rewards.py:answer_reward", workers)
+    assert fn(None, ["<answer>15</answer>"], ["15"]) == {"correct": [1.0], "format": [0.1]}
+    assert describe(fn) == "answer_reward in rft_core/rewards.py"
+    assert describe(answer_reward) == "answer_reward"  # rft_core's own, in process
+    workers.close()
+    torch_loaded, pid = load_reward_fn(f"{tmp_path}/mods.py:f")(None, ["a", "b"], [None, None])
+    assert torch_loaded == 0.0 and pid != os.getpid()
+    assert start_workers("answer", None, 1, 30) is None
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
