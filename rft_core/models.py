@@ -6,10 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
-import socket
-import time
 
 import torch
 
@@ -165,50 +162,47 @@ def gguf_cache(path):
 
 
 def _cache_intact(entry):
-    """Whether the cache entry holds the files written there (by their SHA-256 in its digests.json), by this
-    transformers version. An entry that does not is said and removed (the GGUF is dequantised again)."""
-    import transformers
-
+    """Whether the cache entry is as it was written, for this transformers (its _entry_record against its
+    digests.json); one that is not is said and removed: the GGUF is dequantised again."""
     if not os.path.isdir(entry):
         return False
     try:
         with open(os.path.join(entry, DIGESTS)) as f:
-            record = json.load(f)
+            intact = json.load(f) == _entry_record(entry)
     except (OSError, ValueError):
-        record = None
-    files = {n: content_digest(os.path.join(entry, n)) for n in sorted(os.listdir(entry)) if n != DIGESTS}
-    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-        problem = f"it has no readable {DIGESTS}"
-    elif record.get("transformers") != transformers.__version__:
-        problem = f"written by transformers {record.get('transformers')}, this is {transformers.__version__}"
-    else:
-        written = record["files"]
-        changed = sorted(n for n in files.keys() | written.keys() if files.get(n) != written.get(n))
-        problem = changed and f"{', '.join(changed)} changed since written (SHA-256)"
-    if problem:
-        _say(f"[cache] {entry}: {problem}; dequantising the GGUF again")
+        intact = False
+    if not intact:
+        _say(f"[cache] {entry} is not as it was written (its files' SHA-256, or the transformers version, "
+             f"differ from its {DIGESTS}): dequantising the GGUF again")
         shutil.rmtree(entry, ignore_errors=True)
-    return not problem
+    return intact
+
+
+def _entry_record(entry):
+    """A cache entry's digests.json: its files' SHA-256 and the transformers version that reads them."""
+    import transformers
+
+    names = sorted(n for n in os.listdir(entry) if n != DIGESTS)
+    return {"transformers": transformers.__version__,
+            "files": {n: content_digest(os.path.join(entry, n)) for n in names}}
 
 
 def _write_cache(path, model, tokenizer):
-    """The dequantised model (fp32), its tokenizer and their SHA-256 (digests.json) at path, whole or not at
-    all: written aside, then renamed; the leftovers of writers that died are removed first. A full disk or a
-    read-only home only costs the next run the dequantisation."""
+    """The dequantised model (fp32), its tokenizer and their digests.json at path, whole or not at all:
+    written aside, then renamed; what dead writers left is removed first. A full disk or a read-only home
+    only costs the next run the dequantisation."""
     import tempfile
-
-    import transformers
 
     parent, tmp = os.path.dirname(path), None
     try:
         os.makedirs(parent, exist_ok=True)
         _remove_leftovers(parent)
-        tmp = tempfile.mkdtemp(dir=parent, prefix=f".part-{socket.gethostname()}-{os.getpid()}-")
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".part-{os.getpid()}-")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        files = {n: content_digest(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+        record = _entry_record(tmp)
         with open(os.path.join(tmp, DIGESTS), "w") as f:
-            json.dump({"transformers": transformers.__version__, "files": files}, f)
+            json.dump(record, f)
         os.replace(tmp, path)  # (another process that wrote it first wins: this one's is dropped)
         _say(f"[cache] the GGUF dequantised is kept in {path} for later runs (RFT_CACHE=off keeps nothing)")
     except OSError:
@@ -217,34 +211,28 @@ def _write_cache(path, model, tokenizer):
 
 
 def _remove_leftovers(parent):
-    """Remove, and say, what earlier cache writes left in parent: the temporary directories of writers that
-    died (this host's by their pid; any over an hour old) and entries without digests (an earlier format)."""
-    now, host, gone = time.time(), socket.gethostname(), []
-    for name in os.listdir(parent):
-        path = os.path.join(parent, name)
-        writer = re.fullmatch(rf"\.part-{re.escape(host)}-(\d+)-.*", name)
-        if writer:
-            stale = not _alive(int(writer.group(1)))
-        elif name.startswith(".part-"):
-            stale = now - os.path.getmtime(path) > 3600
-        else:
-            stale = not os.path.exists(os.path.join(path, DIGESTS))
-        if stale:
-            gone.append(name)
-            shutil.rmtree(path, ignore_errors=True)
+    """Remove, and say, what earlier writes left in the cache's parent (_left_over)."""
+    gone = [name for name in sorted(os.listdir(parent)) if _left_over(parent, name)]
+    for name in gone:
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     if gone:
-        _say(f"[cache] removed from {parent} what earlier runs left unfinished or in an earlier format: "
+        _say(f"[cache] removed from {parent} what earlier writes left unfinished or in an earlier format: "
              f"{', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}")
 
 
-def _alive(pid):
+def _left_over(parent, name):
+    """Whether parent/name is the temporary directory (.part-<pid>-...) of a writer no longer running here (on
+    a cache shared by several hosts, another host's writer only loses its entry), or an entry without
+    digests (an earlier format)."""
+    if not name.startswith(".part-"):
+        return not os.path.exists(os.path.join(parent, name, DIGESTS))
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
+        os.kill(int(name.split("-")[1]), 0)
+    except (ValueError, ProcessLookupError):
         return True
-    return True
+    except PermissionError:  # another user's
+        pass
+    return False
 
 
 def _say(message):

@@ -606,8 +606,9 @@ def test_a_damaged_cache_entry_is_said_and_rebuilt(tmp_path, monkeypatch, capsys
         f.seek(os.path.getsize(weights) - 8)
         f.write(b"\x7f" * 8)  # the last weight's bytes
     again = load_model_and_tokenizer(gguf_file)[0]
-    assert (f"[cache] {gguf_cache(gguf_file)}: model.safetensors changed since written (SHA-256); "
-            "dequantising the GGUF again") in capsys.readouterr().out
+    assert (f"[cache] {gguf_cache(gguf_file)} is not as it was written (its files' SHA-256, or the "
+            "transformers version, differ from its digests.json): dequantising the GGUF again"
+            in capsys.readouterr().out)
     assert all(torch.equal(a, b) for a, b in zip(cold.state_dict().values(), again.state_dict().values()))
     load_model_and_tokenizer(gguf_file)
     assert "[cache]" not in capsys.readouterr().out
@@ -617,7 +618,6 @@ def test_the_cache_is_absolute_and_dead_writers_leftovers_are_removed(tmp_path, 
     """A relative RFT_CACHE wrote 0.5 GB under whatever directory a run started in: it is made absolute (and
     said). A writer killed mid-write left its 0.5 GB temporary directory for ever: the next write removes it,
     not one a live writer is filling."""
-    import socket
     import subprocess
 
     from rft_core.models import _write_cache, cache_root
@@ -632,11 +632,13 @@ def test_the_cache_is_absolute_and_dead_writers_leftovers_are_removed(tmp_path, 
     dead.wait()
     parent = tmp_path / "cache" / "gguf"
     for pid in (dead.pid, os.getpid()):
-        (parent / f".part-{socket.gethostname()}-{pid}-x").mkdir(parents=True)
+        (parent / f".part-{pid}-x").mkdir(parents=True)
+    (parent / "0123456789abcdef").mkdir()  # an entry of an earlier format: no digests.json
     model = AutoModelForCausalLM.from_config(tiny_config())
     _write_cache(str(parent / "entry"), model, FakeTokenizer())
-    live = f".part-{socket.gethostname()}-{os.getpid()}-x"
-    assert sorted(p.name for p in parent.iterdir()) == [live, "entry"]
+    assert sorted(p.name for p in parent.iterdir()) == [f".part-{os.getpid()}-x", "entry"]
+    assert (f"[cache] removed from {parent} what earlier writes left unfinished or in an earlier format: "
+            f".part-{dead.pid}-x, 0123456789abcdef" in capsys.readouterr().out)
 
 
 class FakeTokenizer:

@@ -14,9 +14,11 @@ and checks that the RNG states are the saved ones (rft_core/runs/integrity.py). 
 disk) is one line and leaves the previous checkpoint as it was; pruning never deletes the one just written.
 
 The trainer state also records the settings the checkpoint's contents depend on (`run_identity`): the data
-stream's order and batch, the per-rank buffers, the models and their layout. A run that would resume it
-with other values of them is refused in one line before anything loads; the other flags (learning rate,
-the algorithm's, lengths, steps...) may change on resume, and config.json records each segment's values.
+files' content, the data stream's order and batch, the per-rank buffers, the model it started from (by its
+files' digest) and the models' layout. A run that would resume it with other values of them is refused in
+one line before anything loads; the other flags (learning rate, the algorithm's, lengths...) may change on
+resume, and config.json records each segment's values. More steps keep the checkpoint's learning-rate
+schedule (`schedule_length`); fewer than it has done are refused.
 """
 
 import json
