@@ -63,6 +63,7 @@ def content_digest(path, suffixes="", sampled=False):
     contents; hidden ones left out). sampled: a file over 64 MiB is read as its size and 64 blocks of 64 KiB
     spread over it (another model's weights differ in every block; reading 15 GB whole takes 20 s).
     Remembered, by the files' sizes and change times, for the process's later calls."""
+    path = os.path.abspath(path)
     files = [path] if os.path.isfile(path) else []
     for root, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # (a model's .cache, a data repo's .git)
