@@ -1,28 +1,23 @@
-"""The output directory: one run writes there at a time, what a killed run left half-written is cleaned up, a
-new run never overwrites a previous one, and no credential is written there.
+"""The output directory: one run writes there at a time, a killed run's leftovers are cleaned up, a new run
+never overwrites a previous one, and no credential is written there.
 
-The lock: `run.lock` (the user's alone: mode 0600) names the process writing there (pid, host, its start,
-the command). Only the main process takes it, when the run's record starts (MetricsLog), and it is removed at
-exit; the other ranks wait for the main one's answer. A run that finds it held by a live process is refused
-in one line, before anything loads (`check_free`, from resume_point) and again before anything is written. A
-lock left by a process that died without removing it (SIGKILL, a lost node) is said and taken over: on the
-same host at once, its pid being gone (or another process's now); from another host once its heartbeat has
-stopped: its holder touches it every HEARTBEAT_S, and a lock that does not change while watched for WATCH_S
-(on this host's monotonic clock) is dead. Two hosts' clocks are never compared: one running ahead would take
-a live lock for an old one.
+The lock: `run.lock` (mode 0600) names the process writing there (pid, host, its start, the command). The main
+process takes it when the run's record starts (MetricsLog) and removes it at exit; the other ranks wait for
+its answer. A live holder's lock refuses this run in one line, before anything loads (`check_free`) and again
+before anything is written. A dead holder's (SIGKILL, a lost node) is said and taken over: on this host at
+once, its pid gone (or another process's); from another host once it stops beating: a live holder touches it
+every HEARTBEAT_S, and one unchanged while watched for WATCH_S (on this host's monotonic clock) is dead. Two
+hosts' clocks are never compared: one running ahead took a live lock for an old one.
 
-Every file of the run is written aside and renamed (integrity.write_whole, integrity.replace_dir,
-move_previous) or appended whole (integrity.append); what a killed writer left aside is removed at the next
-start (`clean_leftovers`), said in one line.
+Every file is written aside and renamed (integrity.write_whole, integrity.replace_dir); what a killed writer
+left aside is removed at the next start (`clean_leftovers`).
 
 A previous run: a new run (nothing to resume) into a directory holding a previous run's steps (metrics.jsonl
 rows, model/, checkpoints) is refused naming --no_resume; with --no_resume the previous run's files move into
-previous-N/ when the new record starts (a failed start leaves them where they were). A rename costs no space
-and loses nothing, and the top level then holds one run, so `latest`, checkpoint pruning and metrics.jsonl
-cannot mix two.
+previous-N/ when the new record starts (a failed start leaves them where they were), so `latest`, checkpoint
+pruning and metrics.jsonl cannot mix two runs.
 
-Credentials (a token in --remote_rm_url's user:password@ or query) are hidden by `redact` in what the run
-writes (config.json, the lock, the trackers' config and command line) and prints (run.run_main).
+`redact` hides credentials (a token in --remote_rm_url) in what the run writes and prints.
 """
 
 import atexit
@@ -44,7 +39,7 @@ HEARTBEAT_S, WATCH_S = 10, 60  # a live run touches its lock every HEARTBEAT_S; 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "curves.png", "gen_len.png", "latest", "model",
              "ema_model", FINISHED)
 RUN_DIRS = re.compile(r"(checkpoint|hf-step)-\d+")
-LEFTOVER = re.compile(r".+\.(tmp|old)|run\.lock\.stale-\d+")  # what a killed writer leaves aside
+LEFTOVER = re.compile(r".+\.(tmp|old)")  # what a killed writer leaves aside
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 _held = set()  # output directories (absolute) whose lock this process holds
 _dead = {}  # lock path -> its beat when watched and found still: not watched again while unchanged
@@ -254,8 +249,8 @@ def release_all():
 
 def clean_leftovers(output_dir, log=print):
     """Remove what a killed writer left aside at the top of output_dir (LEFTOVER: a save's checkpoint-N.tmp/,
-    an export's model.tmp/ or .old/, a rewrite's config.json.tmp, a lock taken over halfway), said in one
-    line; a previous-N.tmp/ (a --no_resume killed while it moved the previous run aside) is moved back."""
+    an export's model.tmp/ or .old/, a rewrite's config.json.tmp), said in one line; a previous-N.tmp/ (a
+    --no_resume killed while it moved the previous run aside) is moved back."""
     if not os.path.isdir(output_dir):
         return
     removed = []
