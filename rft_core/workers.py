@@ -22,6 +22,7 @@ import importlib.util
 import os
 import pickle
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -62,8 +63,6 @@ class _Worker:
     proc: subprocess.Popen
     conn: Connection
     rss: int = 0  # resident bytes once it had loaded its targets
-    cpu: float = 0.0  # CPU seconds it had used when its last call ended ...
-    since: float = 0.0  # ... and when that was (time.monotonic())
 
 
 class Workers:
@@ -109,8 +108,7 @@ class Workers:
             raise ConfigError(f"{named}: loading it ended its worker process ({status})") from None
         if reply[0] == "error":
             raise reply[1]
-        worker.cpu, worker.rss = _usage(worker.proc.pid) or (0.0, 0)
-        worker.since = time.monotonic()
+        worker.rss = reply[1][2]
 
     def call(self, name, method, args, timeout=None):
         """Target `name`'s `method` (None: the target itself) called with args in a worker: its result, or the
@@ -146,14 +144,8 @@ class Workers:
         return results
 
     def _send(self, i, message):
-        """Start a call in worker i (started afresh if it is stopped or past a bound); the call's error if it
-        could not be sent, else None."""
-        worker = self.procs[i]
-        if worker is not None:
-            usage, idle = _usage(worker.proc.pid), time.monotonic() - worker.since
-            if usage and usage[0] - worker.cpu > max(BUSY_MIN_S, BUSY_SHARE * idle):
-                self._stop(i, "busy", f"a worker used {usage[0] - worker.cpu:.1f} s of CPU in {idle:.1f} s "
-                                      f"between calls (a thread of {self._named()} left running?)")
+        """Start a call in worker i (started afresh if it was stopped); the call's error if it could not be
+        sent, else None."""
         if self.procs[i] is None:
             try:
                 self._spawn(i)
@@ -188,20 +180,23 @@ class Workers:
                 results[k] = (False, TimeoutError(stopped + "process killed, a new one started)"))
 
     def _receive(self, i):
+        """A call's outcome, as map gives it. A worker past a bound is replaced after it: its memory grew by
+        LEAK_BYTES since it started, or it burnt CPU while idle before the call."""
         worker = self.procs[i]
         try:
-            reply = worker.conn.recv()
+            *reply, (cpu, idle, rss) = worker.conn.recv()  # CPU and wall s between calls, resident bytes
         except EOFError:
             return False, self._lost(i)
         except Exception as e:  # a result of a class only the user's file defines
             return False, pickle.PicklingError(f"its result cannot be read outside its worker: {e!r}; return "
                                                "built-in types (numbers, strings, lists, dicts)")
-        worker.cpu, rss = _usage(worker.proc.pid) or (0.0, 0)
-        worker.since = time.monotonic()
         if rss > worker.rss + LEAK_BYTES:
-            grew = (rss - worker.rss) / 2**30
-            self._stop(i, "memory", f"a worker's memory grew to {rss / 2**30:.1f} GiB, by {grew:.1f} GiB "
-                                    f"since it started (a leak in {self._named()}?)")
+            self._stop(i, "memory", f"a worker's memory grew to {rss / 2**30:.2f} GiB, by "
+                                    f"{(rss - worker.rss) / 2**30:.2f} GiB since it started (a leak in "
+                                    f"{self._named()}?)")
+        elif cpu > max(BUSY_MIN_S, BUSY_SHARE * idle):
+            self._stop(i, "busy", f"a worker used {cpu:.1f} s of CPU in {idle:.1f} s between calls (a thread "
+                                  f"of {self._named()} left running?)")
         return (True, reply[1]) if reply[0] == "ok" else (False, UserCodeError(*reply[1:]))
 
     def _lost(self, i):
@@ -224,17 +219,6 @@ class Workers:
 
     def _named(self):
         return " / ".join(f"--{name} {spec!r}" for name, (_, spec) in self.targets.items())
-
-
-def _usage(pid):
-    """(CPU seconds, resident bytes) of process pid from /proc (Linux); None where there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()  # after the command's name, which may hold spaces
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[21]) * os.sysconf(
-            "SC_PAGE_SIZE")  # utime, stime and rss: fields 14, 15 and 24 of proc(5)
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _status(proc):
@@ -306,6 +290,22 @@ def _seed(*key):
         sys.modules["torch"].manual_seed(value)
 
 
+def _times():
+    """A worker's CPU seconds so far, and the wall clock."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, time.monotonic()
+
+
+def _rss():
+    """A worker's resident bytes (not ru_maxrss, the peak: Linux keeps the trainer's across fork and exec);
+    0 without /proc (no memory bound)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def _watch(parent):
     """A worker's watch on its trainer: once the trainer is gone (killed without closing its workers), the
     worker's group goes too, whatever the user's code is doing."""
@@ -326,23 +326,28 @@ def serve(fd):
         built = {name: loader(spec) for name, (loader, spec) in targets.items()}
     except UserError as e:
         return conn.send(("error", e))
-    conn.send(("ready",))
+    last = _times()
+    conn.send(("ready", (0.0, 0.0, _rss())))
     while True:
         try:
             name, method, args, number = conn.recv()
         except EOFError:
             return
+        now = _times()
+        idle = (now[0] - last[0], now[1] - last[1])  # what it did between calls (a thread left running?)
         _seed(seed, rank, number)
         try:
             reply = ("ok", (built[name] if method is None else getattr(built[name], method))(*args))
         except BaseException as e:  # the user's, whatever it is (sys.exit too): that call's failure
             line = line_in(e, paths[name])
             reply = ("raised", repr(e), type(e).__name__, line, not isinstance(e, Exception))
+        usage = (*idle, _rss())
         try:
-            conn.send(reply)
+            conn.send((*reply, usage))
         except Exception as e:  # what the trainer reads as PicklingError('its result does not pickle...')
             error = pickle.PicklingError(f"its result does not pickle (it comes back from a worker): {e!r}")
-            conn.send(("raised", repr(error), "PicklingError", None, False))
+            conn.send(("raised", repr(error), "PicklingError", None, False, usage))
+        last = _times()
 
 
 if __name__ == "__main__":

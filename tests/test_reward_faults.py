@@ -27,7 +27,6 @@ TINY = ["--max_steps", "2", "--rollout_batch_size", "2", "--n_samples_per_prompt
         "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "8"]
 
 REWARDS = '''import os, random, subprocess, sys, time
-import numpy as np
 def exit0(p, c, l, **kw):
     sys.exit(0)
 def exit3(p, c, l, **kw):
@@ -43,6 +42,7 @@ def sleeps(p, c, l, **kw):
     time.sleep(2)
     return [1.0] * len(c)
 def reseeds(p, c, l, **kw):
+    import numpy as np
     random.seed(0)
     np.random.seed(0)
     return [random.random() for _ in c]
@@ -56,7 +56,7 @@ def os_exit(p, c, l, **kw):
     return [float(os.getpid())] * len(c)
 def late(p, c, l, **kw):
     if "slow" in c:
-        time.sleep(0.5)
+        time.sleep(0.3)
         open(l[0], "w").close()
     return [float(os.getpid())] * len(c)
 def child(p, c, l, **kw):
@@ -75,16 +75,18 @@ def rewards(tmp_path_factory):
     path.write_text(REWARDS)
     loaded = {}
 
-    def reward(name):
-        return loaded.setdefault(name, load_reward_fn(f"{path}:{name}", timeout=0.2))
+    def reward(name, timeout=5.0):
+        if name not in loaded:
+            loaded[name] = load_reward_fn(f"{path}:{name}", timeout=timeout)
+        return loaded[name]
     yield reward
     for fn in loaded.values():
         fn.workers.close()
 
 
-@pytest.mark.parametrize("name, raised, line", [("exit0", "SystemExit(0)", 4), ("exit3", "SystemExit(3)", 6),
-                                                ("interrupt", "KeyboardInterrupt()", 8),
-                                                ("generator_exit", "GeneratorExit('closed')", 10)])
+@pytest.mark.parametrize("name, raised, line", [("exit0", "SystemExit(0)", 3), ("exit3", "SystemExit(3)", 5),
+                                                ("interrupt", "KeyboardInterrupt()", 7),
+                                                ("generator_exit", "GeneratorExit('closed')", 9)])
 def test_whatever_a_reward_raises_is_its_failure_named(tmp_path, name, raised, line):
     """sys.exit(0) / sys.exit(3) / KeyboardInterrupt / GeneratorExit raised by the reward: its samples fail,
     each message names the exception, the function, its file and line (it was exit 0 or 3 without a word, or
@@ -154,13 +156,13 @@ def test_a_reward_that_ends_its_process_fails_its_batch_and_the_run_goes_on(rewa
 
 
 def test_a_timed_out_reward_is_stopped(rewards, tmp_path):
-    """A call past --call_timeout went on in its thread (here it would write a file half a second later); now
-    its worker is killed at the timeout and the next call runs in a new one."""
+    """A call past --call_timeout went on in its thread (here it would write a file 0.1 s later); now its
+    worker is killed at the timeout and the next call runs in a new one."""
     mark = str(tmp_path / "written")
-    first = score(rewards("late"), ["p"], ["a"], [mark])[0]
+    first = score(rewards("late", timeout=0.2), ["p"], ["a"], [mark])[0]
     _, _, failures = score(rewards("late"), ["p"], ["slow"], [mark])
     assert "no result within --call_timeout 0.2 s: the call was stopped" in failures[0][1]
-    time.sleep(0.6)
+    time.sleep(0.3)
     assert not os.path.exists(mark) and score(rewards("late"), ["p"], ["a"], [mark])[0] != first
 
 
@@ -342,7 +344,7 @@ def test_a_reward_that_exits_ends_the_run_in_one_line(tiny_model_dir, tmp_path):
     reward (they were exit 3 without a word, and exit 0 with nothing trained)."""
     (tmp_path / "rw.py").write_text(REWARDS)
     (tmp_path / "bye.py").write_text("import sys\nsys.exit(0)\n")
-    exit3 = f"SystemExit(3) raised by exit3 in {tmp_path}/rw.py line 6"
+    exit3 = f"SystemExit(3) raised by exit3 in {tmp_path}/rw.py line 5"
     exit0 = "(line 2): SystemExit(0): a reward file cannot end"
     for out, spec, said in [("a", f"{tmp_path}/rw.py:exit3", exit3), ("b", f"{tmp_path}/bye.py:f", exit0)]:
         proc = run_script("train_ppo.py", ["--pretrain", tiny_model_dir, *TINY, "--reward_fn", spec,
