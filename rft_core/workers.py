@@ -2,19 +2,17 @@
 whatever it does there (reseed random / numpy / torch, change directory, exit, crash, hang, leak memory,
 leave a thread spinning, start children) is at most that call's failure, and the worker is replaced.
 
-    workers = Workers({"env": (load_env, "calculator")}, size=4, timeout=60, seed=args.seed, rank=rank)
-    workers.call("env", "reset", (sample,))                # one call: its result, or it raises
-    workers.map("env", "step", [(state, text), ...])       # spread over the workers: (ok, value) each
+    pool = Workers({"env": (load_env, "calculator")}, size=4, timeout=60, seed=args.seed, rank=rank)
+    pool.call("env", "reset", (sample,))                # one call: its result, or it raises
+    pool.map("env", "step", [(state, text), ...])       # spread over the workers: (ok, value) each
 
-A worker is `python -m rft_core.workers FD` (no torch: it starts in ~0.15 s) in a session of its own, with
-the trainer's directory and environment, talking pickles over a socket. It builds each target itself,
-loader(spec): the user's file is imported there, never in the trainer. It seeds random (and numpy / torch
-where the user's code imported them) from (seed, rank), and before each call from (seed, rank, call number):
-a run draws the same numbers whichever worker runs a call. A call past its timeout is stopped: the worker's
-process group is killed (SIGKILL) and a new worker starts at its next call; so is a worker that ended during
-a call, one whose memory grew LEAK_BYTES past its start, and one that burnt CPU while idle (a thread left
-running). Restarts are counted and said once per kind. Every process group is killed when the pool is
-dropped or the trainer exits, by any path; a worker whose trainer was killed kills its own within a second.
+A worker (`python -m rft_core.workers FD`: no torch, ~0.15 s to start) has a session of its own and the
+trainer's directory and environment, and talks pickles over a socket. It imports the user's file itself,
+and seeds random (numpy, torch where imported) from (seed, rank), and before each call from (seed, rank,
+call number): the same numbers whichever worker runs a call. A call past its timeout is stopped (the
+worker's process group killed), as is a worker that ended during a call, grew LEAK_BYTES or burnt CPU
+while idle; each starts afresh at its next call. Every group is killed when the pool is dropped or the
+trainer exits, by any path; a worker whose trainer was killed kills its own within a second.
 """
 
 import collections
