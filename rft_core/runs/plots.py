@@ -27,7 +27,7 @@ def write_plots(output_dir, lengths, max_len):
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    _save(fig, os.path.join(output_dir, "curves.png"))
+    _save(fig, plt, os.path.join(output_dir, "curves.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.hist(lengths, bins=min(50, max_len), range=(0, max_len))
@@ -38,13 +38,10 @@ def write_plots(output_dir, lengths, max_len):
     ax.set_xlabel("response tokens")
     ax.set_ylabel("samples")
     fig.tight_layout()
-    _save(fig, os.path.join(output_dir, "gen_len.png"))
+    _save(fig, plt, os.path.join(output_dir, "gen_len.png"))
 
 
-def _save(fig, path):
-    """fig as a PNG at path: written aside and renamed, so a kill never leaves half a picture."""
-    import matplotlib.pyplot as plt
-
+def _save(fig, plt, path):  # written aside and renamed: a kill never leaves half a picture
     fig.savefig(path + ".tmp", dpi=100, format="png")
     plt.close(fig)
     os.replace(path + ".tmp", path)
