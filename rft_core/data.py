@@ -75,8 +75,8 @@ def _load_dataset(path, flag, log=None):
         log(f"[data] {path}: skipped {len(other)} entries that are not .jsonl/.json/.parquet/.arrow files: "
             f"{', '.join(other[:5])}{' ...' if len(other) > 5 else ''}")
     if len(found) != 1:
-        raise DataError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, "
-                        f"found {found or 'none'}")
+        raise DataError(f"{flag} {path!r}: expected .jsonl/.json/.parquet/.arrow files of one kind, found "
+                        f"{found or 'none'}{' in that directory' * os.path.isdir(path)}")
     for f in files:
         if os.path.getsize(f) == 0 or (f.endswith((".json", ".jsonl"))
                                        and not open(f, "rb").read(1 << 16).strip(b" \t\r\n\xef\xbb\xbf")):

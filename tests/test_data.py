@@ -159,3 +159,6 @@ def test_damaged_arrow_files_and_directories_named_like_data_are_one_line(tmp_pa
     assert len(load_prompt_rows(str(tmp_path / "dir"), log=said.append)[0]) == 1
     assert said == [f"[data] {tmp_path / 'dir'}: skipped 1 entries that are not .jsonl/.json/.parquet/.arrow "
                     "files: x.jsonl/"]
+    with pytest.raises(ValueError, match=r"x.jsonl': expected .jsonl/.json/.parquet/.arrow files of one "
+                                         r"kind, found none in that directory$"):
+        load_prompt_rows(str(tmp_path / "dir" / "x.jsonl"))
