@@ -55,9 +55,10 @@ AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batc
                 "micro_train_batch_size", "max_tokens_per_micro_batch", "train_batch_size")
 AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every",
                  "lora_rank", "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
-# flags that name a file or directory: an empty string is a mistake, not "none"
+# flags that name a file, directory, URL or column: an empty string is a mistake, not "none"
 PATHS = ("pretrain", "prompt_data", "eval_data", "reward_fn", "reward_pretrain", "critic_pretrain",
-         "pretrain_data", "env", "output_dir", "use_tensorboard", "images_key", "freeze_prefix")
+         "pretrain_data", "env", "output_dir", "use_tensorboard", "images_key", "freeze_prefix",
+         "remote_rm_url")
 # flags that name what the run reads: a path, paths joined by commas (reward_pretrain), or path.py:NAME
 # (reward_fn, env; without ":" a built-in's name); output_dir must neither hold nor be held by them
 INPUTS = ("pretrain", "critic_pretrain", "reward_pretrain", "prompt_data", "eval_data", "pretrain_data",
