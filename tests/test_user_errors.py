@@ -93,6 +93,8 @@ def main_raises(monkeypatch, script, args, match):
     (["--seed", "-1"], "--seed -1: must be in [0, 2**32), numpy's seeds"),
     (["--seed", str(2**32)], f"--seed {2**32}: must be in [0, 2**32), numpy's seeds"),
     (["--prompt_data", ""], "--prompt_data '': empty; give it a value or leave the flag out"),
+    # (it was taken for no URL: the built-in rule scored the run)
+    (["--remote_rm_url", ""], "--remote_rm_url '': empty; give it a value or leave the flag out"),
     (["--use_kl_loss", "--init_kl_coef", "0"], "--use_kl_loss with --init_kl_coef 0: the loss weighs"),
     (["--eval_steps", "50"], "--eval_steps 50: past --max_steps 2, so no periodic eval would run"),
     (["--lora_rank", "4", "--target_modules", ","], "--target_modules ',': name the modules"),
