@@ -427,11 +427,12 @@ def main():
         raise DataError(f"{len(prompts['train'])} usable training prompts, fewer than --rollout_batch_size")
     num_steps = min(args.max_steps, args.num_episodes * (len(prompts["train"]) // args.rollout_batch_size))
     num_updates = num_steps * args.max_epochs * (plan.samples_per_step // plan.train_batch_size)
+    # resumed: the schedule's length as the checkpoint has it (a higher --max_steps keeps the warm-up)
+    num_updates = schedule_length(resume_from, num_steps, num_updates, args.lr_warmup_ratio,
+                                  accelerator.print)
     warmup = math.ceil(args.lr_warmup_ratio * num_updates)  # optimizer steps of linear warm-up
     if finished_run(resume_from, num_steps, accelerator.print):  # a rerun of a finished run
         return end_run(accelerator)
-    # resumed: the schedule's length as the checkpoint has it (a higher --max_steps keeps the warm-up)
-    num_updates = schedule_length(resume_from, num_steps, num_updates, accelerator.print)
 
     sp = SequenceParallel.from_accelerator(accelerator, model)  # None without SP or CP
     # what one optimizer step updates, by the name its gradient norm is logged under

@@ -22,6 +22,7 @@ schedule (`schedule_length`); fewer than it has done are refused.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -128,11 +129,11 @@ def check_identity(ckpt, identity):
                               "with them, or pass --no_resume to start afresh (or use another --output_dir)")
 
 
-def schedule_length(ckpt, num_steps, num_updates, log):
-    """The optimizer steps the learning-rate schedule spans (its warm-up is --lr_warmup_ratio of them): this
-    run's num_updates, or resuming ckpt, the length it was written with (said where they differ), so that a
-    higher --max_steps trains on at the rate reached instead of warming up again over the longer run. A run
-    that would end before ckpt's step is refused: the steps after it cannot be undone."""
+def schedule_length(ckpt, num_steps, num_updates, warmup_ratio, log):
+    """The optimizer steps the learning-rate schedule spans (its warm-up is warmup_ratio of them): this run's
+    num_updates, or resuming ckpt, the length it was written with, so that a higher --max_steps trains on at
+    the rate reached instead of stretching the warm-up over the longer run (said where the warm-up would
+    differ). A run that would end before ckpt's step is refused: the steps after it cannot be undone."""
     if ckpt is None:
         return num_updates
     if num_steps < checkpoint_step(ckpt):
@@ -142,10 +143,10 @@ def schedule_length(ckpt, num_steps, num_updates, log):
                               "another --output_dir)")
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         length = json.load(f).get("schedule") or num_updates  # (None in checkpoints from before it)
-    if length != num_updates:
-        log(f"[resume] the learning-rate schedule keeps the length {os.path.basename(ckpt)} was written "
-            f"with, {length} optimizer steps ({num_updates} for this run's steps): the warm-up is not "
-            "stretched")
+    kept, stretched = math.ceil(warmup_ratio * length), math.ceil(warmup_ratio * num_updates)
+    if kept != stretched:
+        log(f"[resume] the learning-rate warm-up keeps the length {os.path.basename(ckpt)} was written with, "
+            f"{kept} optimizer steps, not {stretched} over this run's steps (the rate would fall back)")
     return length
 
 
