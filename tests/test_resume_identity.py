@@ -103,7 +103,7 @@ def test_checkpoints_from_before_the_digests_still_resume(tmp_path):
     ckpt = checkpoint_with(tmp_path, {"run": old_run})
     identity = run_identity(args, ACCELERATOR, None)
     check_identity(ckpt, identity)
-    assert schedule_length(ckpt, 6, 12, print) == 12
+    assert schedule_length(ckpt, 6, 12, 0.5, print) == 12
 
     class Stream:
         def state_dict(self):
@@ -124,13 +124,14 @@ def test_a_shorter_run_is_refused_and_a_longer_one_keeps_the_schedule(tmp_path):
     ckpt = checkpoint_with(tmp_path, {"schedule": 8})
     with pytest.raises(CheckpointError, match=r"checkpoint-4 is past this run's last step, 2 \(--max_steps, "
                                               r"--num_episodes\): .* Resume with --max_steps 4 or more"):
-        schedule_length(ckpt, 2, 4, print)
+        schedule_length(ckpt, 2, 4, 0.5, print)
     said = []
-    assert schedule_length(ckpt, 8, 16, said.append) == 8
-    assert said == ["[resume] the learning-rate schedule keeps the length checkpoint-4 was written with, 8 "
-                    "optimizer steps (16 for this run's steps): the warm-up is not stretched"]
-    assert schedule_length(ckpt, 4, 8, said.append) == 8 and len(said) == 1
-    assert schedule_length(None, 4, 6, said.append) == 6
+    assert schedule_length(ckpt, 8, 16, 0.5, said.append) == 8
+    assert said == ["[resume] the learning-rate warm-up keeps the length checkpoint-4 was written with, 4 "
+                    "optimizer steps, not 8 over this run's steps (the rate would fall back)"]
+    assert schedule_length(ckpt, 8, 16, 0.0, said.append) == 8  # no warm-up: nothing to say
+    assert schedule_length(ckpt, 4, 8, 0.5, said.append) == 8 and len(said) == 1
+    assert schedule_length(None, 4, 6, 0.5, said.append) == 6
 
 
 @pytest.mark.slow
@@ -159,6 +160,6 @@ def test_resume_refuses_edited_data_and_fewer_steps_and_keeps_the_warm_up(tiny_m
     assert proc.returncode == 2 and "checkpoint-2 is past this run's last step, 1" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == metrics  # both refusals left the run as it was
     proc = run_script("train_ppo.py", [*args, "--max_steps", "4"])
-    assert "the learning-rate schedule keeps the length checkpoint-2 was written with, 2 " in proc.stdout
+    assert "the learning-rate warm-up keeps the length checkpoint-2 was written with, 2 " in proc.stdout
     rates = [row["train/lr"] for row in read_metrics(str(out))[0]]
     assert rates[1:] == [rates[1]] * 3 and rates[0] < rates[1]  # warm-up over steps 1-2, then constant
