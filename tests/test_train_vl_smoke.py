@@ -37,8 +37,8 @@ def test_file_dataset_with_images(tmp_path, chars_reward):
     import random
 
     from rft_core.tasks.shapes import draw_shapes
-    for i in range(3):
-        draw_shapes("red", i + 1, random.Random(i)).save(tmp_path / f"img{i}.png")
+    for i in range(3):  # img0 at 280 x 280: decoded when drawn, resized to the 84 x 84 the processor allows
+        draw_shapes("red", i + 1, random.Random(i), size=280 if i == 0 else 84).save(tmp_path / f"img{i}.png")
     rows = [{"prompt": "what colour is the shape ?", "images": ["img0.png"], "label": "red"},
             {"prompt": "how many shapes are there ?", "images": "img1.png", "label": "two"},
             # text only: kept with --mixed_mm_data
