@@ -303,12 +303,14 @@ def test_images_are_decoded_when_a_prompt_is_read_not_at_start_up(tmp_path, monk
     """Start-up reads each image's header alone (100k rows of full-size pixels would need ~390 GiB before step
     1): encoding N rows decodes none. A prompt's pixels are decoded when it is read, resized once to the
     processor's grid, the same pixels the processor makes of the whole image; only the prompts read last
-    stay decoded."""
+    stay decoded. A file damaged after its header is one line naming it when its prompt is read."""
     import json
     import random
+    import re
 
     from PIL import Image, ImageFile
 
+    from rft_core.errors import UserError
     from rft_core.multimodal import mm_inputs
     from rft_core.vision import encode_vl_rows, load_image_rows
 
@@ -338,3 +340,7 @@ def test_images_are_decoded_when_a_prompt_is_read_not_at_start_up(tmp_path, monk
     assert len(decoded) == 5
     samples[3].mm["pixel_values"]
     assert len(decoded) == 6
+    data = (tmp_path / "5.png").read_bytes()  # damaged after its header: one line naming it, when drawn
+    (tmp_path / "5.png").write_bytes(data[:len(data) // 2])
+    with pytest.raises(UserError, match=re.escape(f"image {tmp_path / '5.png'}: its pixels cannot be read")):
+        samples[5].mm["pixel_values"]
