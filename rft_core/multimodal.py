@@ -7,7 +7,9 @@ Its grids come from the images' sizes; its pixels are decoded when first read (a
 start-up. `mm_inputs` turns a batch's into model inputs; `vllm_prompt` turns one into a vLLM request.
 """
 
+import collections
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -52,34 +54,42 @@ def decode(image, processor):
                         "the file or drop its row") from e
 
 
-class ImageInputs(dict):
-    """A prompt's images and videos (`mm`): a dict of their grids (from the images' sizes) and placeholder
-    ids, whose pixels (pixel_values, pixel_values_videos; the PIL images and videos for vLLM) are decoded
-    when read, by `pixels`: decode_pixels behind a functools.lru_cache that a split's prompts share (those
-    read last stay decoded), so memory holds a step's prompts' pixels, whatever the number of rows."""
+class ImageInputs(Mapping):
+    """A prompt's images and videos (`mm`), read like a dict: their grids (from the images' sizes) and
+    placeholder ids, and their pixels (pixel_values, pixel_values_videos; the PIL images and videos for vLLM),
+    decoded when read by `pixels`: decode_pixels behind a functools.lru_cache that a split's prompts share
+    (those read last stay decoded), so memory holds a step's prompts' pixels, whatever the number of rows."""
     __eq__, __hash__ = object.__eq__, object.__hash__  # (the lru_cache's key)
 
     def __init__(self, processor, images, token_ids, pixels=None):
-        super().__init__(token_ids)
         self.processor, self.pixels = processor, pixels or functools.lru_cache(maxsize=1)(decode_pixels)
         self.stills = [x for x in images if not isinstance(x, list)]
         self.videos = [x for x in images if isinstance(x, list)]
-        self.decoded = []  # the keys decode_pixels gives
+        self.known, self.decoded = dict(token_ids), []  # decoded: the keys decode_pixels gives
         for kind, frames in (("image", [[x] for x in self.stills]), ("video", self.videos)):
             if frames:
-                self[f"{kind}_grid_thw"] = torch.tensor([grid(processor, f[0].size, len(f)) for f in frames])
+                thw = [grid(processor, f[0].size, len(f)) for f in frames]
+                self.known[f"{kind}_grid_thw"] = torch.tensor(thw)
                 self.decoded += ["pixel_values" if kind == "image" else "pixel_values_videos", f"{kind}s"]
 
-    def __missing__(self, key):
-        if key not in self.decoded:
-            raise KeyError(key)
-        return self.pixels(self)[key]
+    def __getitem__(self, key):
+        return self.known[key] if key in self.known or key not in self.decoded else self.pixels(self)[key]
 
-    def __contains__(self, key):
-        return super().__contains__(key) or key in self.decoded
+    def __contains__(self, key):  # (Mapping's would read the value: decode the pixels)
+        return key in self.known or key in self.decoded
+
+    def __iter__(self):
+        return iter([*self.known, *self.decoded])
+
+    def __len__(self):
+        return len(self.known) + len(self.decoded)
 
     def __deepcopy__(self, memo):  # (dataclasses.asdict of a Sample) nothing in it changes once made
         return self
+
+    def __reduce__(self):  # saved (partial rollout's buffer) as plain data torch.load's weights_only takes
+        pixels = [(key, self[key]) for key in self.decoded if key.startswith("pixel_values")]
+        return collections.OrderedDict, ([*self.known.items(), *pixels],)
 
 
 def decode_pixels(inputs):

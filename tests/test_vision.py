@@ -242,6 +242,26 @@ def test_blocked_tokens_leave_a_normalised_distribution():
     assert torch.allclose(chunked[0], logprobs, atol=1e-5) and torch.allclose(chunked[1], entropy, atol=1e-5)
 
 
+def test_image_inputs_save_as_plain_data():
+    """A prompt's ImageInputs in a checkpoint (partial rollout's buffer holds started samples) is plain data
+    that torch.load(weights_only=True) takes: its grids, ids and pixel values (PIL images made the resume
+    refuse the checkpoint)."""
+    import copy
+    import io
+    import random
+
+    _, tok, processor = load_vl_model()
+    image, image_id = draw_shapes("red", 1, random.Random(0)), tok.convert_tokens_to_ids("<|image_pad|>")
+    ids, mm = encode_vl_prompt(tok, processor, "what colour is the shape ?", [image], image_id)
+    assert copy.deepcopy(mm) is mm  # (dataclasses.asdict of its Sample: nothing to copy)
+    buffer = io.BytesIO()
+    torch.save({"samples": [{"prompt_ids": ids, "mm": mm}]}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)["samples"][0]["mm"]
+    assert set(saved) == {"image_token_id", "video_token_id", "image_grid_thw", "pixel_values"}
+    assert all(torch.equal(torch.as_tensor(saved[k]), torch.as_tensor(mm[k])) for k in saved)
+
+
 def test_engine_processor_config_gives_the_trainers_grids(tmp_path):
     """vLLM builds its image processor from the engine directory: saved from the trainer's, it must give the
     same grids (a resized, non-square image included)."""
