@@ -130,6 +130,9 @@ def vllm_prompt(ids, mm, sample=None):
     if any(next(run, None) is not None for run in runs.values()):  # an image or video without its run
         raise DataError(mismatch)
     data = {kind: mm[f"{kind}s"] for kind in ("image", "video") if f"{kind}s" in mm}
+    if len(data) < len(runs):  # resumed: a checkpoint keeps an unfinished sample's pixel values, not images
+        raise DataError(f"sample {sample!r}: vLLM needs its images, which the checkpoint it was resumed from "
+                        "does not keep: resume with --engine_type hf or sglang, or start afresh: --no_resume")
     return {"prompt_token_ids": out, "multi_modal_data": data}
 
 

@@ -215,6 +215,9 @@ def test_vllm_prompt_collapses_each_image_to_one_placeholder():
         vllm_prompt(ids[:-3] + [3], mm, sample=5)  # the video one token short
     with pytest.raises(ValueError, match="sample 6"):
         vllm_prompt(ids[:11] + [3], mm, sample=6)  # the video's placeholders missing altogether
+    resumed = {k: v for k, v in mm.items() if k not in ("images", "videos")}  # as a checkpoint keeps it
+    with pytest.raises(ValueError, match="sample 7: vLLM needs its images, which the checkpoint it was"):
+        vllm_prompt(ids, resumed, sample=7)
 
 
 def test_blocked_tokens_leave_a_normalised_distribution():
