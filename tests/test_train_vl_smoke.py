@@ -81,7 +81,8 @@ def test_estimators_with_images(tmp_path, estimator, chars_reward):
 def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
     """Every flag of train_ppo.py exists in train_ppo_vl.py; those that cannot apply are refused in one line,
     the others run (--optimizer_offload, --system_prompt, --partial_rollout: image prompts continued from
-    their token ids with their images, with a weight per sample, --tis_level sequence)."""
+    their token ids with their images, with a weight per sample, --tis_level sequence; a checkpoint of the
+    unfinished samples resumes: their images were PIL objects that torch.load(weights_only=True) refused)."""
     import dataclasses
 
     import train_ppo
@@ -95,11 +96,13 @@ def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
         monkeypatch.setattr(sys, "argv", ["train_ppo_vl.py", *flags, "--output_dir", str(tmp_path)])
         with pytest.raises(ValueError, match=message):
             train_ppo_vl.main()
-    run_vl([*VL_TINY, "--max_steps", "3", "--optimizer_offload", "--system_prompt", "answer with a word .",
-            "--reward_fn", chars_reward, "--partial_rollout", "--max_token_budget", "2",
-            "--max_staleness", "1", "--tis_level", "sequence", "--output_dir", str(tmp_path / "out")])
+    flags = [*VL_TINY, "--optimizer_offload", "--system_prompt", "answer with a word .", "--reward_fn",
+             chars_reward, "--partial_rollout", "--max_token_budget", "2", "--max_staleness", "1", "--tis_level",
+             "sequence", "--save_steps", "1", "--output_dir", str(tmp_path / "out")]
+    run_vl([*flags, "--max_steps", "3"])
+    assert "[resume] from" in run_vl([*flags, "--max_steps", "4"]).stdout
     rows, _ = read_metrics(str(tmp_path / "out"))
-    assert rows[0]["train/grad_norm"] > 0
+    assert len(rows) == 4 and rows[0]["train/grad_norm"] > 0
     assert sum(r["rollout/resumed"] for r in rows) > 0 and all(r["rollout/staleness_max"] <= 1 for r in rows)
 
 
