@@ -97,8 +97,8 @@ def test_text_flags_in_the_vl_script(tmp_path, chars_reward, monkeypatch):
         with pytest.raises(ValueError, match=message):
             train_ppo_vl.main()
     flags = [*VL_TINY, "--optimizer_offload", "--system_prompt", "answer with a word .", "--reward_fn",
-             chars_reward, "--partial_rollout", "--max_token_budget", "2", "--max_staleness", "1", "--tis_level",
-             "sequence", "--save_steps", "1", "--output_dir", str(tmp_path / "out")]
+             chars_reward, "--partial_rollout", "--max_token_budget", "2", "--max_staleness", "1",
+             "--tis_level", "sequence", "--save_steps", "1", "--output_dir", str(tmp_path / "out")]
     run_vl([*flags, "--max_steps", "3"])
     assert "[resume] from" in run_vl([*flags, "--max_steps", "4"]).stdout
     rows, _ = read_metrics(str(tmp_path / "out"))
