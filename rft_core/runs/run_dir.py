@@ -1,23 +1,12 @@
 """The output directory: one run writes there at a time, a killed run's leftovers are cleaned up, a new run
 never overwrites a previous one, and no credential is written there.
 
-The lock: `run.lock` (mode 0600) names the process writing there (pid, host, its start, the command). The main
-process takes it when the run's record starts (MetricsLog) and removes it at exit; the other ranks wait for
-its answer. A live holder's lock refuses this run in one line, before anything loads (`check_free`) and again
-before anything is written. A dead holder's (SIGKILL, a lost node) is said and taken over: on this host at
-once, its pid gone (or another process's); from another host once it stops beating: a live holder touches it
-every HEARTBEAT_S, and one unchanged while watched for WATCH_S (on this host's monotonic clock) is dead. Two
-hosts' clocks are never compared: one running ahead took a live lock for an old one.
-
-Every file is written aside and renamed (integrity.write_whole, integrity.replace_dir); what a killed writer
-left aside is removed at the next start (`clean_leftovers`).
-
-A previous run: a new run (nothing to resume) into a directory holding a previous run's steps (metrics.jsonl
-rows, model/, checkpoints) is refused naming --no_resume; with --no_resume the previous run's files move into
-previous-N/ when the new record starts (a failed start leaves them where they were), so `latest`, checkpoint
-pruning and metrics.jsonl cannot mix two runs.
-
-`redact` hides credentials (a token in --remote_rm_url) in what the run writes and prints.
+The lock, `run.lock` (mode 0600), names its holder (pid, host, start, command) and refuses a second live
+run in one line. A dead holder's (SIGKILL, a lost node) is said and taken over: on this host once its pid
+is gone, from another host once its heartbeat (a touch every HEARTBEAT_S) stays still for WATCH_S on this
+host's monotonic clock; two hosts' clocks are never compared (one running ahead took a live lock for an old
+one). A new run over a previous run's steps is refused naming --no_resume, which moves that run into
+previous-N/ first, so `latest`, checkpoint pruning and metrics.jsonl cannot mix two runs.
 """
 
 import atexit
@@ -51,7 +40,7 @@ def redact(value):
     if isinstance(value, dict):
         return {key: redact(v) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value] if isinstance(value, list) else tuple(redact(v) for v in value)
+        return type(value)(redact(v) for v in value)
     return _URL.sub(_hide, value) if isinstance(value, str) else value
 
 
@@ -112,17 +101,13 @@ def _start_ticks(pid):
 def _read_lock(path):
     """(the holder's record, the lock's beat: what its heartbeat changes), or None where there is no lock. A
     lock being written, damaged or another user's (unreadable) reads as an empty record."""
-    text = ""
+    holder = {}
     try:
-        with contextlib.suppress(PermissionError), open(path) as f:  # (an open revalidates NFS's mtime)
-            text = f.read()
+        with contextlib.suppress(PermissionError, ValueError), open(path) as f:  # (revalidates NFS's mtime)
+            holder = json.load(f)
         beat = os.stat(path)
     except FileNotFoundError:
         return None
-    try:
-        holder = json.loads(text)
-    except ValueError:
-        holder = {}
     return (holder if isinstance(holder, dict) else {}), (beat.st_ino, beat.st_mtime_ns, beat.st_size)
 
 
@@ -189,9 +174,9 @@ def take_lock(output_dir, log=print):
         raise ConfigError(f"--output_dir {output_dir}: its lock {path} keeps changing hands; use another "
                           "--output_dir")
     if not _held:
-        atexit.register(release_all)
         threading.Thread(target=_heartbeat, daemon=True, name="run.lock heartbeat").start()
     _held.add(os.path.abspath(output_dir))
+    atexit.register(release_lock, output_dir)
     clean_leftovers(output_dir, log)
 
 
@@ -242,11 +227,6 @@ def release_lock(output_dir):
             os.remove(path)
 
 
-def release_all():
-    for output_dir in list(_held):
-        release_lock(output_dir)
-
-
 def clean_leftovers(output_dir, log=print):
     """Remove what a killed writer left aside at the top of output_dir (LEFTOVER: a save's checkpoint-N.tmp/,
     an export's model.tmp/ or .old/, a rewrite's config.json.tmp), said in one line; a previous-N.tmp/ (a
@@ -284,19 +264,12 @@ def _move_back(output_dir, aside, log):
 
 
 def finished_step(output_dir):
-    """The last step of the run whose exports are whole in output_dir (FINISHED, written after them), or
-    None."""
+    """The last step whose exports are whole in output_dir (FINISHED, written after them), or None."""
     try:
         with open(os.path.join(output_dir, FINISHED)) as f:
             return json.load(f)["step"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def last_step(rows):
-    """The last training step among metrics rows (0: none)."""
-    return max((row["step"] for row in rows if "train/policy_loss" in row or "rollout/reward_mean" in row),
-               default=0)
 
 
 def previous_run(output_dir, rows):
@@ -307,7 +280,8 @@ def previous_run(output_dir, rows):
         return None
     names = sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or RUN_DIRS.fullmatch(n))
     kept = [n for n in names if os.path.isdir(os.path.join(output_dir, n))]
-    step = last_step(rows)
+    step = max((row["step"] for row in rows if "train/policy_loss" in row or "rollout/reward_mean" in row),
+               default=0)
     if not step and not kept:
         return None
     parts = ([f"metrics.jsonl to step {step}"] if step else []) + [f"{n}/" for n in kept[:4]]
