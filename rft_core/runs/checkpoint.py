@@ -1,26 +1,21 @@
 """Checkpoints that are never half-written: save, find the latest, prune, resume.
 
-A checkpoint is `accelerator.save_state` (models, optimizers, schedulers, every rank's RNG states)
-plus `trainer_state.json` (the step counter, data position, KL controller, reward statistics...)
-and any extra tensors (the EMA weights). It is written to `checkpoint-N.tmp`, renamed to
-`checkpoint-N` once every rank has finished, and only then named in `latest`, itself replaced
-atomically; so a run killed at any moment resumes from the last complete checkpoint.
+A checkpoint is `accelerator.save_state` (models, optimizers, schedulers, every rank's RNG states) plus
+`trainer_state.json` (LoopState: the step, data position, KL controller, reward statistics...) and tensors.pt
+(the EMA weights, partial rollout's buffer). It is written to `checkpoint-N.tmp`, renamed to `checkpoint-N`
+once every rank has finished, and only then named in `latest`, itself replaced atomically; so a run killed
+at any moment resumes from the last complete checkpoint. Resuming verifies its manifest
+(rft_core/runs/integrity.py): a damaged or missing checkpoint is named and the newest intact one before it
+is used instead. A save that fails (a full disk) is one line and leaves the previous checkpoint as it was;
+pruning never deletes the one just written.
 
-Each checkpoint records in `manifest.json` the size and SHA-256 of every file it holds (weights too: hashing
-runs at about 750 MB/s a core, files in parallel). Resuming verifies them: a damaged or missing checkpoint is
-named and the newest intact one before it is used instead (found by their manifests where `latest` is
-missing), never a damaged RNG state. Loading reads pickles as plain data only (torch.load's weights_only=True)
-and checks that the RNG states are the saved ones (rft_core/runs/integrity.py). A save that fails (a full
-disk) is one line and leaves the previous checkpoint as it was; pruning never deletes the one just written.
-
-The trainer state also records the settings the checkpoint's contents depend on (`run_identity`): the data
-files' content, the data stream's order and batch, the per-rank buffers, the model it started from (by its
-files' digest) and the models' layout. A run that would resume it with other values of them is refused in
-one line before anything loads; the other flags (learning rate, the algorithm's, lengths...) may change on
-resume, and config.json records each segment's values. More steps keep the checkpoint's learning-rate
-schedule (`schedule_length`); fewer than it has done are refused.
+The trainer state records the settings its contents depend on (`run_identity`): a run that would resume it
+with others is refused in one line before anything loads; the other flags (learning rate, lengths...) may
+change on resume, and config.json records each segment's values. More steps keep the checkpoint's
+learning-rate schedule (`schedule_length`); fewer than it has done are refused.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -288,28 +283,20 @@ def list_checkpoints(output_dir):
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
 
 
-def _named_latest(output_dir, log):
-    """The checkpoint `latest` names, or None where it is missing or names no checkpoint (said)."""
-    path = os.path.join(output_dir, LATEST)
-    try:
-        with open(path) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    if re.fullmatch(r"checkpoint-\d+", name):
-        return os.path.join(output_dir, name)
-    if log:
-        log(f"[resume] {path} names {name[:40]!r}, not a checkpoint: looking for the newest intact one")
-    return None
-
-
 def latest_checkpoint(output_dir, log=None, identity=None):
     """The newest intact checkpoint: the one `latest` names (it is only written once that checkpoint is
     complete) if it verifies, else the newest older one that does, saying why through log(message); without
     `latest`, the newest of the checkpoints there that verifies, said too. None if there is none at all; an
     error naming the fix if checkpoints exist but none is intact, or (identity: run_identity's) if it was
     written with other settings."""
-    named, checkpoints = _named_latest(output_dir, log), list_checkpoints(output_dir)
+    path, named, checkpoints = os.path.join(output_dir, LATEST), None, list_checkpoints(output_dir)
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        named = f.read().strip()
+    if named is not None and not re.fullmatch(r"checkpoint-\d+", named):
+        if log:
+            log(f"[resume] {path} names {named[:40]!r}, not a checkpoint: looking for the newest intact one")
+        named = None
+    named = named and os.path.join(output_dir, named)
     if named is None and not checkpoints:
         return None
     newest = checkpoint_step(named) if named else checkpoint_step(checkpoints[-1]) + 1
