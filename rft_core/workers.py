@@ -6,21 +6,19 @@ leave a thread spinning, start children) is at most that call's failure, and the
     pool.call("env", "reset", (sample,))                # one call: its result, or it raises
     pool.map("env", "step", [(state, text), ...])       # spread over the workers: (ok, value) each
 
-A worker (`python -m rft_core.workers FD`: no torch, ~0.15 s to start) has a session of its own and the
-trainer's directory and environment, and talks pickles over a socket. It imports the user's file itself,
-and seeds random (numpy, torch where imported) from (seed, rank), and before each call from (seed, rank,
-call number): the same numbers whichever worker runs a call. A call past its timeout is stopped (the
-worker's process group killed), as is a worker that ended during a call, grew LEAK_BYTES or burnt CPU
-while idle; each starts afresh at its next call. Every group is killed when the pool is dropped or the
-trainer exits, by any path; a worker whose trainer was killed kills its own within a second.
+A worker (`python -m rft_core.workers FD`: no torch, ~0.15 s to start) has a session of its own, imports
+the user's file itself and talks pickles over a socket. Before each call it seeds random (numpy, torch where
+imported) from (seed, rank, call number): the same numbers whichever worker runs a call. Every worker's
+group is killed when the pool is dropped or the trainer exits, by any path; a worker whose trainer was
+killed kills its own within a second.
 """
 
 import collections
+import contextlib
 import importlib.util
 import os
 import pickle
 import random
-import resource
 import signal
 import socket
 import subprocess
@@ -40,9 +38,8 @@ START_S = 120.0  # seconds a worker may take to load the user's file, at least (
 
 
 class UserCodeError(Exception):
-    """What user code raised in its worker: reads as the original (repr: RuntimeError('boom')); `kind` is its
-    type's name, `line` the line of the user's file it came from, `interrupt` whether it was no Exception
-    (sys.exit, KeyboardInterrupt...: user code cannot end the run)."""
+    """What user code raised in its worker, read as the original (RuntimeError('boom')); `kind`: its type's
+    name, `line`: its file's line, `interrupt`: no Exception (sys.exit...: user code cannot end the run)."""
 
     def __init__(self, what, kind, line=None, interrupt=False):
         super().__init__(what)
@@ -106,7 +103,7 @@ class Workers:
             raise ConfigError(f"{named}: loading it ended its worker process ({status})") from None
         if reply[0] == "error":
             raise reply[1]
-        worker.rss = reply[1][2]
+        worker.rss = reply[1]
 
     def call(self, name, method, args, timeout=None):
         """Target `name`'s `method` (None: the target itself) called with args in a worker: its result, or the
@@ -128,11 +125,10 @@ class Workers:
                 for i in range(len(self.procs)):  # each idle worker takes the next call
                     if todo and i not in running:
                         k = todo.pop(0)
-                        error = self._send(i, (name, method, calls[k]))
-                        if error is None:
-                            running[i] = (k, time.monotonic() + timeout)
-                        else:
+                        if error := self._send(i, (name, method, calls[k])):
                             results[k] = (False, error)
+                        else:
+                            running[i] = (k, time.monotonic() + timeout)
                 if running:
                     self._collect(running, results, timeout)
         except BaseException:  # a real Ctrl-C while waiting: the calls under way are stopped
@@ -142,8 +138,7 @@ class Workers:
         return results
 
     def _send(self, i, message):
-        """Start a call in worker i (started afresh if it was stopped); the call's error if it could not be
-        sent, else None."""
+        """Start a call in worker i (started afresh if it was stopped); the call's error if not sent."""
         if self.procs[i] is None:
             try:
                 self._spawn(i)
@@ -160,7 +155,6 @@ class Workers:
             self.procs[i].conn.send_bytes(data)
         except OSError:
             return self._lost(i)
-        return None
 
     def _collect(self, running, results, timeout):
         """Wait until a running call ends or reaches its deadline; take in every result there is."""
@@ -206,9 +200,7 @@ class Workers:
     def _stop(self, i, kind=None, why=None):
         """Kill worker i and whatever it started; it starts afresh at its next call. A restart of a kind
         (timeout, ended, memory, busy) is counted, and `why` said the first time."""
-        if self.procs[i] is not None:
-            _kill(self.procs[i])
-        self.procs[i] = None
+        _kill(self.procs, i)
         if kind:
             self.restarts[kind] += 1
             if self.restarts[kind] == 1:
@@ -228,22 +220,19 @@ def _status(proc):
     return f"killed by signal {-code} ({signal.strsignal(-code)})" if code < 0 else f"exit status {code}"
 
 
-def _kill(worker):
-    try:
-        os.killpg(worker.proc.pid, signal.SIGKILL)  # its group: the worker and what it started
-    except ProcessLookupError:
-        pass
-    worker.proc.wait()
-    worker.conn.close()
+def _kill(procs, i):
+    if procs[i] is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(procs[i].proc.pid, signal.SIGKILL)  # its group: the worker and what it started
+        procs[i].proc.wait()
+        procs[i].conn.close()
+        procs[i] = None
 
 
 def _stop_all(procs, owner):
-    if os.getpid() != owner:  # a forked copy of the trainer: the workers are not its own
-        return
-    for i, worker in enumerate(procs):
-        if worker is not None:
-            _kill(worker)
-            procs[i] = None
+    if os.getpid() == owner:  # not in a forked copy of the trainer: the workers are not its own
+        for i in range(len(procs)):
+            _kill(procs, i)
 
 
 def line_in(error, path):
@@ -253,10 +242,9 @@ def line_in(error, path):
 
 
 def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
-    """What 'path/to/file.py:NAME' names (None if the file defines no NAME), the file imported as a module
-    of its own, with sys.argv [path] (it sees none of the trainer's flags); whatever it raises at import is
-    one line naming the flag and the line. kind: what NAME should be; builtins: the names the flag also
-    takes; owner: "a reward file"... (for the messages). Called in a worker."""
+    """What 'path/to/file.py:NAME' names (None if no NAME), the file imported as a module of its own with
+    sys.argv [path] (none of the trainer's flags); what it raises at import is one line naming the flag and
+    the line. kind, builtins (names the flag also takes), owner ("a reward file"...): for the messages."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ConfigError(f"{flag} {spec!r}: expected path/to/file.py:{kind}"
@@ -288,12 +276,6 @@ def _seed(*key):
         sys.modules["torch"].manual_seed(value)
 
 
-def _times():
-    """A worker's CPU seconds so far, and the wall clock."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime, time.monotonic()
-
-
 def _rss():
     """A worker's resident bytes (not ru_maxrss, the peak: Linux keeps the trainer's across fork and exec);
     0 without /proc (no memory bound)."""
@@ -305,16 +287,15 @@ def _rss():
 
 
 def _watch(parent):
-    """A worker's watch on its trainer: once the trainer is gone (killed without closing its workers), the
-    worker's group goes too, whatever the user's code is doing."""
+    """Once the trainer is gone (killed without closing its workers), the worker's group goes too."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os.killpg(0, signal.SIGKILL)
 
 
 def serve(fd):
-    """A worker's life: build the targets the first message names (reply ("ready",) or ("error", UserError)),
-    then answer calls (name, method, args, number) until the trainer closes the socket."""
+    """A worker's life: build the targets the first message names (reply ("ready", rss) or ("error", the
+    UserError)), then answer calls (name, method, args, number) until the trainer closes the socket."""
     conn = Connection(fd)
     targets, seed, rank = conn.recv()
     threading.Thread(target=_watch, args=(os.getppid(),), daemon=True).start()
@@ -324,15 +305,14 @@ def serve(fd):
         built = {name: loader(spec) for name, (loader, spec) in targets.items()}
     except UserError as e:
         return conn.send(("error", e))
-    last = _times()
-    conn.send(("ready", (0.0, 0.0, _rss())))
+    cpu, wall = time.process_time(), time.monotonic()
+    conn.send(("ready", _rss()))
     while True:
         try:
             name, method, args, number = conn.recv()
         except EOFError:
             return
-        now = _times()
-        idle = (now[0] - last[0], now[1] - last[1])  # what it did between calls (a thread left running?)
+        idle = (time.process_time() - cpu, time.monotonic() - wall)  # between calls (a thread left running?)
         _seed(seed, rank, number)
         try:
             reply = ("ok", (built[name] if method is None else getattr(built[name], method))(*args))
@@ -345,7 +325,7 @@ def serve(fd):
         except Exception as e:  # what the trainer reads as PicklingError('its result does not pickle...')
             error = pickle.PicklingError(f"its result does not pickle (it comes back from a worker): {e!r}")
             conn.send(("raised", repr(error), "PicklingError", None, False, usage))
-        last = _times()
+        cpu, wall = time.process_time(), time.monotonic()
 
 
 if __name__ == "__main__":
