@@ -178,16 +178,13 @@ class MetricsLog:
     def __init__(self, output_dir, config=None, accelerator=None, trackers=False, keep_until=None,
                  samples_every=0, plot_every=0, max_len=None):
         """Starts the record where that is safe (rft_core/runs/run_dir.py): the main process takes
-        output_dir's lock (a second live run is refused in one line); a new run (keep_until None) over a
-        previous run's steps is refused unless config["no_resume"], which moves that run into previous-N/
-        first. Then config (a dict) goes to config.json and metrics.jsonl starts: a resumed run (keep_until,
-        its checkpoint's step) keeps the rows up to that step (a row cut by a full disk is dropped and said),
-        and its config.json keeps, under "resumed", each resume's step and the values that changed there; a
-        new run starts it empty. With trackers, the accelerator's start first (the project: $WANDB_PROJECT,
-        else rft), with the config's scalars and strings (TensorBoard's hparams refuse anything else). Every
-        file is written aside and renamed, config.json the user's alone (mode 0600), and credentials in the
-        config and command line are hidden (run_dir.redact). samples_every, plot_every (steps; 0: never),
-        max_len (of a response): samples_and_plots below. Only the main process writes."""
+        output_dir's lock; a new run (keep_until None) over a previous run's steps is refused unless
+        config["no_resume"], which moves that run into previous-N/ first. A resumed run (keep_until: its
+        checkpoint's step) keeps the metrics.jsonl rows up to that step, and its config.json, under
+        "resumed", what changed at each resume. With trackers, the accelerator's start first (project:
+        $WANDB_PROJECT, else rft), with the config's scalars and strings (TensorBoard's hparams refuse
+        anything else). Credentials are hidden (run_dir.redact); config.json is the user's alone (mode
+        0600). samples_every, plot_every, max_len: samples_and_plots below. Only the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
         self.said = set()  # the notices given (each once): "idle", "cut"
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
@@ -300,8 +297,7 @@ class MetricsLog:
             self.plots(lengths)
 
     def plots(self, lengths):
-        """curves.png and gen_len.png in the output directory (with plot_every; lengths: the latest
-        rollout's response lengths)."""
+        """curves.png and gen_len.png (with plot_every; lengths: the latest rollout's response lengths)."""
         if self.enabled and self.plot_every:
             write_plots(os.path.dirname(self.path), lengths, self.max_len)
 
