@@ -15,11 +15,11 @@ from rft_core.runs.run_dir import redact_output
 
 
 def run_main(main):
-    """The scripts' entry point. A UserError (a flag, path, data row, reward or checkpoint the user can fix,
-    or a diverging run) ends the process with its one line, `error: ...`, and status 2; a stop on SIGINT /
-    SIGTERM with its line and 130 / 143; a CUDA out-of-memory error with one line naming the flags that make
-    room, and 2; RFT_DEBUG=1 shows the traceback instead. Anything else is a bug and keeps its
-    traceback. Whatever is printed has its credentials hidden (run_dir.redact: a token in --remote_rm_url)."""
+    """The scripts' entry point. A UserError (what the user can fix, or a diverging run) ends the process
+    with its one line, `error: ...`, and status 2; a stop on SIGINT / SIGTERM with its line and 130 / 143; a
+    CUDA out-of-memory error with one line naming the flags that make room, and 2 (RFT_DEBUG=1: the
+    traceback instead). Anything else is a bug and keeps its traceback. What is printed has its credentials
+    hidden (run_dir.redact)."""
     debug = os.environ.get("RFT_DEBUG", "0") not in ("", "0")
     redact_output()
     try:
@@ -55,12 +55,10 @@ class StopNow(KeyboardInterrupt):
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption). With at_once (installed as main starts), they
-    stop the start-up at once, with one line. Then (installed before the loop) they ask the loop to stop at
-    the end of the current step, after its checkpoint if one is due; a second SIGINT stops at once.
-    `requested(reduce_sum, device)` is the signal any rank got (None, "SIGINT" or "SIGTERM"): every rank calls
-    it at the same point, so that they stop together. SIGUSR1 prints every thread's stack and goes on (where a
-    stuck run waits). args: the script's flags (--output_dir, where the checkpoints are)."""
+    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption). With at_once (as main starts) they stop the
+    start-up at once; then (before the loop) they stop the loop after the current step and its checkpoint,
+    if one is due; a second SIGINT stops at once. Every rank calls `requested` at the same point, so that
+    they stop together. SIGUSR1 prints every thread's stack (where a stuck run waits). args: the flags."""
 
     def __init__(self, args, at_once=False):
         self.args, self.at_once = args, at_once
@@ -101,10 +99,9 @@ def _resumes_from(args, step):
         checkpoint = latest_checkpoint(args.output_dir)
     except (CheckpointError, OSError, ValueError):  # none intact, or unreadable: said at the next start
         checkpoint = None
-    if checkpoint and not args.no_resume:
-        return f"{os.path.basename(checkpoint)} is intact; rerun the same command to resume from it"
     if checkpoint:
-        return f"{os.path.basename(checkpoint)} is intact; rerun without --no_resume to resume from it"
+        how = "without --no_resume" if args.no_resume else "the same command"
+        return f"{os.path.basename(checkpoint)} is intact; rerun {how} to resume from it"
     if not args.save_steps:
         why = "--save_steps 0"
     elif step is not None and step < args.save_steps:
