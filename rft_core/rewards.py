@@ -4,11 +4,9 @@ function has the signature
     fn(prompts, completions, labels, **kwargs) -> list[float] | dict[str, list[float]]
 
 and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>).
-Built in: `answer_reward` (exact match in <answer></answer> plus a format term), `math_reward`, and the
-shapes task's `first_word_reward`; yours (--reward_fn, --remote_rm_url, reward models) come from
-rft_core/reward_sources.py, a --reward_fn file's function run in worker processes (rft_core/workers.py).
-`score` contains failures: a sample whose reward raises (anything: sys.exit too), is not finite or is
-missing gets the fallback and is counted; `RewardScorer` sums a run's sources. Shaping: DAPO's
+Built in: `answer_reward`, `math_reward` and the shapes task's `first_word_reward`; yours (--reward_fn,
+--remote_rm_url, reward models) come from rft_core/reward_sources.py. `score` contains failures (a sample
+whose reward fails gets the fallback and is counted); `RewardScorer` sums a run's sources. Shaping: DAPO's
 `overlong_penalty` (running normalisation: advantages.py).
 """
 
@@ -23,11 +21,8 @@ ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def parse_answer(completion):
-    """Return (answer, well_formed) for a completion.
-
-    answer: the stripped text of the last complete <answer>...</answer> pair, or None.
-    well_formed: exactly one pair, no stray tag, and nothing but whitespace after it.
-    """
+    """(answer, well_formed): the stripped text of the last <answer>...</answer> pair, or None; whether
+    there is exactly one pair, no stray tag, and nothing but whitespace after it."""
     matches = list(ANSWER_RE.finditer(completion))
     if not matches:
         return None, False
@@ -89,8 +84,7 @@ BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward, "first_word": f
 
 
 def file_reward(spec):
-    """The function 'path/to/file.py:NAME' names (--reward_fn), loaded in a worker process
-    (rft_core/workers.py)."""
+    """The function 'path/to/file.py:NAME' names (--reward_fn), loaded in a worker process."""
     fn = load_from_file(spec, "--reward_fn", "function", sorted(BUILTIN_REWARDS), "a reward file")
     if not callable(fn):
         raise MissingName(f"--reward_fn {spec!r}: {spec.rpartition(':')[0]} defines no function "
@@ -106,15 +100,13 @@ def overlong_penalty(length, max_len, buffer_len, factor=1.0):
 
 
 class ServiceDown(ConnectionError):
-    """The reward server cannot score anything (unreachable, timed out, busy, redirecting elsewhere; raised by
-    reward_sources.remote_reward_fn): every sample of the batch fails with it, and scoring them one by one
-    would only wait as long again for each."""
+    """The reward server (reward_sources.remote_reward_fn) cannot score anything (unreachable, timed out,
+    busy, redirecting): every sample fails with it; scoring them one by one would wait as long for each."""
 
 
 class ServerError(ConnectionError):
-    """The reward server answered the batch with an error status or a body that is not its JSON: not retried,
-    and scored one by one only until the first two samples alone fail alike (then it fails whatever it is
-    sent)."""
+    """The reward server answered the batch with an error status or a body that is not its JSON: scored one
+    by one only until the first two samples alone fail alike (then it fails whatever it is sent)."""
 
 
 def describe(fn, error=None):
@@ -153,22 +145,16 @@ def _why(e):  # a RewardError's message reads as it is; any other exception as i
 
 def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
     """Rewards (a list), components {name: list}, and the failures [(sample index, why)]: those samples got
-    `fallback`.
-
-    The batch is scored in one call; if that call fails (raises, wrong length), each sample is scored
-    alone so one bad sample costs only itself (a batch that timed out or ended its worker process, or whose
-    reward server did not answer, is not retried: every sample fails; nor are the rest once the server failed
-    the first two alone alike).
-    Non-finite values count as failures. strict=True raises on the first failure instead, showing the sample.
-    """
+    `fallback` (non-finite values are failures too; strict=True raises on the first, showing the sample).
+    If the batch's one call fails, each sample is scored alone so one bad sample costs only itself; not a
+    batch that timed out, ended its worker process or found the reward server down: every sample fails."""
     failures = []
 
     def fail(i, why):
         if strict:
             raise RewardError(f"reward failed on sample {i}: completion={completions[i]!r} "
                               f"label={labels[i]!r}: {why} (--reward_failure_limit 0)")
-        failures.append((i, why))
-        return None
+        failures.append((i, why))  # its row: None
 
     try:
         rows = _rows(reward_fn, prompts, completions, labels)
