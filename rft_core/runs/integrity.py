@@ -1,15 +1,12 @@
 """Files of the output directory written whole and read back checked.
 
-- A checkpoint's `manifest.json` holds the size and SHA-256 of every file it holds, weights included
-  (SHA-256 runs at about 750 MB/s a core; a checkpoint's files are hashed in parallel): `verify_checkpoint`
-  finds a truncated, missing or bit-flipped file. The hashes are integrity, not authenticity: whoever can
-  write a checkpoint can rewrite its manifest.
-- Pickles from the output directory (tensors.pt, the RNG states) are read with torch.load's weights_only=True,
-  whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says: a file holding anything but tensors and plain data is one
-  line naming it (`load_plain`); after a resume the RNG states are checked to be the saved ones.
-- metrics.jsonl (and samples.jsonl) rows are appended whole or cut back (`append`), and a line cut all the
-  same (a kill mid-write) is dropped and said when the file is read (`read_rows`); a full disk is said as
-  such (`write_error`: torch's writer reports only `iostream error`).
+- A checkpoint's `manifest.json` holds the size and SHA-256 of every file (weights included; hashed in
+  parallel at about 750 MB/s a core): `verify_checkpoint` finds a truncated, missing or bit-flipped file. The
+  hashes are integrity, not authenticity: whoever can write a checkpoint can rewrite its manifest.
+- Pickles from the output directory are read as plain data only (`load_plain`), whatever
+  TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says; after a resume the RNG states are checked to be the saved ones.
+- metrics.jsonl rows are appended whole or cut back (`append`); a line cut all the same (a kill mid-write) is
+  dropped and said when read (`read_rows`); a full disk is said as such (`write_error`).
 """
 
 import contextlib
@@ -106,8 +103,7 @@ def _write(path, text):
 
 
 def append(path, text, what):
-    """Append text to path whole or not at all: a failed write (a full disk) is cut back and said in one
-    line."""
+    """Append text to path whole or not at all: a failed write (a full disk) is cut back and said."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
     try:
         _write(path, text)
@@ -148,8 +144,7 @@ def _sha256(path):
 
 
 def _sha256_all(paths):
-    """The SHA-256 of each file, several at once (hashlib lets go of the GIL: sharded states hash in
-    parallel)."""
+    """Each file's SHA-256, several at once (hashlib lets go of the GIL: sharded states hash in parallel)."""
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         return list(pool.map(_sha256, paths))
 
@@ -171,10 +166,9 @@ def manifest(ckpt):
 
 
 def verify_checkpoint(ckpt):
-    """None if the checkpoint is whole, else what is wrong with it: missing, a file missing or of another size
-    or SHA-256 than when it was written (manifests from before every file was hashed: its size). A checkpoint
-    from before manifests is taken as whole if its trainer_state.json reads. One this process wrote is not
-    hashed again."""
+    """None if the checkpoint is whole, else what is wrong: it or a file missing, or a file of another size
+    or SHA-256 than when written (older manifests: the size alone; no manifest: trainer_state.json must
+    read). One this process wrote is not hashed again."""
     if not os.path.isdir(ckpt):
         return "missing"
     path = os.path.join(ckpt, MANIFEST)
