@@ -11,20 +11,9 @@ import torch
 from tqdm import tqdm
 
 from rft_core.errors import ConfigError
+from rft_core.runs import run_dir
 from rft_core.runs.integrity import append, read_rows, write_error, write_whole
 from rft_core.runs.plots import write_plots
-from rft_core.runs.run_dir import (
-    FINISHED,
-    move_previous,
-    on_main,
-    previous_run,
-    redact,
-    redact_output,
-    refuse_overwrite,
-    release_lock,
-    take_lock,
-    with_segments,
-)
 
 
 class StepTimer:
@@ -190,11 +179,11 @@ class MetricsLog:
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_every, self.plot_every, self.max_len = samples_every, plot_every, max_len
-        config = redact(config)  # (a token in --remote_rm_url)
-        on_main(accelerator, lambda: take_lock(output_dir, tqdm.write))
+        config = run_dir.redact(config)  # (a token in --remote_rm_url)
+        run_dir.on_main(accelerator, lambda: run_dir.take_lock(output_dir, tqdm.write))
         try:
             if trackers:  # first: a tracker that cannot start leaves output_dir as it was
-                sys.argv = redact(sys.argv)  # wandb records the command line with the run
+                sys.argv = run_dir.redact(sys.argv)  # wandb records the command line with the run
                 plain = (int, float, str, bool)
                 scalars = {k: v if isinstance(v, plain) else str(v) for k, v in (config or {}).items()}
                 try:
@@ -203,11 +192,11 @@ class MetricsLog:
                     raise ConfigError(f"the trackers could not start ({type(e).__name__}: {str(e)[:200]}): "
                                       "for wandb run `wandb login` or set WANDB_MODE=offline; or drop "
                                       "--use_wandb / --use_tensorboard") from e
-                redact_output()
-            on_main(accelerator, lambda: self._start(output_dir, config, keep_until))
+                run_dir.redact_output()
+            run_dir.on_main(accelerator, lambda: self._start(output_dir, config, keep_until))
         except BaseException:
             if self.enabled:
-                release_lock(output_dir)
+                run_dir.release_lock(output_dir)
             raise
 
     def _start(self, output_dir, config, keep_until):
@@ -216,18 +205,18 @@ class MetricsLog:
         rows, lines = read_rows(self.path, tqdm.write if keep_until is not None else None)
         files = {self.path: []}  # what each record file starts with (lines)
         if keep_until is None:
-            found = previous_run(output_dir, rows)
+            found = run_dir.previous_run(output_dir, rows)
             if found and not (config or {}).get("no_resume"):
-                refuse_overwrite(output_dir, found)
+                run_dir.refuse_overwrite(output_dir, found)
             if found:
-                move_previous(output_dir, found, tqdm.write)
+                run_dir.move_previous(output_dir, found, tqdm.write)
         else:  # the rows logged after the checkpoint by the run that died are logged again: dropped
             files[self.path] = [line for row, line in zip(rows, lines) if row["step"] <= keep_until]
             if os.path.exists(samples_path):
                 files[samples_path] = [line for row, line in zip(*read_rows(samples_path))
                                        if row["step"] <= keep_until]
             if config is not None:
-                config = with_segments(config_path, config, keep_until, tqdm.write)
+                config = run_dir.with_segments(config_path, config, keep_until, tqdm.write)
         try:
             if config is not None:
                 write_whole(config_path, json.dumps(config, indent=2), mode=0o600)
@@ -263,7 +252,8 @@ class MetricsLog:
         """The run's exports are whole: FINISHED names its last step, written after them (a rerun of the same
         command then has nothing to do: checkpoint.finished_run)."""
         if self.enabled:
-            write_whole(os.path.join(os.path.dirname(self.path), FINISHED), json.dumps({"step": step}))
+            path = os.path.join(os.path.dirname(self.path), run_dir.FINISHED)
+            write_whole(path, json.dumps({"step": step}))
 
     def _say_once(self, kind, message):
         if kind not in self.said:
