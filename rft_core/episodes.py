@@ -2,8 +2,7 @@
 
 An environment is an object with `step(state, text) -> (observation, done[, reward[, info]])` and optionally
 `reset(sample) -> opening` (chat messages, a string, or None for the data's prompt), in a user's file named
-as `--env path/to/file.py:NAME` (docs/multi_turn.md has the interface and an example). It runs in worker
-processes (rft_core/workers.py): each episode's State goes to a worker with each call and comes back.
+as `--env path/to/file.py:NAME` (docs/multi_turn.md), run in worker processes (rft_core/workers.py).
 
 Token in, token out: each turn continues from the episode's own token ids, so the ids that train are the
 engine's sampled ids (and logprobs) exactly. An environment turn is rendered once (the chat template's
@@ -11,9 +10,8 @@ markers and the next assistant header) and tokenized once; its tokens carry mask
 experience's action_mask), so no loss, KL term, entropy, advantage or length statistic sees them. An
 episode ends when the environment says done, or is cut at `max_turns`, or when a turn reaches its token
 limit unfinished. Every rank runs the same number of turns (`any_active`): a tensor-parallel engine's call is
-a collective. A reset or step that raises, hangs (stopped at the timeout), ends its worker process, returns
-something malformed or overflows the episode ends that episode (counted, the first of each kind printed) and
-the episode scores as a failed reward.
+a collective. A reset or step that fails (raises, hangs, ends its worker, returns something malformed or
+overflows the episode) ends that episode, which scores as a failed reward.
 """
 
 import math
@@ -57,8 +55,7 @@ BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 class EpisodeRunner:
     """Runs batches of episodes through an engine and an environment (`run`), and renders the environment's
-    turns as token ids. workers: the worker processes holding the environment, as target "env"
-    (reward_sources.start_workers)."""
+    turns as token ids. workers: the processes holding it, target "env" (reward_sources.start_workers)."""
 
     def __init__(self, workers, tokenizer, settings, name="env", log=print):
         self.workers, self.tokenizer, self.settings = workers, tokenizer, settings
@@ -78,9 +75,9 @@ class EpisodeRunner:
             full = tokenizer.apply_chat_template(self._messages(BASE * 2), add_generation_prompt=True,
                                                  tokenize=False)
             if not full.startswith(self.base):
-                raise ConfigError("--env: the tokenizer's chat template renders a conversation differently "
-                                  "once it goes on, so turns cannot be appended: use --apply_chat_template "
-                                  "false")
+                raise ConfigError("--env: the tokenizer's chat template renders a conversation "
+                                  "differently once it goes on, so turns cannot be appended: use "
+                                  "--apply_chat_template false")
 
     def _messages(self, messages):
         if not self.parts:
@@ -140,10 +137,9 @@ class EpisodeRunner:
                 for i, s in enumerate(samples)]
 
     def _answer(self, sample, states, i, outcome, turn, ids, mask, logprobs):
-        """The environment's answer to an assistant turn (outcome: its step call's, as _call gives it) taken
-        into the episode: states[i] as step left it, its reward and info, and its messages appended to the
-        response (ids, mask and logprobs, extended in place: masked out, logprob 0). Returns whether the
-        episode goes on."""
+        """Whether the episode goes on, once the environment's answer to an assistant turn (outcome: its step
+        call's) is taken in: states[i] as step left it, its reward and info, and its messages appended to the
+        response (ids, mask and logprobs, extended in place: masked out, logprob 0)."""
         episode, cfg = sample.episode, self.settings
         episode.env_calls += 1
         try:
@@ -151,7 +147,6 @@ class EpisodeRunner:
         except _Failed as failed:
             self._fail(sample, failed.kind, failed.why, f"turn {turn}")
             return False
-        state = states[i]
         episode.env_reward += reward
         episode.info = info or episode.info
         if done:
@@ -172,12 +167,12 @@ class EpisodeRunner:
         for m in messages:
             role = m["role"] if self.templated else "environment"
             episode.turns.append({"role": role, "content": m["content"]})
-            state.messages.append(m)
+            states[i].messages.append(m)
         return True
 
     def _reset(self, samples, states):
-        """Call reset (if the environment has one) for every sample: its opening becomes the sample's prompt
-        and prompt ids. The indices of the episodes that can start."""
+        """The indices of the episodes that can start, once reset (if any) was called for every sample: its
+        opening becomes the sample's prompt and prompt ids."""
         cfg, active = self.settings, []
         results = self._call("reset", [({"prompt": s.prompt, "label": s.label},) for s in samples])
         for i, (ok, out) in enumerate(results):
@@ -244,10 +239,9 @@ class _Failed(Exception):
 
 
 def score(samples, score_all, strict=False):
-    """Set each rolled-out episode's completion, reward and components: the reward sources' score of its last
-    assistant turn (score_all: a rewards.RewardScorer) plus the environment's rewards (component "env"); an
-    episode whose environment failed is not scored: it gets score_all's fallback, its components NaN.
-    Returns the number of rewards that failed."""
+    """Set each rolled-out episode's completion, reward and components: score_all's (a RewardScorer) of its
+    last assistant turn plus the environment's rewards (component "env"), or where its environment failed
+    score_all's fallback, its components NaN. Returns the number of rewards that failed."""
     scored = [s for s in samples if s.episode.failure is None]
     for s in samples:
         s.completion = s.episode.completion
