@@ -147,21 +147,19 @@ def _who(holder):
             f"{str(holder.get('command', '?'))[:120]}")
 
 
-def _busy(output_dir, found, log):
-    """The line refusing this run if `found` (_read_lock's) is a live process other than this one."""
+def _refuse_busy(output_dir, found, log):
+    """Refuse this run in one line if `found` (_read_lock's) is a live process other than this one."""
     path = os.path.join(output_dir, LOCK)
     if found is None or _mine(found[0]) or not _alive(path, *found, log):
-        return None
-    return (f"--output_dir {output_dir} is in use by another run ({_who(found[0])}): wait for it to end or "
-            f"use another --output_dir (if that run is gone, delete {path})")
+        return
+    raise ConfigError(f"--output_dir {output_dir} is in use by another run ({_who(found[0])}): wait for it "
+                      f"to end or use another --output_dir (if that run is gone, delete {path})")
 
 
 def check_free(output_dir, log=print):
     """Refuse in one line an output directory that another live run holds; else clean up what a killed run
     left there (clean_leftovers), so that the checkpoints are looked for in a whole directory."""
-    busy = _busy(output_dir, _read_lock(os.path.join(output_dir, LOCK)), log)
-    if busy:
-        raise ConfigError(busy)
+    _refuse_busy(output_dir, _read_lock(os.path.join(output_dir, LOCK)), log)
     clean_leftovers(output_dir, log)
 
 
@@ -188,9 +186,7 @@ def _acquire(path, output_dir, log):
         found = _read_lock(path)
         if found is None or _mine(found[0]):  # released meanwhile; or held already (a second record)
             return found is not None
-        busy = _busy(output_dir, found, log)
-        if busy:
-            raise ConfigError(busy) from None
+        _refuse_busy(output_dir, found, log)
         aside = f"{path}.stale-{os.getpid()}"  # taken over by a rename: only one taker gets the dead lock
         try:
             os.replace(path, aside)
@@ -327,11 +323,9 @@ def with_segments(path, config, step, log):
     """config, resumed after `step`, with "resumed": config.json's list (at path, before it is rewritten) and
     this resume's {"step", "changed": {flag or plan field: [before, now]}}; the flags that changed are said
     (log). An attempt that trained nothing (the last entry at the same step) gives way to this one."""
-    try:
-        with open(path) as f:
-            old = json.load(f)
-    except (OSError, ValueError):
-        old = None
+    old = None
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        old = json.load(f)
     if not isinstance(old, dict):
         return {**config, "resumed": [{"step": step, "changed": None}]}  # (config.json lost: unknown)
     resumed, before = old.pop("resumed", []), _flat(old)
