@@ -53,11 +53,10 @@ DATA_FLAGS = ("prompt_data", "eval_data", "pretrain_data")
 
 def run_identity(args, accelerator, model=None):
     """What a run resuming a checkpoint must share with the run that wrote it (JSON-ready): RESUME_FLAGS, the
-    model it started from (model: its path) by the digest of its files (models.content_digest: the frozen
-    reference is loaded from it again), the DATA_FLAGS' files by their content's SHA-256 (a built-in task
-    by its name), LoRA's target modules, whether a critic trains and an EMA is kept, the processes, and the
-    format of the saved states (DeepSpeed and its ZeRO stage, FSDP, or plain: DDP and one process save
-    alike). Files are named by content, not path: moved, they still resume."""
+    model it started from (model: its path; the frozen reference is loaded from it again) and the DATA_FLAGS'
+    files by their content (models.content_digest: moved, they still resume; a built-in task by its name),
+    LoRA's target modules, the critic, the EMA, the processes and the saved states' format (ZeRO stage,
+    FSDP, or plain: DDP and one process save alike)."""
     def digest(path, **how):  # (a built-in task's name, or None, as it is)
         return content_digest(path, **how) if path and os.path.exists(path) else path
 
@@ -125,10 +124,9 @@ def check_identity(ckpt, identity):
 
 
 def schedule_length(ckpt, num_steps, num_updates, warmup_ratio, log):
-    """The optimizer steps the learning-rate schedule spans (its warm-up is warmup_ratio of them): this run's
-    num_updates, or resuming ckpt, the length it was written with, so that a higher --max_steps trains on at
-    the rate reached instead of stretching the warm-up over the longer run (said where the warm-up would
-    differ). A run that would end before ckpt's step is refused: the steps after it cannot be undone."""
+    """The optimizer steps the learning-rate schedule spans: this run's num_updates, or resuming ckpt, the
+    length it was written with, so that a higher --max_steps trains on at the rate reached instead of
+    stretching the warm-up (said where it would differ). A run ending before ckpt's step is refused."""
     if ckpt is None:
         return num_updates
     if num_steps < checkpoint_step(ckpt):
@@ -249,9 +247,8 @@ def _size(path):
 
 def _save_failed(accelerator, output_dir, step, tmp, error, tensor_bytes):
     """The one-line error of a save that failed on some rank (error: this rank's, None if another's), once
-    the partial checkpoint is removed: with a full disk, how much it needs (as much as the previous
-    checkpoint, or what was written and tensors.pt's tensor_bytes) and what is free. Other errors on this rank
-    keep their traceback."""
+    the partial checkpoint is removed; with a full disk, how much it needs (the previous checkpoint's size,
+    or more) and what is free. Other errors on this rank keep their traceback."""
     previous = [c for c in list_checkpoints(output_dir) if checkpoint_step(c) < step]
     written = (_size(tmp) if os.path.isdir(tmp) else 0) + tensor_bytes
     needed = max(_size(previous[-1]) if previous else 0, written)
@@ -284,11 +281,9 @@ def list_checkpoints(output_dir):
 
 
 def latest_checkpoint(output_dir, log=None, identity=None):
-    """The newest intact checkpoint: the one `latest` names (it is only written once that checkpoint is
-    complete) if it verifies, else the newest older one that does, saying why through log(message); without
-    `latest`, the newest of the checkpoints there that verifies, said too. None if there is none at all; an
-    error naming the fix if checkpoints exist but none is intact, or (identity: run_identity's) if it was
-    written with other settings."""
+    """The newest intact checkpoint: the one `latest` names if it verifies, else the newest older one that
+    does, saying why (log); without `latest`, the newest that verifies, said too. None if there is none; an
+    error naming the fix if none is intact, or (identity: run_identity's) if it was written with others."""
     path, named, checkpoints = os.path.join(output_dir, LATEST), None, list_checkpoints(output_dir)
     with contextlib.suppress(FileNotFoundError), open(path) as f:
         named = f.read().strip()
