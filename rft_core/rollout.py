@@ -47,13 +47,6 @@ class RolloutSettings:
     logprob_every: int = 1  # the engine's logprobs for every k-th sample (engine.generate's logprob_every)
 
 
-def answer_finished(new_ids, limit, length, max_new_tokens, eos_token_id):
-    """Whether an answer continued by new_ids (a call given at most `limit` tokens), now `length` tokens long,
-    has finished: it ended in EOS, the engine stopped short of the limit, or it reached max_new_tokens."""
-    ended = bool(new_ids) and new_ids[-1] == eos_token_id
-    return ended or len(new_ids) < limit or length >= max_new_tokens
-
-
 @dataclass(eq=False)  # a group is itself: membership tests compare identity, not samples (and their images)
 class Group:
     """A prompt's n samples in the partial-rollout buffer; each generation holds its tokens so far."""
@@ -161,8 +154,7 @@ class Rollouts:
             counts[2] += sum(s.episode.failure is not None for s in samples)
         else:
             token_ids = [s.generation.token_ids for s in samples]
-            completions = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-            for s, c in zip(samples, completions):
+            for s, c in zip(samples, tokenizer.batch_decode(token_ids, skip_special_tokens=True)):
                 s.completion = c
             counts[0] += score_all(samples, cfg.strict_rewards)  # sets their reward and components
         self.score_s += time.perf_counter() - start
@@ -234,18 +226,17 @@ class Rollouts:
                 gen = g.samples[i].generation
                 gen.token_ids, gen.logprobs = gen.token_ids + new.token_ids, gen.logprobs + new.logprobs
                 gen.versions = gen.versions + [version] * len(new.token_ids)
-                g.done[i] = answer_finished(new.token_ids, limit, len(gen.token_ids), cfg.max_new_tokens,
-                                            cfg.eos_token_id)
+                # finished: it ended in EOS, the engine stopped short of the limit, or it reached the length
+                ended = bool(new.token_ids) and new.token_ids[-1] == cfg.eos_token_id
+                g.done[i] = ended or len(new.token_ids) < limit or len(gen.token_ids) >= cfg.max_new_tokens
             finished = [g for g in pending if all(g.done)]
             pending = [g for g in pending if not all(g.done)]
             kept = []
             self._score([g.samples for g in finished], tokenizer, score_all, kept, dropped, counts)
-            kept_ids = {id(group) for group in kept}
             for g in finished:
-                g.ready = id(g.samples) in kept_ids
+                g.ready = any(group is g.samples for group in kept)
             ready += [g for g in finished if g.ready]
-            short = len(ready) < self.k
-            if not reduce_sum(torch.tensor(float(short), device=self.device)):
+            if not reduce_sum(torch.tensor(float(len(ready) < self.k), device=self.device)):
                 break  # every rank has its k groups
         trained = sorted(ready, key=lambda g: g.version)[:self.k]  # the oldest first (else as they finished)
         self.buffer = [g for g in ready + pending if g not in trained]
