@@ -26,7 +26,6 @@ def write_plots(output_dir, lengths, max_len):
     ax.set_xlabel("step")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     _save(fig, plt, os.path.join(output_dir, "curves.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -37,11 +36,11 @@ def write_plots(output_dir, lengths, max_len):
                  f"{truncated}/{len(lengths)} hit the limit")
     ax.set_xlabel("response tokens")
     ax.set_ylabel("samples")
-    fig.tight_layout()
     _save(fig, plt, os.path.join(output_dir, "gen_len.png"))
 
 
 def _save(fig, plt, path):  # written aside and renamed: a kill never leaves half a picture
+    fig.tight_layout()
     fig.savefig(path + ".tmp", dpi=100, format="png")
     plt.close(fig)
     os.replace(path + ".tmp", path)

@@ -20,12 +20,11 @@ def run_main(main):
     CUDA out-of-memory error with one line naming the flags that make room, and 2 (RFT_DEBUG=1: the
     traceback instead). Anything else is a bug and keeps its traceback. What is printed has its credentials
     hidden (run_dir.redact)."""
-    debug = os.environ.get("RFT_DEBUG", "0") not in ("", "0")
     redact_output()
     try:
         main()
     except (UserError, KeyboardInterrupt, torch.OutOfMemoryError) as e:  # (StopNow: a KeyboardInterrupt)
-        if debug:
+        if os.environ.get("RFT_DEBUG", "0") not in ("", "0"):
             raise
         if isinstance(e, (UserError, StopNow)):
             said = "stopped" if isinstance(e, (Stopped, StopNow)) else "error"
