@@ -19,9 +19,9 @@ from rft_core.runs.plots import write_plots
 class StepTimer:
     """Wall time and peak GPU memory of each phase of a step: `phase(name)` ends the running phase and starts
     `name`; `metrics()` ends the last one and returns perf/<name>_s, perf/step_time_s and, with CUDA,
-    perf/mem_<name>_gb (the phase's peak allocated memory) and perf/mem_<name>_extra_gb (how far that peak
-    rose above what was allocated when the phase began: the phase's transient memory). The first step's
-    metrics add perf/startup_s: the seconds from the process's start to that step's start."""
+    perf/mem_<name>_gb (the phase's peak) and perf/mem_<name>_extra_gb (its transient memory: how far the
+    peak rose above what was allocated at its start); the first step's, perf/startup_s (since the process
+    started)."""
 
     def __init__(self):
         import psutil
@@ -65,10 +65,9 @@ class StepTimer:
 
 
 class Means:
-    """Running means of metric dicts, each key over the dicts that hold it; a (total, weight) pair for a value
-    makes it a weighted mean (a key whose weights sum to 0 is left out). A maximum (a name ending in _max) is
-    the largest value among the dicts whose weight is not 0. Values may be 0-d device tensors, combined on
-    the device and read once, in `result()` (an .item() per micro-batch stalls the GPU)."""
+    """Running means of metric dicts, each key over the dicts that hold it; a (total, weight) pair makes a
+    weighted mean (weights summing to 0: left out); a name ending in _max is the largest value of weight > 0.
+    Values may be 0-d device tensors, read once in `result()` (an .item() per micro-batch stalls the GPU)."""
 
     def __init__(self):
         self.sums, self.counts = {}, {}
@@ -97,10 +96,9 @@ def update_metrics(means):
 
 
 def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=None):
-    """rollout/ metrics of this rank's samples (rollout records with reward, components and generation), and
-    with reward shaping (normalisation, clipping) the shaped rewards' (B,) mean and the share clipped. The
-    lengths count the tokens the policy sampled (a multi-turn episode's, not its environment's); an episode
-    is truncated when a turn reached its token limit."""
+    """rollout/ metrics of this rank's samples, and with reward shaping (normalisation, clipping) the shaped
+    rewards' (B,) mean and the share clipped. The lengths count the tokens the policy sampled (not a
+    multi-turn environment's); an episode is truncated when a turn reached its token limit."""
     rewards = torch.tensor([s.reward for s in samples])  # as scored, before normalisation and clipping
     generations = [s.generation for s in samples]  # (a multi-turn one's mask: the policy's tokens)
     lengths = torch.tensor([float(len(g.token_ids) if g.mask is None else sum(g.mask)) for g in generations])
@@ -261,10 +259,9 @@ class MetricsLog:
             tqdm.write(message)
 
     def samples_and_plots(self, step, samples, tokenizer, lengths, last=False):
-        """Every samples_every steps, the first 4 samples (rollout Samples) to samples.jsonl (a multi-turn
-        episode whole: its turns with their roles, how it ended), two of them printed, and a wandb table if
-        wandb is on; every plot_every steps and at the last, the plots (lengths: this step's response
-        lengths)."""
+        """Every samples_every steps, the first 4 samples to samples.jsonl (a multi-turn episode whole: its
+        turns, how it ended), two of them printed, and a wandb table if wandb is on; every plot_every steps
+        and at the last, the plots (lengths: this step's response lengths)."""
         if self.enabled and self.samples_every and step % self.samples_every == 0 and samples:
             rows = []
             for s in samples[:4]:
