@@ -1,8 +1,5 @@
 """Prompt data: local files through `datasets`, the prompt stream, and prompt encoding (the built-in tasks:
-rft_core/tasks/).
-
-A prompt row is {"prompt": str | list of chat messages, "label": str} (and "images" for the shapes task).
-"""
+rft_core/tasks/). A prompt row is {"prompt": str | list of chat messages, "label": str} (and "images")."""
 
 import itertools
 import json
@@ -15,16 +12,17 @@ from rft_core.experience import Sample
 
 KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}  # file readers
 JSON_TYPES = {type(None): "null", bool: "boolean", list: "list", dict: "object"}  # as JSON names them
+UTF16_32 = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
+            b"\xfe\xff": "UTF-16"}  # byte order marks
 
 
 def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(),
                      log=None):
-    """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a
-    directory of them, or a `save_to_disk` directory; errors name `flag`, the file, the line or column.
-    extra_keys: {column: its flag}, columns that must exist, copied into the rows as they are.
-    log(message): told the rows skipped, the labels that are not text or numbers (null is read as "",
-    a list or an object as Python writes it), a directory's files of other kinds; each counted, the first
-    named."""
+    """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a directory
+    of them, or a `save_to_disk` directory; errors name `flag`, the file, the line or column. extra_keys:
+    {column: its flag}, columns that must exist, copied into the rows. log(message): told the rows skipped,
+    the labels that are not text or numbers (null read as "", a list or an object as Python writes it), a
+    directory's files of other kinds; each counted, the first named."""
     if not os.path.exists(path):
         raise MissingPath(f"{flag} {path!r}: no such file or directory (built-in tasks: "
                           "train_ppo.py: arithmetic, multiply; train_ppo_vl.py: shapes)")
@@ -144,10 +142,6 @@ def _table_problem(path, kind):
     return None
 
 
-UTF16_32 = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
-            b"\xfe\xff": "UTF-16"}
-
-
 def _json_problem(path):
     """What makes a JSON / JSON lines file unreadable: not UTF-8 (the line and byte), or for JSON lines, the
     first line that does not parse or whose object repeats a key; None if none of these."""
@@ -179,11 +173,9 @@ def _json_problem(path):
 
 
 def _unique_keys(pairs):
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise KeyError(key)
-        seen.add(key)
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) < len(keys):  # the first key seen again
+        raise KeyError(next(key for i, key in enumerate(keys) if key in keys[:i]))
     return dict(pairs)
 
 
