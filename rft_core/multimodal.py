@@ -1,10 +1,8 @@
 """Image and video inputs as the rollout engines and the trainer pass them (for vision-language models).
 
 A prompt's images travel as `mm`: None for a text-only prompt, else an ImageInputs from
-vision.encode_vl_prompt, read like a dict: pixel_values / image_grid_thw (and pixel_values_videos /
-video_grid_thw), the placeholder token ids, and the PIL images themselves for vLLM, which processes its own.
-Its grids come from the images' sizes; its pixels are decoded when first read (a step's prompts), not at
-start-up. `mm_inputs` turns a batch's into model inputs; `vllm_prompt` turns one into a vLLM request.
+vision.encode_vl_prompt. `mm_inputs` turns a batch's into model inputs; `vllm_prompt` turns one into a vLLM
+request.
 """
 
 import collections
@@ -110,8 +108,7 @@ def decode_pixels(inputs):
 
 def vllm_prompt(ids, mm, sample=None):
     """A vLLM request for an encoded prompt: each image's and video's run of placeholders collapsed back to
-    one token (vLLM expands it from the pixels it processes), and the images and videos as
-    multi_modal_data."""
+    one token (vLLM expands it itself), and the images and videos as multi_modal_data."""
     if mm is None:
         return {"prompt_token_ids": list(ids)}
     mismatch = f"sample {sample!r}: its image / video tokens do not match its images and videos"
@@ -161,8 +158,7 @@ def mm_inputs(mm, input_ids):
 
 @functools.lru_cache(maxsize=None)  # one per image processor: encoding calls it for every video prompt
 def video_processor_like(processor):
-    """Qwen2-VL's video processor with the image processor's pixel limits and patching (transformers' needs
-    torchvision)."""
+    """Qwen2-VL's video processor with the image processor's pixel limits and patching."""
     from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
