@@ -1,18 +1,15 @@
 """What train_ppo_vl.py alone needs: Qwen2-VL-family loading (a checkpoint, or the built-in tiny random
-Qwen2-VL with an offline word-level tokenizer), image prompt rows and their encoding with image-token
-accounting, and the vision critic. What the engines and the experience also use (image inputs of a batch,
-vLLM requests) is in multimodal.py; the built-in shapes task is in rft_core/tasks/shapes.py.
+Qwen2-VL with a word-level tokenizer), image prompt rows and their encoding, and the vision critic. What the
+engines also use is in multimodal.py; the built-in shapes task is in rft_core/tasks/shapes.py.
 
 Qwen2-VL turns an image into a t x h x w grid of 14-pixel patches and merges 2 x 2 of them into one
-language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tokens per image;
-`expand_image_tokens` writes them and `check_image_tokens` refuses any mismatch, naming the sample.
-A video (a list of frames) is the same with `<|video_pad|>`, its frames paired into temporal patches.
-vLLM expands the placeholders itself: it gets one per image or video (`vllm_prompt`) and the PIL images.
+language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tokens per image
+(`<|video_pad|>` for a video, its frames paired into temporal patches): `expand_image_tokens` writes them,
+`check_image_tokens` refuses any mismatch; vLLM expands one per image itself (`vllm_prompt`).
 
 The policy never emits the vision placeholders (in a response they would be taken for image slots):
-`block_tokens` sets their logits to -1e4 at the LM head, so sampling, the trainer's logprobs and the
-reference model all use the one distribution without them; vLLM and SGLang apply a -100 logit bias instead.
-"""
+`block_tokens` sets their logits to -1e4 at the LM head, so sampling, the trainer and the reference model
+share one distribution; vLLM and SGLang apply a -100 logit bias instead."""
 
 import copy
 import functools
@@ -35,12 +32,10 @@ WORDS = ("user", "assistant", "system", "what", "colour", "is", "the", "shape", 
 
 def load_image_rows(path, input_key, label_key, images_key, flag, log=print, strict=False):
     """Prompt rows of a data file or directory ({"prompt", "label", "images": [...]}): the images_key column
-    holds a path or a list of paths, relative to the data file, each an image, or itself a list of frame
-    paths: a video (a list of frames). Empty: a text-only prompt; images_key "": no image column at all. Each
-    image becomes an ImageFile: its header is read (a cheap check that the file is an image), its pixels only
-    when a step draws its prompt. A row whose image is missing, unreadable or over PIL's pixel limit is
-    skipped and counted, the first named through log; with strict, it is an error naming row, column and
-    file."""
+    holds a path or a list of paths, relative to the data file, each an image or a list of frame paths (a
+    video). Empty: a text-only prompt; images_key "": no image column. Each image becomes an ImageFile (its
+    header read now, its pixels when a step draws its prompt). A row whose image is missing, unreadable or
+    over PIL's pixel limit is skipped and counted, the first named through log; with strict, an error."""
     rows, _ = load_prompt_rows(path, input_key, label_key, flag, {images_key: "--images_key"} if images_key
                                else {}, log=log)
     base = path if os.path.isdir(path) else os.path.dirname(path)
@@ -116,12 +111,7 @@ def word_tokenizer():
 def tiny_qwen2_vl(tokenizer, seed=0, arch="qwen2_vl"):
     """A random-initialised Qwen2-VL (about 1 M parameters; arch "qwen2_5_vl": a Qwen2.5-VL, whose vision
     tower has windowed attention and a gated MLP) whose vocabulary is the tokenizer's."""
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-    )
+    import transformers
 
     ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -131,10 +121,11 @@ def tiny_qwen2_vl(tokenizer, seed=0, arch="qwen2_vl"):
     vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                   in_chans=3)
     if arch == "qwen2_vl":
-        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
         vision.update(embed_dim=32, hidden_size=64)
     elif arch == "qwen2_5_vl":
-        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        config_cls = transformers.Qwen2_5_VLConfig
+        model_cls = transformers.Qwen2_5_VLForConditionalGeneration
         vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
                       fullatt_block_indexes=[1])
     else:
@@ -252,9 +243,8 @@ def encode_vl_rows(tokenizer, processor, rows, image_token_id, max_len, max_imag
 
 class VisionValueModel(torch.nn.Module):
     """The PPO critic of a vision-language policy (AutoModelForTokenClassification has no Qwen2-VL class):
-    a copy of the policy's backbone, vision tower included, and a scalar head `score` on every position,
-    zero-initialised so values start at 0. Its output's `.logits` (B, L, 1) reads like a token
-    classifier's."""
+    a copy of the policy's backbone, vision tower included, and a zero-initialised scalar head `score` on
+    every position (values start at 0); its output's `.logits` (B, L, 1) reads like a token classifier's."""
 
     def __init__(self, actor):
         super().__init__()
