@@ -1,7 +1,6 @@
 """The checks of the training scripts' flags: every value or combination that cannot work is refused with one
-line naming the flag, the value and the fix, before anything loads. Each check is a small function (or a
-row of a table) that raises ConfigError; `check_args` runs them all, in a fixed order (the same error every
-run), and the plan (rft_core/plan.py) calls it once the values it needs are resolved."""
+line naming the flag, the value and the fix, before anything loads. `check_args` runs them all in a fixed
+order (the same error every run); the plan (rft_core/plan.py) calls it once the values it needs are known."""
 
 import dataclasses
 import json
@@ -79,9 +78,8 @@ def check(ok, message):
 
 
 def check_parallelism(args, world, deepspeed, sharded, parallelism, bf16):
-    """Sequence parallelism: DeepSpeed's Ulysses (sp_size) or FSDP2's context parallelism (cp_size), both in
-    rft_core/sequence_parallel.py, and what they cannot split; tensor parallelism would feed whole layers
-    where shards are expected."""
+    """Sequence parallelism (Ulysses, sp_size, under DeepSpeed; context parallelism, cp_size, under FSDP2;
+    rft_core/sequence_parallel.py), what it cannot split; tensor parallelism (whole layers fed to shards)."""
     tp = getattr(parallelism, "tp_size", None) or 1
     check(tp == 1, f"the accelerate config's parallelism_config_tp_size is {tp}: tensor parallelism is not "
           "supported by the training scripts yet; remove it (sequence parallelism is: "
@@ -158,8 +156,7 @@ def check_algorithm(args):
 
 def check_batches(args, world, train_batch_size):
     """Batch sizes that must divide: over the processes, and into optimizer steps and micro-batches."""
-    n = args.n_samples_per_prompt
-    samples_per_step = args.rollout_batch_size * n
+    samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     check(args.rollout_batch_size % world == 0,
           f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
     check(samples_per_step % train_batch_size == 0, f"rollout_batch_size * n_samples_per_prompt = "
@@ -245,8 +242,8 @@ def check_paths(args):
 
 
 def model_positions(pretrain):
-    """The positions of a --pretrain model directory (max_position_embeddings in its config.json, its text
-    model's for a vision-language one), read before it loads; None where there is no config.json."""
+    """max_position_embeddings in a --pretrain directory's config.json (a VL one's text model's), read before
+    the model loads; None where there is no config.json."""
     path = os.path.join(pretrain or "", "config.json")
     if not pretrain or not os.path.isfile(path):
         return None
@@ -275,9 +272,8 @@ def prompt_limit(args, positions):
 
 
 def check_output_dir(path):
-    """--output_dir is a folder, or can be made one, where files can be written: the nearest folder of it that
-    exists takes a probe file (and loses it at once; permissions alone miss /proc, read-only mounts, root's
-    access), and no symbolic link on the way leads nowhere."""
+    """--output_dir is, or can be made, a folder files can be written to: the nearest existing folder takes a
+    probe file (permissions miss /proc, read-only mounts, root's access); no link on the way dangles."""
     existing = os.path.abspath(path)  # it, or the nearest folder above it that exists
     while not os.path.exists(existing):
         check(not os.path.islink(existing), f"--output_dir {path!r}: {existing} is a symbolic link to "
@@ -345,11 +341,9 @@ def check_inert(args, engine_type):
 
 def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", parallelism=None,
                train_batch_size=None, bf16=None):
-    """Refuse the flag values and combinations of a training script's Args that cannot work, naming the flag,
-    the value and the fix, before anything loads. world: processes; deepspeed: accelerate's DeepSpeed plugin
-    or None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved rollout engine (hf, vllm, sglang);
-    parallelism: accelerate's ParallelismConfig or None; train_batch_size, bf16: the resolved values (default:
-    the flags' own)."""
+    """Every check on a training script's Args. world: processes; deepspeed: accelerate's DeepSpeed plugin or
+    None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved engine (hf, vllm, sglang); parallelism:
+    accelerate's ParallelismConfig or None; train_batch_size, bf16: resolved values (default: the flags')."""
     train_batch_size = train_batch_size or args.train_batch_size
     bf16 = args.bf16 if bf16 is None else bf16
     check_parallelism(args, world, deepspeed, sharded, parallelism, bf16)
