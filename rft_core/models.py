@@ -57,10 +57,9 @@ def check_model_path(path, flag="--pretrain"):
 
 
 def content_digest(path, suffixes="", sampled=False):
-    """The SHA-256 of a file's content, or of a directory's files ending in suffixes (their relative paths and
-    contents; hidden ones left out). sampled: a file over 64 MiB is read as its size and 64 blocks of 64 KiB
-    spread over it (another model's weights differ in every block; reading 15 GB whole takes 20 s).
-    Remembered, by the files' sizes and change times, for the process's later calls."""
+    """The SHA-256 of a file, or of a directory's files ending in suffixes (relative paths and contents;
+    hidden ones left out), remembered by their sizes and change times. sampled: a file over 64 MiB is read as
+    64 blocks of 64 KiB spread over it (another model's weights differ in every block; 15 GB whole: 20 s)."""
     path = os.path.abspath(path)
     files = [path] if os.path.isfile(path) else []
     for root, dirs, names in os.walk(path):
@@ -207,9 +206,8 @@ def _write_cache(path, model, tokenizer):
 
 
 def _left_over(parent, name):
-    """Whether parent/name is the temporary directory (.part-<pid>-...) of a writer no longer running here (on
-    a cache shared by several hosts, another host's writer only loses its entry), or an entry without
-    digests (an earlier format)."""
+    """Whether parent/name is the .part-<pid>-... directory of a writer no longer running here (another
+    host's only loses its entry), or an entry without digests (an earlier format)."""
     if not name.startswith(".part-"):
         return not os.path.exists(os.path.join(parent, name, DIGESTS))
     try:
