@@ -13,9 +13,8 @@ from rft_core.workers import line_in, load_from_file
 
 @dataclass
 class State:
-    """What step(state, text) sees of its episode. It goes to a worker process and back with each step, so
-    it pickles: state.data holds what the environment keeps from one step to the next (any worker may run
-    the next), in built-in types (numbers, strings, lists, dicts)."""
+    """What step(state, text) sees of its episode. It goes to a worker and back with each step (any worker
+    may run the next), so state.data holds built-in types (numbers, strings, lists, dicts)."""
     sample: dict  # {"prompt": the opening as the data or reset gave it, "label": ...}
     turn: int = 0  # assistant turns so far, the one being answered included
     messages: list = field(default_factory=list)  # the turns so far: {"role", "content"}, assistant first

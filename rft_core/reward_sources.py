@@ -1,7 +1,6 @@
 """Where a run's rewards come from: a --reward_fn file's function (or a built-in rule by name), a remote
-reward server (--remote_rm_url, JSON over HTTP), and local reward models (--reward_pretrain); `reward_sources`
-gives a run's list of them, which rewards.RewardScorer scores. `start_workers` starts the processes that run
-the user's code, a --reward_fn file and the --env (rft_core/workers.py).
+reward server (--remote_rm_url, JSON over HTTP) and local reward models (--reward_pretrain): `reward_sources`
+gives a run's list, which rewards.RewardScorer scores. `start_workers` starts the user code's workers.
 """
 
 import json
@@ -19,9 +18,8 @@ from rft_core.workers import Workers
 
 
 def start_workers(reward_fn, env, size, timeout, seed=0, rank=0, log=print):
-    """The worker processes (--workers of them) that run a run's user code: the --reward_fn file's function
-    unless it names a built-in rule, and the --env (the built-in calculator too); None when there is none.
-    What fails to load is its one-line error here, before any model loads."""
+    """The --workers processes that run the --reward_fn file's function (not a built-in rule's) and the --env
+    (the calculator too), or None; what fails to load is its one-line error here, before any model loads."""
     targets = {"env": (load_env, env)} if env else {}
     if reward_fn and reward_fn not in BUILTIN_REWARDS:
         targets["reward_fn"] = (file_reward, reward_fn)
@@ -54,9 +52,8 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     """A reward function that POSTs {"prompts", "completions", "labels"} as JSON to `url` and reads
     {"rewards": [...]} (or named components) back. A server that cannot be reached, times out or is busy
-    (HTTP 429, 502-504) is retried with exponential backoff, then fails the batch (ServiceDown); one that
-    answers with another error status or a body that is not its JSON is not retried (ServerError); a redirect
-    is not followed (ServiceDown). Each names the URL and the failure."""
+    (HTTP 429, 502-504) is retried with exponential backoff, then fails the batch (ServiceDown, as does a
+    redirect); another error status or a body that is not its JSON is not retried (ServerError)."""
     parts = urllib.parse.urlsplit(url)
     try:
         _ = parts.port  # raises past 65535, where a request would wrap around to another service
@@ -110,8 +107,8 @@ def sequence_scores(model, input_ids, attention_mask):
 
 def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
     """A reward function scoring prompt + completion with the reward model at `path` (a sequence- or
-    token-classification checkpoint), in the reward model's own tokenizer and chat template.
-    place(model) -> model puts it where it costs least (sharded like the actor); default: on `device`."""
+    token-classification checkpoint) in its own tokenizer and chat template; place(model) -> model puts it
+    where it costs least (sharded like the actor), else it goes on `device`."""
     import torch
     from transformers import AutoTokenizer
 
