@@ -1,8 +1,7 @@
 """Training health: stop a diverging run before its bad update is applied or saved.
 
-- Gradients, at every optimizer step and before it: non-finite (a finite loss can have NaN gradients), or a
-  norm `explode_factor` times the median of the run's earlier ones (orders of magnitude, not a spike that
-  clipping absorbs).
+- Gradients, before every optimizer step: non-finite (a finite loss can have NaN gradients), or a norm
+  `explode_factor` times the median of the run's earlier ones (orders of magnitude, not a clipped spike).
 - The policy, every step and on the new weights before a checkpoint or the final model is written: a mean
   entropy that reached the uniform bound log(V) from well below it (the policy collapsed), non-finite weights,
   or (before a save) an update that moved the policy by more than `max_update_kl` nats per token.

@@ -226,9 +226,8 @@ class MetricsLog:
                               "free space there or use another --output_dir") from e
 
     def write(self, step, metrics, print_line=False):
-        """Append a row (and with print_line, print its step line on the main process). The first step whose
-        actor gradient is exactly 0 (it trained nothing), and the first whose responses were all cut at the
-        length limit, are said, with their likely causes."""
+        """Append a row (print_line: and print its step line). The first step whose actor gradient is 0, and
+        the first whose responses were all cut at the length limit, are said, with their likely causes."""
         if self.enabled:
             append(self.path, json.dumps({"step": step, **metrics}) + "\n", f"the row of step {step}")
             if print_line:

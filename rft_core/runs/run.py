@@ -45,8 +45,7 @@ def run_main(main):
 
 class StopNow(KeyboardInterrupt):
     """A signal that stops the run at once: during start-up (the step-0 eval included), or Ctrl-C twice. A
-    KeyboardInterrupt, so that no `except Exception` on its way reports it as another error; run_main prints
-    its line, which names the checkpoint a rerun resumes from, if any."""
+    KeyboardInterrupt, so that no `except Exception` on its way reports it as another error."""
 
     def __init__(self, message, exit_code):
         super().__init__(message)

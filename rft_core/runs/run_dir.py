@@ -117,8 +117,7 @@ def _mine(holder):
 
 def _alive(path, holder, beat, log):
     """Whether the lock's holder may still run. On this host, at once: its pid lives and started when the lock
-    says. Elsewhere (or unreadable): whether the lock's beat changes while watched for WATCH_S on this host's
-    monotonic clock (a lock found still so is not watched again while unchanged)."""
+    says. Elsewhere (or unreadable): whether the lock's beat changes while watched for WATCH_S (once)."""
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
         try:
             os.kill(holder["pid"], 0)
@@ -224,9 +223,9 @@ def release_lock(output_dir):
 
 
 def clean_leftovers(output_dir, log=print):
-    """Remove what a killed writer left aside at the top of output_dir (LEFTOVER: a save's checkpoint-N.tmp/,
-    an export's model.tmp/ or .old/, a rewrite's config.json.tmp), said in one line; a previous-N.tmp/ (a
-    --no_resume killed while it moved the previous run aside) is moved back."""
+    """Remove what a killed writer left aside at the top of output_dir (LEFTOVER: checkpoint-N.tmp/,
+    model.tmp/, model.old/, config.json.tmp...), said in one line; a cut --no_resume's previous-N.tmp/ is
+    moved back."""
     if not os.path.isdir(output_dir):
         return
     removed = []
@@ -269,9 +268,8 @@ def finished_step(output_dir):
 
 
 def previous_run(output_dir, rows):
-    """(what a previous run left at the top of output_dir worth keeping, in words; its entries; whether it
-    finished: model/ is there), or None where it trained no step there (config.json and a step-0 eval alone
-    are written again). rows: its metrics.jsonl's."""
+    """(what a previous run left at the top of output_dir, in words; its entries; whether it finished), or
+    None where it trained no step (config.json, a step-0 eval are written again). rows: metrics.jsonl's."""
     if not os.path.isdir(output_dir):
         return None
     names = sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or RUN_DIRS.fullmatch(n))
@@ -299,9 +297,8 @@ def refuse_overwrite(output_dir, found):
 
 
 def move_previous(output_dir, found, log=print):
-    """Move previous_run's entries into output_dir/previous-N/ (--no_resume: the new run starts beside) in one
-    step: into previous-N.tmp/, then renamed (a kill in between is undone at the next start:
-    clean_leftovers)."""
+    """Move previous_run's entries into output_dir/previous-N/ (--no_resume) in one step: into
+    previous-N.tmp/, then renamed (a kill in between is undone at the next start: clean_leftovers)."""
     target = _previous_dir(output_dir)
     os.makedirs(target + ".tmp")
     for name in found[1]:
