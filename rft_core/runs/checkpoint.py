@@ -91,9 +91,8 @@ def checkpoint_step(ckpt):
 
 
 def finished_run(ckpt, num_steps, log):
-    """Whether ckpt (None: not resuming) already ends a run of num_steps steps; if so, it says what to do. A
-    checkpoint of the last step whose run has no whole export (run_dir.finished_step: a kill while the model
-    was written) is said and resumed: the run exports it again."""
+    """Whether ckpt (None: not resuming) already ends a run of num_steps steps (said, with what to do). A
+    last step's checkpoint without a whole export (run_dir.finished_step: a kill while exporting) resumes."""
     if ckpt is None or checkpoint_step(ckpt) < num_steps:
         return False
     if checkpoint_step(ckpt) == num_steps and finished_step(os.path.dirname(ckpt)) != num_steps:
@@ -146,10 +145,9 @@ def schedule_length(ckpt, num_steps, num_updates, warmup_ratio, log):
 @dataclass
 class LoopState:
     """What the loop carries from step to step beside the models, optimizers and schedulers (accelerate saves
-    those): the rest of a checkpoint. `save` and `load` go through every field, so a field added here (a new
-    controller's state) is saved and resumed by being declared: an object with state_dict / load_state_dict
-    through those (with buffer_state, its buffer to tensors.pt), a field marked TENSORS into tensors.pt, any
-    other, plain data, into trainer_state.json."""
+    those). `save` and `load` go through every field, so a field added here is saved and resumed by being
+    declared: an object through its state_dict / load_state_dict (and buffer_state, into tensors.pt), a field
+    marked tensors into tensors.pt, any other, plain data, into trainer_state.json."""
     rollouts: Any  # rollout.Rollouts: the prompt stream's position, partial rollout's buffer
     # what a resume must share (run_identity; check_identity compared them): loaded under this run's, so
     # entries new since the checkpoint (its files' digests) are written to the next one
@@ -176,9 +174,8 @@ class LoopState:
         return state, tensors
 
     def load(self, state, tensors):
-        """Every field from what load_checkpoint returned; a tensor field this run leaves off (None) stays
-        off, and a plain field a checkpoint from before it lacks keeps its value. Returns the checkpoint's
-        step."""
+        """Every field from what load_checkpoint returned (a tensor field this run leaves off stays None; a
+        plain field an older checkpoint lacks keeps its value). Returns the checkpoint's step."""
         tensors = tensors or {}
         for f in fields(self):
             value = getattr(self, f.name)

@@ -219,9 +219,8 @@ def load_plain(path, **kwargs):
 
 
 def check_rng_restored(ckpt, accelerator):
-    """Refuse a checkpoint whose RNG states load_state did not restore (accelerate skips one that fails at
-    info level, and the resumed run would not repeat the uninterrupted one): the process's python, numpy,
-    torch (and CUDA) generators are compared with its random_states file."""
+    """Refuse a checkpoint whose RNG states load_state did not restore (accelerate skips a failing one at
+    info level, and the resumed run would not repeat the uninterrupted one): compared with random_states."""
     path = os.path.join(ckpt, f"random_states_{accelerator.process_index}.pkl")
     if not os.path.exists(path):
         problem = "its file is missing"
