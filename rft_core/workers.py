@@ -62,9 +62,8 @@ class _Worker:
 
 class Workers:
     """`size` worker processes, each holding its own copy of the targets {name: (loader, spec)}: loader(spec),
-    a module-level function of a module that does not import torch. Start-up waits for every worker to build
-    them: a file that fails to import (or an environment class that cannot be made) is its one-line error
-    here, a UserError. `timeout`: seconds a call (and a worker's start) may take, unless the call says."""
+    a module-level function of a module that does not import torch. What fails to load in a worker is its
+    one-line UserError at start-up. `timeout`: seconds a call (and a worker's start) may take by default."""
 
     def __init__(self, targets, size=1, timeout=60.0, seed=0, rank=0, log=print):
         self.targets, self.timeout, self.seed, self.rank, self.log = targets, timeout, seed, rank, log
@@ -148,13 +147,11 @@ class Workers:
                 raise
         self.calls += 1
         try:
-            data = pickle.dumps((*message, self.calls))
-        except Exception as e:  # nothing was sent
-            return pickle.PicklingError(f"its arguments do not pickle (they go to a worker process): {e!r}")
-        try:
-            self.procs[i].conn.send_bytes(data)
+            self.procs[i].conn.send((*message, self.calls))
         except OSError:
             return self._lost(i)
+        except Exception as e:  # it did not pickle: nothing was sent
+            return pickle.PicklingError(f"its arguments do not pickle (they go to a worker process): {e!r}")
 
     def _collect(self, running, results, timeout):
         """Wait until a running call ends or reaches its deadline; take in every result there is."""
@@ -172,8 +169,7 @@ class Workers:
                 results[k] = (False, TimeoutError(stopped + "process killed, a new one started)"))
 
     def _receive(self, i):
-        """A call's outcome, as map gives it. A worker past a bound is replaced after it: its memory grew by
-        LEAK_BYTES since it started, or it burnt CPU while idle before the call."""
+        """A call's outcome, as map gives it; a worker that grew LEAK_BYTES or burnt CPU idle is replaced."""
         worker = self.procs[i]
         try:
             *reply, (cpu, idle, rss) = worker.conn.recv()  # CPU and wall s between calls, resident bytes
@@ -198,8 +194,7 @@ class Workers:
                           "out-of-memory killer?); a new one takes its place")
 
     def _stop(self, i, kind=None, why=None):
-        """Kill worker i and whatever it started; it starts afresh at its next call. A restart of a kind
-        (timeout, ended, memory, busy) is counted, and `why` said the first time."""
+        """Kill worker i and what it started (restarted at its next call); count a `kind`, say `why` once."""
         _kill(self.procs, i)
         if kind:
             self.restarts[kind] += 1
