@@ -184,10 +184,12 @@ def check_setup(args, world, deepspeed, sharded, engine_type):
     check(args.reward_weights is None or len(args.reward_weights) == sources,
           f"--reward_weights has {len(args.reward_weights or [])} values for {sources} reward sources "
           "(--reward_fn or --remote_rm_url, then each --reward_pretrain model)")
-    check(not (args.partial_rollout and engine_type == "hf" and sharded), "--partial_rollout with the "
-          "transformers engine under ZeRO-3 / FSDP2: ranks continue different numbers of samples, which its "
-          "sharded generate cannot; use vLLM (--engine_type vllm) or the multi_gpu config")
-    check_env(args, engine_type, sharded)
+    for flag, ranks in (("partial_rollout", "continue different numbers of samples"),
+                        ("env", "generate different numbers of episode turns")):
+        check(not (getattr(args, flag) and engine_type == "hf" and sharded), f"--{flag} with the "
+              f"transformers engine under ZeRO-3 / FSDP2: ranks {ranks}, which its sharded generate cannot; "
+              "use vLLM (--engine_type vllm) or the multi_gpu config")
+    check_env(args)
     tp = args.engine_tp_size
     check(engine_type == "hf" or world % tp == 0, f"--engine_tp_size {tp}: must divide the {world} processes "
           "(groups of consecutive ranks share an engine)")
@@ -197,15 +199,12 @@ def check_setup(args, world, deepspeed, sharded, engine_type):
           f"--engine_sleep {args.engine_sleep!r}: choose auto, always or never")
 
 
-def check_env(args, engine_type, sharded):
+def check_env(args):
     """What multi-turn episodes (--env) cannot be combined with."""
     if args.env is None:
         return
     check(not args.partial_rollout, "--partial_rollout with --env: an episode's turns wait for the "
           "environment, so its samples cannot be cut and continued in a later step; drop one of them")
-    check(not (engine_type == "hf" and sharded), "--env with the transformers engine under ZeRO-3 / FSDP2: "
-          "ranks generate different numbers of episode turns, which its sharded generate cannot; use vLLM "
-          "(--engine_type vllm) or the multi_gpu config")
     check(not args.overlong_buffer_len, "--overlong_buffer_len with --env: DAPO's overlong shaping is for "
           "one response of --generate_max_len tokens, not for episodes; drop it")
     check(args.max_episode_tokens > args.generate_max_len or args.max_turns == 1,
