@@ -115,9 +115,8 @@ def _load_gguf(path, dtype):
                                                  dtype=torch.float32 if cached else dtype)
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
-        clean = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
-        clean.load_state_dict(model.state_dict())
-        model = clean
+        model, state = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype), model.state_dict()
+        model.load_state_dict(state)
     if cached:
         _write_cache(cached, model, tokenizer)
     return model.to(dtype), tokenizer
@@ -195,9 +194,8 @@ def _write_cache(path, model, tokenizer):
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".part-{os.getpid()}-")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        record = _entry_record(tmp)
         with open(os.path.join(tmp, DIGESTS), "w") as f:
-            json.dump(record, f)
+            json.dump(_entry_record(tmp), f)  # (the record leaves its own file out)
         os.replace(tmp, path)  # (another process that wrote it first wins: this one's is dropped)
         _say(f"[cache] the GGUF dequantised is kept in {path} for later runs (RFT_CACHE=off keeps nothing)")
     except OSError:
