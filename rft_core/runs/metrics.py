@@ -89,8 +89,7 @@ class Means:
 
 
 def update_metrics(means):
-    """The update's means under their namespaces: the engine-vs-trainer logprob gaps under rollout/, the rest
-    under train/."""
+    """The update's means: the engine-vs-trainer logprob gaps under rollout/, the rest under train/."""
     return {("rollout/" if key.startswith("logprob") else "train/") + key: v
             for key, v in means.result().items()}
 

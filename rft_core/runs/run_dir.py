@@ -213,8 +213,7 @@ def _heartbeat():
 
 def release_lock(output_dir):
     """Remove output_dir's lock if this process holds it."""
-    output_dir = os.path.abspath(output_dir)
-    _held.discard(output_dir)
+    _held.discard(os.path.abspath(output_dir))
     path = os.path.join(output_dir, LOCK)
     found = _read_lock(path)
     if found is not None and _mine(found[0]):
