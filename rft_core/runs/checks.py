@@ -27,7 +27,6 @@ RANGES = {
     "reward_clip": (lambda v: v is None or v > 0, "> 0"),
     "ema_beta": (lambda v: v is None or 0 < v < 1, "in (0, 1)"),
     "kl_target": (lambda v: v is None or v > 0, "> 0"),
-    "init_kl_coef": (lambda v: v >= 0, ">= 0"),
     "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "lambd": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "high_entropy_token_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -38,22 +37,19 @@ RANGES = {
     "call_timeout": (lambda v: v > 0, "> 0 seconds"),
     "workers": (lambda v: v >= 1, ">= 1 (worker processes for a --reward_fn file and the --env)"),
     "reward_failure_limit": (lambda v: v >= 0, ">= 0 (0: stop at the first failure; above 1: never stop)"),
-    "ptx_coef": (lambda v: v >= 0, ">= 0"),
-    "overlong_penalty_factor": (lambda v: v >= 0, ">= 0"),
     "lora_alpha": (lambda v: v > 0, "> 0"),
-    "inflight_ratio": (lambda v: v >= 1, ">= 1"),
     "image_max_pixels": (lambda v: v >= 28 * 28, ">= 784 (28 x 28 pixels: one token)"),
-    "policy_drift_coef": (lambda v: v is None or v >= 0, ">= 0"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32), numpy's seeds"),
 }
 # (checked in this order: train_batch_size last, as its default is derived from the two before it)
-AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size",
+AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size", "inflight_ratio",
                 "n_samples_per_prompt", "micro_rollout_batch_size", "max_epochs", "num_episodes",
                 "engine_tp_size", "kl_horizon", "max_num_gen_batches", "eval_n_samples", "max_ckpt_num",
                 "limit_mm_image_per_prompt", "max_token_budget", "max_turns", "max_episode_tokens",
                 "micro_train_batch_size", "max_tokens_per_micro_batch", "train_batch_size")
 AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every",
-                 "lora_rank", "freezing_actor_steps", "overlong_buffer_len", "max_staleness")
+                 "lora_rank", "freezing_actor_steps", "overlong_buffer_len", "max_staleness", "init_kl_coef",
+                 "ptx_coef", "overlong_penalty_factor", "policy_drift_coef")
 # flags that name a file, directory, URL or column: an empty string is a mistake, not "none"
 PATHS = ("pretrain", "prompt_data", "eval_data", "reward_fn", "reward_pretrain", "critic_pretrain",
          "pretrain_data", "env", "output_dir", "use_tensorboard", "images_key", "freeze_prefix",
