@@ -96,11 +96,9 @@ class EpisodeRunner:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def run(self, generate, samples, any_active):
-        """Roll out one episode per Sample (a prompt not yet rolled out): the samples with their generation
-        (token ids, engine logprobs (0 on the environment's tokens; None where generate gave none) and mask),
-        prompt (the opening), and episode. generate(prompts, limits, mm) -> [Generation]: the engine's, with
-        the sampling settings; any_active(n) -> whether any rank has episodes going on (n: this rank's; a
-        collective, called as often on every rank)."""
+        """One episode per Sample: the samples with their generation (logprobs 0 on environment tokens,
+        None where generate gave none), prompt (the opening) and episode. generate(prompts, limits, mm) ->
+        [Generation]; any_active(n) -> whether any rank has episodes going on (a collective)."""
         cfg, eos = self.settings, self.tokenizer.eos_token_id
         samples = [replace(s, episode=Episode([])) for s in samples]
         ids = [[] for _ in samples]  # response token ids so far
@@ -209,8 +207,7 @@ class EpisodeRunner:
         return results
 
     def _outcome(self, ok, out, what):
-        """A call's value (step's parsed, and the state as step left it); _Failed if it raised, timed out,
-        ended its worker or did not pickle, or step's is malformed."""
+        """A call's value (step's parsed, and the state as step left it); _Failed if either failed."""
         if not ok and isinstance(out, UserCodeError):
             raise _Failed(f"raised {out.kind}", f"{what} raised {out!r}")
         if not ok:  # TimeoutError, WorkerLost, PicklingError

@@ -119,8 +119,7 @@ def describe(fn, error=None):
 
 def _rows(reward_fn, prompts, completions, labels):
     """One {component: value} dict per sample; raises if the call fails or returns something malformed. The
-    reward gets copies of the lists: one that pops from them cannot change the samples, nor the count its
-    values are checked against. What a file's reward raised that is no Exception (sys.exit...) is named."""
+    reward gets copies of the lists: one that pops from them cannot change the samples, nor the count."""
     n = len(completions)
     try:
         out = reward_fn(list(prompts), list(completions), list(labels))
@@ -181,11 +180,9 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
 
 
 class RewardScorer:
-    """One scorer from several (name, reward_fn) sources: scorer(samples, strict=False) sets each rolled-out
-    Sample's reward (the weighted sum) and components, and returns how many samples' rewards failed (they got
-    the fallback). The "rule" source's components keep their own names; every other source is one component
-    under its name. The first failure of each kind (source and exception type) is printed with its sample;
-    `check(failed, total, step)` stops the run when the share of failed samples reaches `failure_limit`."""
+    """One scorer from several (name, reward_fn) sources: scorer(samples, strict=False) sets each Sample's
+    reward (the weighted sum) and components ("rule"'s by their own names, another source's by its name) and
+    returns how many samples got the fallback; the first failure of each kind is printed with its sample."""
 
     def __init__(self, sources, weights=None, fallback=0.0, failure_limit=1.0, log=print):
         self.sources, self.weights = sources, weights or [1.0] * len(sources)

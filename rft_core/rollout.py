@@ -57,9 +57,8 @@ class Group:
 
 
 class Rollouts:
-    """Each step's samples for this rank: rollout_batch_size // world prompts (whole groups), in the order the
-    prompt stream (the same on every rank, reshuffled every episode) hands them out. Its state (batches drawn;
-    with partial rollout the buffer and the prompts in hand) is part of a checkpoint."""
+    """Each step's samples for this rank: rollout_batch_size // world prompts (whole groups) from the prompt
+    stream (the same on every rank); its state (partial rollout: its buffer and queue too) is saved."""
 
     def __init__(self, prompts, rollout_batch_size, seed, rank, world, settings, device, episodes=None):
         self.data = batches(prompts, rollout_batch_size, seed)
@@ -97,8 +96,8 @@ class Rollouts:
         return [p for p in batch for _ in range(self.settings.group_size)]
 
     def collect(self, engine, tokenizer, score_all, reduce_sum, step):
-        """(samples, metrics) of one step. reduce_sum: the sum over ranks (a collective, called the same
-        number of times on every rank); the step stops with RewardError when too many rewards failed."""
+        """(samples, metrics) of one step (RewardError if too many rewards failed); reduce_sum: the sum over
+        ranks, a collective."""
         self.generated = self.slots = 0  # counted by _generate
         self.score_s = 0.0  # the seconds of it spent scoring (by _score)
         env_s = self.episodes.env_s if self.episodes else 0.0
@@ -142,8 +141,7 @@ class Rollouts:
         return samples
 
     def _score(self, groups, tokenizer, score_all, kept, dropped, counts):
-        """Decode and score whole groups (lists of samples), shape their rewards, and append each to kept or
-        (dynamic sampling, all rewards equal) to dropped."""
+        """Decode, score and shape whole groups: each to kept or (all rewards equal) to dropped."""
         cfg = self.settings
         samples = [s for group in groups for s in group]
         if not samples:
