@@ -75,8 +75,7 @@ def write_whole(path, data, mode=None):
 
 def replace_dir(tmp, final):
     """Put the directory tmp, written whole, at final: its files synced, then renamed (an older final moved to
-    final.old first, deleted after), so a kill leaves final whole, old or new, or absent; never half of one.
-    What a kill leaves aside (tmp, final.old) is removed at the next start (run_dir.clean_leftovers)."""
+    final.old first, deleted after), so a kill leaves final old, new or absent, never half of one."""
     for root, _, names in os.walk(tmp):
         for name in names:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)

@@ -129,8 +129,7 @@ SUMMED = ("reward_errors", "filled_groups", "tokens", "buffered", "resumed", "fi
 
 
 def gather_metrics(local):
-    """Every rank's metrics dict merged: the mean over the ranks that have a key (NaN-aware), the sum of the
-    counts (SUMMED) and the max of the maxima (names ending in _max)."""
+    """Every rank's metrics merged: SUMMED summed, maxima maxed, others the nanmean of ranks holding them."""
     from accelerate.utils import gather_object
 
     per_rank = gather_object([local])  # dicts, so ranks may differ in keys (reward components)
