@@ -5,13 +5,12 @@ An environment is an object with `step(state, text) -> (observation, done[, rewa
 as `--env path/to/file.py:NAME` (docs/multi_turn.md), run in worker processes (rft_core/workers.py).
 
 Token in, token out: each turn continues from the episode's own token ids, so the ids that train are the
-engine's sampled ids (and logprobs) exactly. An environment turn is rendered once (the chat template's
-markers and the next assistant header) and tokenized once; its tokens carry mask 0 (Generation.mask, the
-experience's action_mask), so no loss, KL term, entropy, advantage or length statistic sees them. An
-episode ends when the environment says done, or is cut at `max_turns`, or when a turn reaches its token
-limit unfinished. Every rank runs the same number of turns (`any_active`): a tensor-parallel engine's call is
-a collective. A reset or step that fails (raises, hangs, ends its worker, returns something malformed or
-overflows the episode) ends that episode, which scores as a failed reward.
+engine's sampled ids (and logprobs) exactly. An environment turn is rendered and tokenized once; its tokens
+carry mask 0 (Generation.mask), so no loss, KL term, entropy, advantage or length statistic sees them. An
+episode ends when the environment says done, at `max_turns`, or when a turn reaches its token limit. Every
+rank runs the same number of turns (`any_active`): a tensor-parallel engine's call is a collective. A reset
+or step that fails (raises, hangs, ends its worker, returns something malformed or overflows the episode)
+ends that episode, which scores as a failed reward.
 """
 
 import math

@@ -4,13 +4,11 @@ drops the groups whose rewards are all equal and draws fresh prompts, for at mos
 With an environment (`--env`) each sample is a multi-turn episode (rft_core/episodes.py), scored on its last
 assistant turn plus the environment's rewards; a GRPO group is the episodes of one prompt.
 
-Partial rollout (`--partial_rollout`; Kimi k1.5's partial rollouts, AReaL's staleness bound): a generation
-round gives each unfinished sample at most `token_budget` new tokens; one that reaches it unfinished keeps
-its token ids, engine logprobs and the policy version of every token, and continues in a later round or
-step (token ids in, token ids out). A group trains once all its samples have finished; each step trains k
-finished groups, the buffer's oldest first, then fresh prompts drawn until `inflight_ratio` x k groups are
-in hand; no trained token is older than `max_staleness` versions. docs/partial_rollout.md tells how a
-sample moves, round by round (`_collect_partial`).
+Partial rollout (`--partial_rollout`; Kimi k1.5's partial rollouts, AReaL's staleness bound): a sample that
+reaches a round's `token_budget` unfinished keeps its token ids, logprobs and each token's policy version,
+and continues in a later round or step. Each step trains k groups whose samples all finished, the oldest
+first; no trained token is older than `max_staleness` versions. docs/partial_rollout.md tells how a sample
+moves, round by round (`_collect_partial`).
 """
 
 import math

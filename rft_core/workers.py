@@ -113,10 +113,9 @@ class Workers:
         return value
 
     def map(self, name, method, calls, timeout=None):
-        """Each call (a tuple of arguments) run in a worker, spread over them, one at a time in each. Returns
-        per call (True, result) or (False, error): a UserCodeError (what the code raised), TimeoutError (no
-        result within timeout seconds: the call was stopped), WorkerLost, or pickle.PicklingError (its
-        arguments or result could not cross between the processes)."""
+        """Each call (a tuple of arguments) run in a worker, one at a time in each. Returns per call (True,
+        result) or (False, error): a UserCodeError (what the code raised), TimeoutError (stopped),
+        WorkerLost or pickle.PicklingError (its arguments or result could not cross between processes)."""
         timeout = self.timeout if timeout is None else timeout
         results, todo, running = [None] * len(calls), list(range(len(calls))), {}  # worker: (call, deadline)
         try:
