@@ -1,6 +1,5 @@
-"""The boundary with an environment's code (--env; rft_core/episodes.py runs the episodes): the State its
-step sees, the environment as a worker process builds and calls it (`load_env`, rft_core/workers.py), and
-checking what its step returned."""
+"""The boundary with an environment's code (--env): the State its step sees, the environment as a worker
+builds and calls it (`load_env`), and checking what its step returned."""
 
 import math
 import os
@@ -36,9 +35,8 @@ class HostedEnv:
 
 
 def load_env(spec):
-    """The environment --env names, built in a worker process: "calculator" (rft_core/tasks/calculator.py),
-    or 'path/to/file.py:NAME', an object with step (and optionally reset), or a class of them (made with no
-    arguments: what its constructor raises is one line)."""
+    """The environment --env names, built in a worker: "calculator" (rft_core/tasks/calculator.py), or
+    'path/to/file.py:NAME', an object with step (and optionally reset) or a class of them (no arguments)."""
     env = Calculator() if spec == "calculator" else load_from_file(spec, "--env", "NAME", ["calculator"],
                                                                  "an environment file")
     if isinstance(env, type):

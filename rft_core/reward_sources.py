@@ -42,8 +42,7 @@ def load_reward_fn(spec, workers=None, timeout=60.0):
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect comes back as its HTTPError: urllib would resend the POST as a GET without its body, to
-    wherever it points (another host or scheme too)."""
+    """A redirect comes back as its HTTPError: urllib would resend the POST as a GET without its body."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         return None
@@ -140,9 +139,8 @@ def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
 
 def reward_sources(reward_fn=None, remote_rm_url=None, reward_pretrain=None, device="cpu", dtype=None,
                    workers=None, timeout=60.0, place=None, default_rule="answer"):
-    """A run's (name, fn) reward sources: "rule" (--reward_fn, in `workers`, or --remote_rm_url; the built-in
-    default_rule when no source is given at all), then "rm0", "rm1"... for the comma-separated
-    --reward_pretrain. timeout: seconds a --reward_fn call or a --remote_rm_url request may take."""
+    """A run's (name, fn) sources: "rule" (--reward_fn in `workers`, or --remote_rm_url, else default_rule
+    when there is none), then "rm0", "rm1"... for --reward_pretrain's; timeout: a call's, in seconds."""
     rule = (load_reward_fn(reward_fn, workers, timeout) if reward_fn
             else remote_reward_fn(remote_rm_url, timeout) if remote_rm_url else None)
     models = reward_pretrain.split(",") if reward_pretrain else []

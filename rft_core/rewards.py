@@ -110,8 +110,7 @@ class ServerError(ConnectionError):
 
 
 def describe(fn, error=None):
-    """How messages name a reward function: 'name in path/to/file.py' (and the line that raised `error`) for
-    a --reward_fn file's, the name alone for rft_core's own (a built-in rule, the --remote_rm_url client)."""
+    """How messages name a reward function: 'name in path/to/file.py line N' for a file's, else its name."""
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     path, line = getattr(fn, "path", None), getattr(error, "line", None)
     return f"{name} in {path}" + (f" line {line}" if line else "") if path else name
@@ -143,10 +142,9 @@ def _why(e):  # a RewardError's message reads as it is; any other exception as i
 
 
 def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
-    """Rewards (a list), components {name: list}, and the failures [(sample index, why)]: those samples got
-    `fallback` (non-finite values are failures too; strict=True raises on the first, showing the sample).
-    If the batch's one call fails, each sample is scored alone so one bad sample costs only itself; not a
-    batch that timed out, ended its worker process or found the reward server down: every sample fails."""
+    """Rewards (a list), components {name: list}, and the failures [(sample index, why)] that got `fallback`
+    (non-finite too; strict=True raises on the first). A failed batch call is retried sample by sample,
+    unless it timed out, ended its worker or found the reward server down: then every sample fails."""
     failures = []
 
     def fail(i, why):
@@ -219,8 +217,7 @@ class RewardScorer:
                      "rollout/reward_errors (shown once per kind)")
 
     def check(self, failed, total, step, env_failed=0):
-        """Stop (RewardError) when `failed` of `total` samples got the fallback: their reward failed or, for
-        env_failed of them, their episode's environment."""
+        """Stop (RewardError) when `failed` of `total` samples got the fallback (env_failed: by theirs)."""
         if total and failed / total >= self.failure_limit:
             what, fix = f"the rewards of {int(failed)} of {int(total)} samples failed", "the reward"
             if env_failed:

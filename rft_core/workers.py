@@ -105,8 +105,7 @@ class Workers:
         worker.rss = reply[1]
 
     def call(self, name, method, args, timeout=None):
-        """Target `name`'s `method` (None: the target itself) called with args in a worker: its result, or the
-        call's error (as map gives it) raised."""
+        """Target `name`'s `method` (None: itself) on args in a worker: its result; map's error raised."""
         (ok, value), = self.map(name, method, [args], timeout)
         if not ok:
             raise value
@@ -271,8 +270,7 @@ def _seed(*key):
 
 
 def _rss():
-    """A worker's resident bytes (not ru_maxrss, the peak: Linux keeps the trainer's across fork and exec);
-    0 without /proc (no memory bound)."""
+    """Resident bytes, 0 without /proc (not ru_maxrss: the peak, the trainer's kept through fork, exec)."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
