@@ -134,9 +134,8 @@ class EpisodeRunner:
                 for i, s in enumerate(samples)]
 
     def _answer(self, sample, states, i, outcome, turn, ids, mask, logprobs):
-        """Whether the episode goes on, once the environment's answer to an assistant turn (outcome: its step
-        call's) is taken in: states[i] as step left it, its reward and info, and its messages appended to the
-        response (ids, mask and logprobs, extended in place: masked out, logprob 0)."""
+        """Take in step's outcome: states[i] as step left it, reward, info, its messages appended to ids,
+        mask (0) and logprobs (0.0) in place. Returns whether the episode goes on."""
         episode, cfg = sample.episode, self.settings
         episode.env_calls += 1
         try:
@@ -168,8 +167,7 @@ class EpisodeRunner:
         return True
 
     def _reset(self, samples, states):
-        """The indices of the episodes that can start, once reset (if any) was called for every sample: its
-        opening becomes the sample's prompt and prompt ids."""
+        """Reset each sample (its opening becomes its prompt): the indices of the episodes that can start."""
         cfg, active = self.settings, []
         results = self._call("reset", [({"prompt": s.prompt, "label": s.label},) for s in samples])
         for i, (ok, out) in enumerate(results):
@@ -235,9 +233,8 @@ class _Failed(Exception):
 
 
 def score(samples, score_all, strict=False):
-    """Set each rolled-out episode's completion, reward and components: score_all's (a RewardScorer) of its
-    last assistant turn plus the environment's rewards (component "env"), or where its environment failed
-    score_all's fallback, its components NaN. Returns the number of rewards that failed."""
+    """Score each episode's last assistant turn with score_all (a RewardScorer), plus the environment's
+    rewards ("env"); a failed environment's gets the fallback, components NaN. Returns how many failed."""
     scored = [s for s in samples if s.episode.failure is None]
     for s in samples:
         s.completion = s.episode.completion
@@ -254,8 +251,7 @@ def score(samples, score_all, strict=False):
 
 
 def episode_metrics(samples):
-    """rollout/ metrics of this rank's episodes: turns (mean, max), environment calls and tokens, episodes cut
-    by the turn or token limit (counts, summed over ranks), and the numbers in the environments' info."""
+    """rollout/ metrics of this rank's episodes: turns, environment calls and tokens, cuts, info numbers."""
     episodes = [s.episode for s in samples]
     turns = [sum(t["role"] == "assistant" for t in e.turns) for e in episodes]
     metrics = {"rollout/turns_mean": sum(turns) / max(1, len(turns)),

@@ -122,8 +122,7 @@ class Rollouts:
         return self._finish(kept, dropped, counts, score_all, reduce_sum, step, metrics)
 
     def _episodes(self, engine, batch, reduce_sum):
-        """The prompts of batch rolled out as episodes: every sample asks the engine for its logprobs (an
-        episode's turns come in different calls), and every logprob_every-th keeps them."""
+        """batch's episodes: each asks for logprobs (its turns are separate calls), every k-th keeps them."""
         every = self.settings.logprob_every
 
         def generate(prompts, limits, mm):
