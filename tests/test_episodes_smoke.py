@@ -28,7 +28,8 @@ class Env:
 """
 CHARS = "def chars(p, completions, l, **kw):\n    return [len(c) / 10 for c in completions]\n"
 TINY = ["--rollout_batch_size", "4", "--n_samples_per_prompt", "4", "--generate_max_len", "12",
-        "--micro_train_batch_size", "4", "--actor_learning_rate", "1e-3"]
+        "--micro_train_batch_size", "4", "--actor_learning_rate", "1e-3",
+        "--max_episode_tokens", "256"]  # within the tiny model's 512 positions
 
 
 @pytest.fixture
@@ -105,6 +106,7 @@ def test_vl_script_trains_episodes_with_images_in_the_opening_turn(files, tmp_pa
     run_script("train_ppo_vl.py", ["--pretrain", model, "--max_steps", "2", "--rollout_batch_size", "2",
                                    "--n_samples_per_prompt", "4", "--micro_train_batch_size", "4",
                                    "--generate_max_len", "6", "--log_samples_steps", "1", files[0], files[1],
+                                   "--max_episode_tokens", "256",
                                    "--output_dir", str(out)])
     rows, _ = read_metrics(str(out))
     assert len(rows) == 2 and all(r["rollout/env_calls"] > 0 and r["rollout/turns_max"] >= 2 for r in rows)
