@@ -503,7 +503,8 @@ def test_greedy_episodes_reproduce_and_the_trainer_scores_the_sampled_tokens(eos
     (["--max_turns", "2"], "--max_turns 2: it limits the episodes of --env"),
     (["--env", "calculator", "--max_episode_tokens", "16"], "--max_episode_tokens 16: one turn"),
     (["--env", "calculator", "--call_timeout", "0"], "--call_timeout 0.0: must be > 0"),
-    (["--env", "calculator", "--workers", "0"], "--workers 0: must be >= 1")])
+    (["--env", "calculator", "--workers", "0"], "--workers 0: must be >= 1"),
+    (["--workers", "2"], "--workers 2: it sizes the processes that run --env and a --reward_fn file")])
 def test_flags_that_cannot_work_with_episodes(flags, why):
     from rft_core.errors import ConfigError
     from rft_core.runs.checks import check_args

@@ -317,6 +317,8 @@ def check_inert(args, engine_type):
         (args.tis_cap is not None or args.partial_rollout, ("tis_mode", "tis_level"), "--tis_cap is off"),
         (args.env is not None, ("max_turns", "max_episode_tokens"),
          "it limits the episodes of --env, which is not given"),
+        (args.env is not None or ":" in (args.reward_fn or ""), ("workers",),
+         "it sizes the processes that run --env and a --reward_fn file, and this run has neither"),
         (args.overlong_buffer_len > 0, ("overlong_penalty_factor",), "it scales the overlong penalty, but "
          "--overlong_buffer_len is 0"),
         (args.pretrain_data is not None, ("ptx_coef", "pretrain_key"),
