@@ -94,8 +94,7 @@ class Rollouts:
         return [p for p in batch for _ in range(self.settings.group_size)]
 
     def collect(self, engine, tokenizer, score_all, reduce_sum, step):
-        """(samples, metrics) of one step (RewardError if too many rewards failed); reduce_sum: the sum over
-        ranks, a collective."""
+        """(samples, metrics) of one step (RewardError if too many failed); reduce_sum: a collective sum."""
         self.generated = self.slots = 0  # counted by _generate
         self.score_s = 0.0  # the seconds of it spent scoring (by _score)
         env_s = self.episodes.env_s if self.episodes else 0.0

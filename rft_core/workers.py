@@ -6,11 +6,10 @@ leave a thread spinning, start children) is at most that call's failure, and the
     pool.call("env", "reset", (sample,))                # one call: its result, or it raises
     pool.map("env", "step", [(state, text), ...])       # spread over the workers: (ok, value) each
 
-A worker (`python -m rft_core.workers FD`: no torch, ~0.15 s to start) has a session of its own, imports
-the user's file itself and talks pickles over a socket. Before each call it seeds random (numpy, torch where
-imported) from (seed, rank, call number): the same numbers whichever worker runs a call. Every worker's
-group is killed when the pool is dropped or the trainer exits, by any path; a worker whose trainer was
-killed kills its own within a second.
+A worker (`python -m rft_core.workers FD`: no torch, ~0.15 s to start) has a session of its own and talks
+pickles over a socket. Before each call it seeds random (numpy, torch where imported) from (seed, rank, call
+number): the same numbers whichever worker runs a call. Every group is killed when the pool is dropped or
+the trainer exits, by any path; a worker whose trainer was killed kills its own within a second.
 """
 
 import collections
@@ -61,9 +60,8 @@ class _Worker:
 
 
 class Workers:
-    """`size` worker processes, each holding its own copy of the targets {name: (loader, spec)}: loader(spec),
-    a module-level function of a module that does not import torch. What fails to load in a worker is its
-    one-line UserError at start-up. `timeout`: seconds a call (and a worker's start) may take by default."""
+    """`size` workers, each with its own targets {name: (loader, spec)}: loader(spec), where loader is a
+    module-level function of a module without torch. A failed load raises here; `timeout`: s per call."""
 
     def __init__(self, targets, size=1, timeout=60.0, seed=0, rank=0, log=print):
         self.targets, self.timeout, self.seed, self.rank, self.log = targets, timeout, seed, rank, log
@@ -236,8 +234,7 @@ def line_in(error, path):
 
 def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
     """What 'path/to/file.py:NAME' names (None if no NAME), the file imported as a module of its own with
-    sys.argv [path] (none of the trainer's flags); what it raises at import is one line naming the flag and
-    the line. kind, builtins (names the flag also takes), owner ("a reward file"...): for the messages."""
+    sys.argv [path]; what it raises is one line. kind, builtins, owner ("a reward file"...): for messages."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ConfigError(f"{flag} {spec!r}: expected path/to/file.py:{kind}"
