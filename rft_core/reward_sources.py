@@ -27,8 +27,7 @@ def start_workers(reward_fn, env, size, timeout, seed=0, rank=0, log=print):
 
 
 def load_reward_fn(spec, workers=None, timeout=60.0):
-    """A built-in reward by name (answer, math), or a function that runs 'path/to/file.py:function' in the
-    worker processes `workers` (start_workers'; none: a process of its own), timeout seconds a call."""
+    """A built-in reward by name, else one running 'path/to/file.py:NAME' in `workers` (or its own)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     workers = workers or Workers({"reward_fn": (file_reward, spec)}, timeout=timeout)

@@ -178,9 +178,8 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
 
 
 class RewardScorer:
-    """One scorer from several (name, reward_fn) sources: scorer(samples, strict=False) sets each Sample's
-    reward (the weighted sum) and components ("rule"'s by their own names, another source's by its name) and
-    returns how many samples got the fallback; the first failure of each kind is printed with its sample."""
+    """scorer(samples, strict=False) sets each Sample's reward (the weighted sum of the (name, reward_fn)
+    sources) and components ("rule"'s own, else the source's name): the count that got the fallback."""
 
     def __init__(self, sources, weights=None, fallback=0.0, failure_limit=1.0, log=print):
         self.sources, self.weights = sources, weights or [1.0] * len(sources)
