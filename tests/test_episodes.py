@@ -463,6 +463,7 @@ def test_calculator():
         env.reset({"prompt": "What is 2 + 2?", "label": "4"})
 
 
+@pytest.mark.slow  # builds and runs a model: about 10 s
 def test_greedy_episodes_reproduce_and_the_trainer_scores_the_sampled_tokens(eos_model_dir):
     """With the transformers engine: an episode under unchanged weights reproduces greedily, token for token;
     sampled, the trainer's logprobs of the episode's policy tokens are the engine's, and the experience's
