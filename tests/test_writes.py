@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 from conftest import ROOT, read_metrics, run_script
+from test_checkpoints import fake_checkpoint, snapshot
 
 import rft_core.runs.run_dir as run_dir
 from rft_core.errors import CheckpointError, ConfigError
 from rft_core.runs.checkpoint import finished_run, latest_checkpoint, save_checkpoint
-from rft_core.runs.integrity import manifest
 from rft_core.runs.metrics import MetricsLog
 from rft_core.runs.run_dir import LOCK, check_free, redact, release_lock, take_lock
 
@@ -32,19 +32,6 @@ def rows_file(path, steps):
     lines = [json.dumps({"step": 0, "eval/reward_mean": 0.5})]
     lines += [json.dumps({"step": s, "rollout/reward_mean": 1.0, "train/policy_loss": 0.1}) for s in steps]
     path.write_text("\n".join(lines) + "\n")
-
-
-def fake_checkpoint(out, step):
-    ckpt = out / f"checkpoint-{step}"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
-    (ckpt / "manifest.json").write_text(json.dumps(manifest(str(ckpt))))
-    return ckpt
-
-
-def snapshot(out):
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.name != LOCK}
 
 
 @contextlib.contextmanager
