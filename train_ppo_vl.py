@@ -23,7 +23,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import Optional, Tuple
+from typing import Literal, Optional, Tuple
 
 import torch
 from accelerate import Accelerator
@@ -304,18 +304,14 @@ class Args:
     """keep only the newest this many checkpoints"""
     no_resume: bool = False
     """start afresh even when output_dir holds a checkpoint (default: resume from the newest intact one)"""
-    save_on_sigterm: bool = False
-    """on SIGTERM (a cluster's pre-emption) write a checkpoint before stopping at the end of the step"""
     save_hf_steps: int = 0
     """also save_pretrained the model to output_dir/hf-step-N every this many steps (0: only at the end)"""
-    use_wandb: bool = False
-    """log to Weights & Biases through accelerate (WANDB_MODE=offline works without a network)"""
-    use_tensorboard: Optional[str] = None
-    """TensorBoard log directory (through accelerate)"""
+    report_to: Tuple[Literal["wandb", "tensorboard"], ...] = ()
+    """trackers, through accelerate: wandb (WANDB_MODE=offline works without a network), tensorboard (its
+    events in output_dir/tensorboard/)"""
     log_samples_steps: int = 0
-    """every this many steps, print a few prompt / completion / reward rows, appended to samples.jsonl"""
-    plot_every: int = 0
-    """every this many steps and at the end, write curves.png and gen_len.png to output_dir (0: never)"""
+    """every this many steps, print a few prompt / completion / reward rows, append them to samples.jsonl and
+    draw curves.png and gen_len.png in output_dir (the plots also at the end; 0: none)"""
 
 # VL begin: loading the model and the image prompts
 def load_models(args, plan, accelerator):
@@ -390,10 +386,10 @@ def micro_batch_loss(model, critic, mb, settings, frozen, args, fwd, ptx_batches
 def main():
     args = parse_args(Args)
     StopSignals(args, at_once=True)  # until the loop starts, SIGINT / SIGTERM stop the run at once, in a line
-    trackers = (["wandb"] if args.use_wandb else []) + (["tensorboard"] if args.use_tensorboard else [])
     precision = "bf16" if default_bf16(args) else "no"  # (the plan records it)
-    accelerator = Accelerator(mixed_precision=precision, log_with=trackers or None,
-                              project_dir=args.use_tensorboard, kwargs_handlers=process_group_kwargs())
+    accelerator = Accelerator(mixed_precision=precision, log_with=list(args.report_to) or None,
+                              project_dir=os.path.join(args.output_dir, "tensorboard"),
+                              kwargs_handlers=process_group_kwargs())
     rank, device = accelerator.process_index, accelerator.device
 
     # ---- the plan: the flags checked, batch sizes, engine and other choices made (rft_core/plan.py) ----
@@ -466,10 +462,9 @@ def main():
 
     # the run's record starts here, once everything has loaded: a failed start leaves output_dir as it was
     config = {**asdict(args), "world_size": world, "plan": plan.record()}  # the flags as typed, the plan
-    log = MetricsLog(args.output_dir, config, accelerator, bool(trackers),
+    log = MetricsLog(args.output_dir, config, accelerator, bool(args.report_to),
                      keep_until=checkpoint_step(resume_from) if resume_from else None,
-                     samples_every=args.log_samples_steps, plot_every=args.plot_every,
-                     max_len=args.generate_max_len)
+                     samples_every=args.log_samples_steps, max_len=args.generate_max_len)
     guard = HealthGuard(args.output_dir, accelerator.unwrap_model(model).config.get_text_config().vocab_size)
 
     # ---- resume ----
@@ -594,7 +589,7 @@ def main():
         stop = stops.requested(reduce_sum, device)
         if args.eval_steps and step % args.eval_steps == 0 and step != num_steps and prompts["eval"]:
             run_eval(step)
-        if args.save_steps and step % args.save_steps == 0 or stop == "SIGTERM" and args.save_on_sigterm:
+        if args.save_steps and step % args.save_steps == 0 or stop == "SIGTERM":  # (pre-emption: saved)
             # atomic: `latest` names only whole checkpoints, and only healthy weights are saved
             guard.before_checkpoint(model, exp, logprob_split, fwd, accelerator, step)
             save_checkpoint(accelerator, args.output_dir, step, *loop.save(), args.max_ckpt_num)

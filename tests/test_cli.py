@@ -1,6 +1,6 @@
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Literal, Optional, Tuple
 
 import pytest
 
@@ -19,6 +19,8 @@ class Toy:
     # ---- outputs ----
     pair: Optional[Tuple[float, float]] = None
     """two numbers"""
+    report_to: Tuple[Literal["wandb", "tensorboard"], ...] = ()
+    """trackers"""
 
 
 def test_parse_args():
@@ -30,6 +32,18 @@ def test_parse_args():
         parse_args(Toy, ["--flag", "maybe"])
     with pytest.raises(SystemExit):
         parse_args(Toy, ["--no_such_flag", "1"])
+
+
+def test_choices_and_replaced_flags_are_one_line(capsys):
+    """A Literal field takes its choices alone (a list of them with Tuple[..., ...]); a flag the scripts no
+    longer have names the one that replaced it."""
+    assert parse_args(Toy, ["--report_to", "tensorboard", "wandb"]).report_to == ["tensorboard", "wandb"]
+    with pytest.raises(SystemExit):
+        parse_args(Toy, ["--report_to", "wandb", "mlflow"])
+    assert "invalid choice: 'mlflow' (choose from 'wandb', 'tensorboard')" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(Toy, ["--use_tensorboard=/tmp/tb"])
+    assert "error: --use_tensorboard was replaced by --report_to tensorboard" in capsys.readouterr().err
 
 
 def test_docstrings_become_help(capsys):

@@ -138,8 +138,7 @@ def own_handlers():
 
 
 def flags(tmp_path, **kw):
-    return SimpleNamespace(**{"output_dir": str(tmp_path), "save_steps": 0, "save_on_sigterm": False,
-                              "no_resume": False, **kw})
+    return SimpleNamespace(**{"output_dir": str(tmp_path), "save_steps": 0, "no_resume": False, **kw})
 
 
 def intact_checkpoint(output_dir, step):
@@ -193,7 +192,7 @@ def test_a_stop_says_why_there_is_no_checkpoint(tmp_path):
     said = lambda signal_name, step, **kw: str(stop_error(signal_name, step, flags(tmp_path, **kw)))  # noqa
     assert said("SIGTERM", 3, save_steps=5) == (
         "SIGTERM after step 3: no checkpoint (--save_steps 5: the first comes after step 5): a rerun starts "
-        "afresh (--save_on_sigterm saves one on SIGTERM)")
+        "afresh")
     assert said("SIGINT", 3) == "SIGINT after step 3: no checkpoint (--save_steps 0): a rerun starts afresh"
     intact_checkpoint(tmp_path, 2)
     assert said("SIGINT", 3, save_steps=2, no_resume=True) == (

@@ -297,13 +297,13 @@ def test_observability_under_accelerate_launch(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     os.environ.update({"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
     try:
-        run(["--pretrain", tiny_model_dir, *TINY, "--use_tensorboard", str(tmp_path / "tb"), "--use_wandb",
-             "--plot_every", "1", "--log_samples_steps", "1", "--output_dir", str(out)],
+        run(["--pretrain", tiny_model_dir, *TINY, "--report_to", "tensorboard", "wandb",
+             "--log_samples_steps", "1", "--output_dir", str(out)],
             launcher=(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"))
     finally:
         for key in ("WANDB_MODE", "WANDB_DIR", "WANDB_SILENT"):
             os.environ.pop(key)
-    events = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "tb") for f in files
+    events = [os.path.join(d, f) for d, _, files in os.walk(out / "tensorboard") for f in files
               if "tfevents" in f]
     assert events and all(os.path.getsize(e) > 0 for e in events)
     runs = [d for d, _, files in os.walk(tmp_path / "wandb") if any(f.endswith(".wandb") for f in files)]

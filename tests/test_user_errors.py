@@ -701,7 +701,7 @@ def chars(p, completions, l, **kw):
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, sig, code):
     """SIGINT / SIGTERM during step 2: the step finishes, one line says what is intact, the exit status says
-    which signal; with --save_on_sigterm a checkpoint of that step is written first. SIGUSR1 before it only
+    which signal; a checkpoint of that step is written first (SIGTERM: always). SIGUSR1 before it only
     prints the stacks (where a stuck run waits)."""
     from rft_core.runs.checkpoint import verify_checkpoint
 
@@ -709,7 +709,7 @@ def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, s
     out = tmp_path / "out"
     args = ["--pretrain", tiny_model_dir, *TINY, "--max_steps", "20",
             "--reward_fn", f"{tmp_path}/rw.py:chars", "--save_steps", "1" if sig == signal.SIGINT else "0",
-            "--save_on_sigterm", "--output_dir", str(out)]
+            "--output_dir", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ppo.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

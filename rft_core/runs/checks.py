@@ -47,13 +47,12 @@ AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batc
                 "engine_tp_size", "kl_horizon", "max_num_gen_batches", "eval_n_samples", "max_ckpt_num",
                 "limit_mm_image_per_prompt", "max_token_budget", "max_turns", "max_episode_tokens",
                 "micro_train_batch_size", "max_tokens_per_micro_batch", "train_batch_size")
-AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "plot_every",
-                 "lora_rank", "freezing_actor_steps", "overlong_buffer_len", "max_staleness", "init_kl_coef",
-                 "ptx_coef", "overlong_penalty_factor", "policy_drift_coef")
+AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "lora_rank",
+                 "freezing_actor_steps", "overlong_buffer_len", "max_staleness", "init_kl_coef", "ptx_coef",
+                 "overlong_penalty_factor", "policy_drift_coef")
 # flags that name a file, directory, URL or column: an empty string is a mistake, not "none"
 PATHS = ("pretrain", "prompt_data", "eval_data", "reward_fn", "reward_pretrain", "critic_pretrain",
-         "pretrain_data", "env", "output_dir", "use_tensorboard", "images_key", "freeze_prefix",
-         "remote_rm_url")
+         "pretrain_data", "env", "output_dir", "images_key", "freeze_prefix", "remote_rm_url")
 # flags that name what the run reads: a path, paths joined by commas (reward_pretrain), or path.py:NAME
 # (reward_fn, env; without ":" a built-in's name); output_dir must neither hold nor be held by them
 INPUTS = ("pretrain", "critic_pretrain", "reward_pretrain", "prompt_data", "eval_data", "pretrain_data",
@@ -217,8 +216,7 @@ def check_paths(args):
         for path in getattr(args, name).split(",") if name == "reward_pretrain" else [getattr(args, name)]:
             path = path.rpartition(":")[0] if name in ("reward_fn", "env") else path
             inputs += [(name, path)] if path else []
-    given = [*inputs, ("output_dir", args.output_dir), ("use_tensorboard", args.use_tensorboard)]
-    for name, path in ((name, path) for name, path in given if path):
+    for name, path in [*inputs, ("output_dir", args.output_dir)]:
         full = os.fsencode(os.path.abspath(path))
         longest, shown = max(full.split(os.fsencode(os.sep)), key=len), f"--{name} {path[:50]!r}..."
         check(len(longest) <= 255, f"{shown}: it holds a name of {len(longest)} bytes, over the filesystem's "

@@ -6,8 +6,14 @@ import ast
 import dataclasses
 import inspect
 import re
+import sys
 import textwrap
 import typing
+
+# flags the scripts no longer have -> what replaced them (said in one line when one is given)
+REPLACED = {"--use_wandb": "--report_to wandb", "--use_tensorboard": "--report_to tensorboard",
+            "--plot_every": "--log_samples_steps",
+            "--save_on_sigterm": "no flag: SIGTERM always writes a checkpoint"}
 
 
 def _field_docs(cls):
@@ -36,7 +42,7 @@ def _bool(text):
 
 def parse_args(cls, argv=None):
     """Parse argv into an instance of the dataclass `cls`: `--name value`, bools as `--name [true|false]`,
-    Tuple[float, float] as `--name A B`."""
+    Tuple[float, float] as `--name A B`, Literal["a", "b"] as a choice of a or b."""
     parser = argparse.ArgumentParser(description=inspect.getdoc(inspect.getmodule(cls)),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     docs, hints, groups = _field_docs(cls), typing.get_type_hints(cls), {}
@@ -53,6 +59,11 @@ def parse_args(cls, argv=None):
         elif typing.get_origin(kind) is tuple:  # Tuple[float, float]: --name A B; Tuple[float, ...]: A ...
             items = typing.get_args(kind)
             kind, extra = items[0], {"nargs": "+" if items[-1] is Ellipsis else len(items)}
+        if typing.get_origin(kind) is typing.Literal:
+            kind, extra = str, {**extra, "choices": typing.get_args(kind)}
         group.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{doc} (default: {f.default})",
                            **extra)
+    for old in (a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)):
+        if old in REPLACED:
+            parser.error(f"{old} was replaced by {REPLACED[old]}")
     return cls(**vars(parser.parse_args(argv)))

@@ -161,7 +161,7 @@ class MetricsLog:
     the accelerate trackers, wandb and TensorBoard), samples.jsonl; and the console line."""
 
     def __init__(self, output_dir, config=None, accelerator=None, trackers=False, keep_until=None,
-                 samples_every=0, plot_every=0, max_len=None):
+                 samples_every=0, max_len=None):
         """Starts the record where that is safe (rft_core/runs/run_dir.py): the main process takes
         output_dir's lock; a new run (keep_until None) over a previous run's steps is refused unless
         config["no_resume"], which moves that run into previous-N/ first. A resumed run (keep_until: its
@@ -169,12 +169,12 @@ class MetricsLog:
         "resumed", what changed at each resume. With trackers, the accelerator's start first (project:
         $WANDB_PROJECT, else rft), with the config's scalars and strings (TensorBoard's hparams refuse
         anything else). Credentials are hidden (run_dir.redact); config.json is the user's alone (mode
-        0600). samples_every, plot_every, max_len: samples_and_plots below. Only the main process writes."""
+        0600). samples_every, max_len: samples_and_plots below. Only the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
         self.said = set()  # the notices given (each once): "idle", "cut"
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.samples_every, self.plot_every, self.max_len = samples_every, plot_every, max_len
+        self.samples_every, self.max_len = samples_every, max_len
         config = run_dir.redact(config)  # (a token in --remote_rm_url)
         run_dir.on_main(accelerator, lambda: run_dir.take_lock(output_dir, tqdm.write))
         try:
@@ -187,7 +187,7 @@ class MetricsLog:
                 except Exception as e:  # wandb without a login, offline...: one line
                     raise ConfigError(f"the trackers could not start ({type(e).__name__}: {str(e)[:200]}): "
                                       "for wandb run `wandb login` or set WANDB_MODE=offline; or drop "
-                                      "--use_wandb / --use_tensorboard") from e
+                                      "--report_to") from e
                 run_dir.redact_output()
             run_dir.on_main(accelerator, lambda: self._start(output_dir, config, keep_until))
         except BaseException:
@@ -257,8 +257,8 @@ class MetricsLog:
 
     def samples_and_plots(self, step, samples, tokenizer, lengths, last=False):
         """Every samples_every steps, the first 4 samples to samples.jsonl (a multi-turn episode whole: its
-        turns, how it ended), two of them printed, and a wandb table if wandb is on; every plot_every steps
-        and at the last, the plots (lengths: this step's response lengths)."""
+        turns, how it ended), two of them printed, a wandb table if wandb is on, and the plots (also at the
+        last step; lengths: this step's response lengths)."""
         if self.enabled and self.samples_every and step % self.samples_every == 0 and samples:
             rows = []
             for s in samples[:4]:
@@ -277,12 +277,12 @@ class MetricsLog:
                 self.accelerator.get_tracker("wandb").log_table("samples", columns=["step", *rows[0]],
                                                                 data=[[step, *x.values()] for x in rows],
                                                                 step=step)
-        if self.plot_every and (step % self.plot_every == 0 or last):
+        if self.samples_every and (step % self.samples_every == 0 or last):
             self.plots(lengths)
 
     def plots(self, lengths):
-        """curves.png and gen_len.png (with plot_every; lengths: the latest rollout's response lengths)."""
-        if self.enabled and self.plot_every:
+        """curves.png and gen_len.png (with samples_every; lengths: the latest rollout's response lengths)."""
+        if self.enabled and self.samples_every:
             write_plots(os.path.dirname(self.path), lengths, self.max_len)
 
     @staticmethod

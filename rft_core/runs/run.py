@@ -54,9 +54,10 @@ class StopNow(KeyboardInterrupt):
 
 class StopSignals:
     """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption). With at_once (as main starts) they stop the
-    start-up at once; then (before the loop) they stop the loop after the current step and its checkpoint,
-    if one is due; a second SIGINT stops at once. Every rank calls `requested` at the same point, so that
-    they stop together. SIGUSR1 prints every thread's stack (where a stuck run waits). args: the flags."""
+    start-up at once; then (before the loop) they stop the loop after the current step and its checkpoint (if
+    one is due; after SIGTERM, always); a second SIGINT stops at once. Every rank calls `requested` at the
+    same point, so that they stop together. SIGUSR1 prints every thread's stack (where a stuck run waits).
+    args: the flags."""
 
     def __init__(self, args, at_once=False):
         self.args, self.at_once = args, at_once
@@ -83,10 +84,8 @@ class StopSignals:
 
 def stop_error(signal_name, step, args):
     """The Stopped error that ends a run on signal_name ("SIGINT" / "SIGTERM") after `step`, naming the
-    newest intact checkpoint in --output_dir (if there is one)."""
+    newest intact checkpoint in --output_dir (if there is one; SIGTERM wrote one of that step first)."""
     where = _resumes_from(args, step)
-    if signal_name == "SIGTERM" and "no checkpoint" in where and not args.save_on_sigterm:
-        where += " (--save_on_sigterm saves one on SIGTERM)"
     return Stopped(f"{signal_name} after step {step}: {where}", 130 if signal_name == "SIGINT" else 143)
 
 
