@@ -672,7 +672,8 @@ def test_damaged_checkpoints_are_named_and_skipped(tiny_model_dir, tmp_path):
 
 
 def test_no_intact_checkpoint_is_an_error_naming_the_fix(tmp_path):
-    from rft_core.runs.checkpoint import latest_checkpoint, manifest, verify_checkpoint
+    from rft_core.runs.checkpoint import latest_checkpoint, manifest
+    from rft_core.runs.integrity import verify_checkpoint
 
     ckpt = tmp_path / "checkpoint-5"
     ckpt.mkdir()
@@ -703,7 +704,7 @@ def test_signals_stop_at_a_step_boundary_in_one_line(tiny_model_dir, tmp_path, s
     """SIGINT / SIGTERM during step 2: the step finishes, one line says what is intact, the exit status says
     which signal; a checkpoint of that step is written first (SIGTERM: always). SIGUSR1 before it only
     prints the stacks (where a stuck run waits)."""
-    from rft_core.runs.checkpoint import verify_checkpoint
+    from rft_core.runs.integrity import verify_checkpoint
 
     (tmp_path / "rw.py").write_text(SLOW)
     out = tmp_path / "out"

@@ -29,19 +29,8 @@ import torch
 from rft_core.data import KINDS
 from rft_core.errors import CheckpointError
 from rft_core.models import content_digest
-from rft_core.runs.integrity import (
-    MANIFEST,
-    check_rng_restored,
-    is_full,
-    load_plain,
-    manifest,
-    mark_written,
-    nbytes,
-    replace_dir,
-    size_text,
-    verify_checkpoint,
-    write_whole,
-)
+from rft_core.runs import integrity
+from rft_core.runs.integrity import MANIFEST, is_full, manifest, nbytes, size_text, write_whole
 from rft_core.runs.run_dir import check_free, finished_step, on_main
 
 LATEST = "latest"
@@ -214,7 +203,7 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
     if accelerator.is_main_process:
         try:
             write_whole(os.path.join(tmp, MANIFEST), json.dumps(manifest(tmp), indent=1))
-            replace_dir(tmp, final)  # (over an older save of the same step)
+            integrity.replace_dir(tmp, final)  # (over an older save of the same step)
             write_whole(os.path.join(output_dir, LATEST), os.path.basename(final))
         except OSError as e:
             error = e
@@ -227,7 +216,7 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
             shutil.rmtree(old)
     if _on_any_rank(accelerator, error is not None):
         raise _save_failed(accelerator, output_dir, step, tmp, error, nbytes(tensors))
-    mark_written(final)  # on every rank: naming it later (a stop, a divergence) hashes nothing
+    integrity.mark_written(final)  # on every rank: naming it later (a stop, a divergence) hashes nothing
     return final
 
 
@@ -282,11 +271,11 @@ def latest_checkpoint(output_dir, log=None, identity=None):
     does, saying why (log); without `latest`, the newest that verifies, said too. None if there is none; an
     error naming the fix if none is intact, or (identity: run_identity's) if it was written with others."""
     path, named, checkpoints = os.path.join(output_dir, LATEST), None, list_checkpoints(output_dir)
+    log = log or (lambda message: None)
     with contextlib.suppress(FileNotFoundError), open(path) as f:
         named = f.read().strip()
     if named is not None and not re.fullmatch(r"checkpoint-\d+", named):
-        if log:
-            log(f"[resume] {path} names {named[:40]!r}, not a checkpoint: looking for the newest intact one")
+        log(f"[resume] {path} names {named[:40]!r}, not a checkpoint: looking for the newest intact one")
         named = None
     named = named and os.path.join(output_dir, named)
     if named is None and not checkpoints:
@@ -294,16 +283,15 @@ def latest_checkpoint(output_dir, log=None, identity=None):
     newest = checkpoint_step(named) if named else checkpoint_step(checkpoints[-1]) + 1
     older = [c for c in reversed(checkpoints) if checkpoint_step(c) < newest]
     for ckpt in ([named] if named else []) + older:
-        problem = verify_checkpoint(ckpt)
+        problem = integrity.verify_checkpoint(ckpt)
         if problem is None:
             if identity is not None:
                 check_identity(ckpt, identity)
-            if named is None and log:
+            if named is None:
                 log(f"[resume] {output_dir} has no `latest`: {os.path.basename(ckpt)} is its newest intact "
                     "checkpoint (by the manifests)")
             return ckpt
-        if log:
-            log(f"[resume] {os.path.basename(ckpt)} is damaged ({problem}): skipping it")
+        log(f"[resume] {os.path.basename(ckpt)} is damaged ({problem}): skipping it")
     first = os.path.basename(named or checkpoints[-1])
     raise CheckpointError(f"{output_dir} holds no intact checkpoint ({first} and older ones are damaged or "
                           "missing): pass --no_resume to start afresh there, or use another --output_dir")
@@ -317,9 +305,9 @@ def load_checkpoint(accelerator, ckpt):
     except Exception as e:  # a checkpoint from before manifests can still be damaged
         raise CheckpointError(f"{ckpt} could not be loaded ({type(e).__name__}: {str(e)[:200]}): pass "
                               "--no_resume to start afresh, or delete it to resume from an older one") from e
-    check_rng_restored(ckpt, accelerator)
+    integrity.check_rng_restored(ckpt, accelerator)
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         state = json.load(f)
     path = os.path.join(ckpt, "tensors.pt")
-    tensors = load_plain(path, map_location=accelerator.device) if os.path.exists(path) else None
+    tensors = integrity.load_plain(path, map_location=accelerator.device) if os.path.exists(path) else None
     return state, tensors
