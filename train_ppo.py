@@ -502,7 +502,7 @@ def main():
         samples, rollout_stats = rollouts.collect(engine, tokenizer, score_all, reduce_sum, step)
         samples = sp.gather_samples(samples, accelerator) if sp else samples  # the group's, on each rank
         perf.phase("sleep")
-        slept = engine.sleep(needed_bytes=perf.extra_bytes("update"))  # auto: if training needs the memory
+        slept = engine.sleep(needed_bytes=perf.extra.get("update"))  # auto: if training needs the memory
 
         # ---- experience: the padded batch, its rewards shaped ----
         perf.phase("experience")

@@ -28,7 +28,9 @@ class StepTimer:
 
         self.process_start = psutil.Process().create_time()
         self.cuda = torch.cuda.is_available()
-        self.extra = {}  # phase -> bytes its peak rose above what was allocated when it started (last run)
+        # phase -> bytes its last run's peak rose above what was allocated at its start: what its next run
+        # needs free (absent: not run yet, or no CUDA)
+        self.extra = {}
         self._reset()
 
     def _reset(self):
@@ -48,11 +50,6 @@ class StepTimer:
         if self.cuda and name is not None:
             self.allocated = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-
-    def extra_bytes(self, name):
-        """How far the phase's last run rose above the memory allocated when it started (None: not run yet, or
-        no CUDA): what the next run of it will need free."""
-        return self.extra.get(name)
 
     def metrics(self):
         self.phase(None)
