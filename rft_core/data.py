@@ -217,16 +217,43 @@ def encode_rows(tokenizer, rows, max_len, apply_chat_template=True, system_promp
     return kept, len(samples) - len(kept)
 
 
-def prompt_text(tokenizer, prompt, apply_chat_template=True, system_prompt=None):
+TOOLS_TEXT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
+XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""  # Qwen2.5's (Hermes-style) words, for a template that does not render tools
+
+
+def prompt_text(tokenizer, prompt, apply_chat_template=True, system_prompt=None, tools=None):
     """The text the model reads for a prompt given as a string (as is, without the chat template) or a list of
-    chat messages (through the tokenizer's chat template, with the generation prompt)."""
+    chat messages (through the tokenizer's chat template, with the generation prompt). tools: JSON schemas,
+    rendered by the template where it takes them (it writes them), else as TOOLS_TEXT in a system message."""
+    tools_text = TOOLS_TEXT.format("\n".join(json.dumps(t) for t in tools)) if tools else None
     if isinstance(prompt, str):
         if not apply_chat_template:
-            return prompt
+            return f"{tools_text}\n\n{prompt}" if tools else prompt
         prompt = [{"role": "user", "content": prompt}]
     if system_prompt and prompt[0]["role"] != "system":
         prompt = [{"role": "system", "content": system_prompt}] + list(prompt)
-    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+    def render(messages, **tools):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
+
+    text = render(prompt)
+    if tools and (with_tools := render(prompt, tools=tools)) != text:
+        return with_tools  # the template writes them
+    if tools and prompt[0]["role"] == "system":  # the schemas join the system message
+        return render([{"role": "system", "content": f"{prompt[0]['content']}\n\n{tools_text}"}, *prompt[1:]])
+    return render([{"role": "system", "content": tools_text}, *prompt]) if tools else text
 
 
 def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):

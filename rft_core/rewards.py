@@ -3,13 +3,16 @@ function has the signature
 
     fn(prompts, completions, labels, **kwargs) -> list[float] | dict[str, list[float]]
 
-and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>).
+and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>). With
+--env it may also take `turns` (each episode's turns, {"role", "content"}) and `info` (the environment's last
+info dict), lists like completions: passed where its signature names them (or takes **kwargs).
 Built in: `answer_reward`, `math_reward` and the shapes task's `first_word_reward`; yours (--reward_fn,
 --remote_rm_url, reward models) come from rft_core/reward_sources.py. `score` contains failures (a sample
 whose reward fails gets the fallback and is counted); `RewardScorer` sums a run's sources. Shaping: DAPO's
 `overlong_penalty` (running normalisation: advantages.py).
 """
 
+import inspect
 import math
 import re
 import threading
@@ -84,12 +87,26 @@ BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward, "first_word": f
 
 
 def file_reward(spec):
-    """The function 'path/to/file.py:NAME' names (--reward_fn), loaded in a worker process."""
+    """The function 'path/to/file.py:NAME' names (--reward_fn), loaded in a worker process; called there with
+    the episode's arguments ({"turns", "info"} or {}), given those its signature takes."""
     fn = load_from_file(spec, "--reward_fn", "function", sorted(BUILTIN_REWARDS), "a reward file")
     if not callable(fn):
         raise MissingName(f"--reward_fn {spec!r}: {spec.rpartition(':')[0]} defines no function "
                           f"{spec.rpartition(':')[2]!r}")
-    return fn
+    return lambda prompts, completions, labels, episode: fn(prompts, completions, labels,
+                                                            **taken(fn, episode))
+
+
+def taken(fn, kwargs):
+    """Those of kwargs that fn's signature takes: by name, or all with **kwargs (none if it has none)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if any(p.name == k and p.kind is not p.POSITIONAL_ONLY
+                                                   for p in params)}
 
 
 def overlong_penalty(length, max_len, buffer_len, factor=1.0):
@@ -116,12 +133,13 @@ def describe(fn, error=None):
     return f"{name} in {path}" + (f" line {line}" if line else "") if path else name
 
 
-def _rows(reward_fn, prompts, completions, labels):
+def _rows(reward_fn, prompts, completions, labels, episode):
     """One {component: value} dict per sample; raises if the call fails or returns something malformed. The
     reward gets copies of the lists: one that pops from them cannot change the samples, nor the count."""
     n = len(completions)
     try:
-        out = reward_fn(list(prompts), list(completions), list(labels))
+        episode = {k: list(v) for k, v in taken(reward_fn, episode).items()}
+        out = reward_fn(list(prompts), list(completions), list(labels), **episode)
     except UserCodeError as e:
         if not e.interrupt:
             raise
@@ -141,10 +159,12 @@ def _why(e):  # a RewardError's message reads as it is; any other exception as i
     return str(e) if isinstance(e, RewardError) else repr(e)
 
 
-def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
+def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, episode=None):
     """Rewards (a list), components {name: list}, and the failures [(sample index, why)] that got `fallback`
     (non-finite too; strict=True raises on the first). A failed batch call is retried sample by sample,
-    unless it timed out, ended its worker or found the reward server down: then every sample fails."""
+    unless it timed out, ended its worker or found the reward server down: then every sample fails.
+    episode: {"turns": [...], "info": [...]} per sample (--env), for a reward_fn that takes them."""
+    episode = episode or {}
     failures = []
 
     def fail(i, why):
@@ -154,7 +174,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
         failures.append((i, why))  # its row: None
 
     try:
-        rows = _rows(reward_fn, prompts, completions, labels)
+        rows = _rows(reward_fn, prompts, completions, labels, episode)
     except (TimeoutError, WorkerLost, ServiceDown) as e:
         rows = [fail(i, _why(e)) for i in range(len(completions))]
     except Exception as batch_error:  # find the culprit(s): score one by one
@@ -164,7 +184,8 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False):
                 rows.append(fail(i, _why(batch_error)))
                 continue
             try:
-                rows += _rows(reward_fn, prompts[i:i + 1], completions[i:i + 1], labels[i:i + 1])
+                rows += _rows(reward_fn, prompts[i:i + 1], completions[i:i + 1], labels[i:i + 1],
+                              {k: v[i:i + 1] for k, v in episode.items()})
             except Exception as e:
                 rows.append(fail(i, _why(e)))
                 alike += i == alike and isinstance(e, ServerError) and str(e) == str(batch_error)
@@ -192,9 +213,13 @@ class RewardScorer:
     def __call__(self, samples, strict=False):
         prompts, labels = [s.prompt for s in samples], [s.label for s in samples]
         completions = [s.completion for s in samples]
+        episodes = [s.episode for s in samples if s.episode is not None]  # --env's: turns, info
+        episode = {"turns": [e.turns for e in episodes], "info": [e.info for e in episodes]}
+        episode = episode if len(episodes) == len(samples) else {}
         total, components, failed = [0.0] * len(samples), [{} for _ in samples], set()
         for (name, reward_fn), weight in zip(self.sources, self.weights):
-            rewards, comps, failures = score(reward_fn, prompts, completions, labels, self.fallback, strict)
+            rewards, comps, failures = score(reward_fn, prompts, completions, labels, self.fallback, strict,
+                                             episode)
             total = [t + weight * r for t, r in zip(total, rewards)]
             named = comps if name == "rule" else {name: rewards}
             for i, sample_components in enumerate(components):

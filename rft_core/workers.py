@@ -10,11 +10,19 @@ A worker (`python -m rft_core.workers FD`: no torch, ~0.15 s to start) has a ses
 pickles over a socket. Before each call it seeds random (numpy, torch where imported) from (seed, rank, call
 number): the same numbers whichever worker runs a call. Every group is killed when the pool is dropped or
 the trainer exits, by any path; a worker whose trainer was killed kills its own within a second.
+
+A call that returns an awaitable (an `async def` reset, step or reward) is awaited on its worker's event
+loop, cancelled there at its timeout; `concurrency` calls of an async method run at once over the pool
+(ceil(concurrency / size) in each worker), a sync one's one per worker. An async call sees its seeded
+random until its first await; after that the calls running beside it share the stream (seed a
+random.Random of your own for numbers that do not depend on timing).
 """
 
+import asyncio
 import collections
 import contextlib
 import importlib.util
+import inspect
 import os
 import pickle
 import random
@@ -34,6 +42,7 @@ from rft_core.errors import ConfigError, MissingPath, UserError
 LEAK_BYTES = 1 << 30  # a worker whose resident memory grew this much since it started is replaced
 BUSY_SHARE, BUSY_MIN_S = 0.5, 1.0  # ... and one that used this share of a CPU while idle (at least this long)
 START_S = 120.0  # seconds a worker may take to load the user's file, at least (heavy imports take a while)
+GRACE_S = 2.0  # an async call not cancelled this long past its timeout (its event loop blocked): killed
 
 
 class UserCodeError(Exception):
@@ -61,12 +70,15 @@ class _Worker:
 
 class Workers:
     """`size` workers, each with its own targets {name: (loader, spec)}: loader(spec), where loader is a
-    module-level function of a module without torch. A failed load raises here; `timeout`: s per call."""
+    module-level function of a module without torch. A failed load raises here; `timeout`: s per call;
+    concurrency: calls in flight at once at most (0: size); `concurrent`: {target: its async methods}."""
 
-    def __init__(self, targets, size=1, timeout=60.0, seed=0, rank=0, log=print):
+    def __init__(self, targets, size=1, timeout=60.0, seed=0, rank=0, log=print, concurrency=0):
         self.targets, self.timeout, self.seed, self.rank, self.log = targets, timeout, seed, rank, log
         self.procs = [None] * size  # a _Worker, or None: stopped (started again at its next call)
         self.calls, self.restarts = 0, collections.Counter()
+        self.cap = concurrency or size
+        self.retiring, self.concurrent = {}, {}  # retiring: {worker: (kind, why)}, stopped once idle
         self.close = weakref.finalize(self, _stop_all, self.procs, os.getpid())  # also at exit
         try:
             for i in range(size):
@@ -100,7 +112,7 @@ class Workers:
             raise ConfigError(f"{named}: loading it ended its worker process ({status})") from None
         if reply[0] == "error":
             raise reply[1]
-        worker.rss = reply[1]
+        worker.rss, self.concurrent = reply[1:]
 
     def call(self, name, method, args, timeout=None):
         """Target `name`'s `method` (None: itself) on args in a worker: its result; map's error raised."""
@@ -110,24 +122,29 @@ class Workers:
         return value
 
     def map(self, name, method, calls, timeout=None):
-        """Each call (a tuple of arguments) run in a worker, one at a time in each. Returns per call (True,
-        result) or (False, error): a UserCodeError (what the code raised), TimeoutError (stopped),
-        WorkerLost or pickle.PicklingError (its arguments or result could not cross between processes)."""
+        """Each call (a tuple of arguments) run in a worker. Returns per call (True, result) or (False,
+        error): a UserCodeError (what the code raised), TimeoutError (stopped), WorkerLost or
+        pickle.PicklingError (its arguments or result could not cross between processes)."""
         timeout = self.timeout if timeout is None else timeout
-        results, todo, running = [None] * len(calls), list(range(len(calls))), {}  # worker: (call, deadline)
+        awaited = method in self.concurrent.get(name, ())  # cancelled in its worker; GRACE_S later, killed
+        each = -(-self.cap // len(self.procs)) if awaited else 1  # calls in a worker at once
+        results, todo = [None] * len(calls), collections.deque(range(len(calls)))
+        running = {}  # call number: (its index in calls, worker, deadline)
         try:
             while todo or running:
-                for i in range(len(self.procs)):  # each idle worker takes the next call
-                    if todo and i not in running:
-                        k = todo.pop(0)
-                        if error := self._send(i, (name, method, calls[k])):
+                for i in [i for i in range(len(self.procs)) if i not in self.retiring]:
+                    load = sum(w == i for _, w, _ in running.values())
+                    for _ in range(min(each - load, self.cap - len(running), len(todo))):
+                        k = todo.popleft()  # worker i takes the next call
+                        if error := self._send(i, (name, method, calls[k], timeout)):
                             results[k] = (False, error)
-                        else:
-                            running[i] = (k, time.monotonic() + timeout)
+                            self._drop(i, running, results, error)
+                            break
+                        running[self.calls] = (k, i, time.monotonic() + timeout + GRACE_S * awaited)
                 if running:
                     self._collect(running, results, timeout)
         except BaseException:  # a real Ctrl-C while waiting: the calls under way are stopped
-            for i in running:
+            for i in {w for _, w, _ in running.values()}:
                 self._stop(i)
             raise
         return results
@@ -150,38 +167,59 @@ class Workers:
             return pickle.PicklingError(f"its arguments do not pickle (they go to a worker process): {e!r}")
 
     def _collect(self, running, results, timeout):
-        """Wait until a running call ends or reaches its deadline; take in every result there is."""
-        ends = min(deadline for _, deadline in running.values())
-        ready = wait([self.procs[i].conn for i in running], max(0.0, ends - time.monotonic()))
-        now = time.monotonic()
-        for i, (k, deadline) in list(running.items()):
+        """Wait until a running call ends or reaches its deadline; take in a result from each worker that has
+        one; stop the workers past a deadline (with their calls) and those retiring once idle."""
+        ends = min(deadline for _, _, deadline in running.values())
+        busy = {i for _, i, _ in running.values()}
+        ready = wait([self.procs[i].conn for i in busy], max(0.0, ends - time.monotonic()))
+        for i in busy:
             if self.procs[i].conn in ready:
-                del running[i]
-                results[k] = self._receive(i)
-            elif now >= deadline:
-                del running[i]
+                self._receive(i, running, results)
+        for _, i, deadline in list(running.values()):
+            if time.monotonic() >= deadline and self.procs[i] is not None:
                 self._stop(i, "timeout", f"a call ran past --call_timeout {timeout} s")
-                stopped = f"no result within --call_timeout {timeout} s: the call was stopped (its worker "
-                results[k] = (False, TimeoutError(stopped + "process killed, a new one started)"))
+                self._drop(i, running, results, TimeoutError(
+                    f"no result within --call_timeout {timeout} s: the call was stopped (its worker process "
+                    "killed, a new one started)"))
+        for i, (kind, why) in list(self.retiring.items()):
+            if all(w != i for _, w, _ in running.values()):
+                self._stop(i, kind, why)
 
-    def _receive(self, i):
-        """A call's outcome, as map gives it; a worker that grew LEAK_BYTES or burnt CPU idle is replaced."""
+    def _receive(self, i, running, results):
+        """Take in a call's outcome, as map gives it; a worker that grew LEAK_BYTES or burnt CPU idle retires
+        (replaced once its calls have ended)."""
         worker = self.procs[i]
         try:
-            *reply, (cpu, idle, rss) = worker.conn.recv()  # CPU and wall s between calls, resident bytes
+            number, (cpu, idle, rss), reply = worker.conn.recv()  # CPU and wall s idle, resident bytes
         except EOFError:
-            return False, self._lost(i)
+            return self._drop(i, running, results, self._lost(i))
+        k, _, _ = running.pop(number)
+        try:
+            reply = pickle.loads(reply)
         except Exception as e:  # a result of a class only the user's file defines
-            return False, pickle.PicklingError(f"its result cannot be read outside its worker: {e!r}; return "
-                                               "built-in types (numbers, strings, lists, dicts)")
+            reply = ("unread", pickle.PicklingError(f"its result cannot be read outside its worker: {e!r}; "
+                                                    "return built-in types (numbers, strings, lists, dicts)"))
         if rss > worker.rss + LEAK_BYTES:
-            self._stop(i, "memory", f"a worker's memory grew to {rss / 2**30:.2f} GiB, by "
-                                    f"{(rss - worker.rss) / 2**30:.2f} GiB since it started (a leak in "
-                                    f"{self._named()}?)")
+            self.retiring[i] = ("memory", f"a worker's memory grew to {rss / 2**30:.2f} GiB, by "
+                                          f"{(rss - worker.rss) / 2**30:.2f} GiB since it started (a leak in "
+                                          f"{self._named()}?)")
         elif cpu > max(BUSY_MIN_S, BUSY_SHARE * idle):
-            self._stop(i, "busy", f"a worker used {cpu:.1f} s of CPU in {idle:.1f} s between calls (a thread "
-                                  f"of {self._named()} left running?)")
-        return (True, reply[1]) if reply[0] == "ok" else (False, UserCodeError(*reply[1:]))
+            self.retiring[i] = ("busy", f"a worker used {cpu:.1f} s of CPU in {idle:.1f} s between calls (a "
+                                        f"thread of {self._named()} left running?)")
+        kind, value = reply[0], reply[1]
+        if kind == "raised":
+            value = UserCodeError(*reply[1:])
+        elif kind == "timeout":
+            value = TimeoutError(f"no result within --call_timeout {value} s: the call was cancelled in its "
+                                 "worker")
+        results[k] = (kind == "ok", value)
+
+    def _drop(self, i, running, results, error):
+        """Fail the calls running in worker i (stopped, or ended) with error."""
+        for number, (k, w, _) in list(running.items()):
+            if w == i:
+                del running[number]
+                results[k] = (False, error)
 
     def _lost(self, i):
         status = _status(self.procs[i].proc)
@@ -192,6 +230,7 @@ class Workers:
     def _stop(self, i, kind=None, why=None):
         """Kill worker i and what it started (restarted at its next call); count a `kind`, say `why` once."""
         _kill(self.procs, i)
+        self.retiring.pop(i, None)
         if kind:
             self.restarts[kind] += 1
             if self.restarts[kind] == 1:
@@ -239,6 +278,12 @@ def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
     if not path or not name:
         raise ConfigError(f"{flag} {spec!r}: expected path/to/file.py:{kind}"
                           + (f" or one of {builtins}" if builtins else ""))
+    return getattr(load_module(path, spec, flag, owner), name, None)
+
+
+def load_module(path, spec, flag, owner="a file"):
+    """The file at `path` imported as a module of its own with sys.argv [path]; what it raises is one line
+    (naming `flag` and `spec`)."""
     if not os.path.isfile(path):
         raise MissingPath(f"{flag} {spec!r}: no such file {path!r}")
     module_spec = importlib.util.spec_from_file_location(f"user_module_{abs(hash(path))}", path)
@@ -253,7 +298,7 @@ def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
             what = f"{e!r}: {owner} cannot end or interrupt the run (imported with sys.argv [{path!r}])"
         raise ConfigError(f"{flag} {spec!r}: loading {path} failed{f' (line {line})' if line else ''}: "
                           f"{what}") from None
-    return getattr(module, name, None)
+    return module
 
 
 def _seed(*key):
@@ -283,38 +328,87 @@ def _watch(parent):
 
 
 def serve(fd):
-    """A worker's life: build the targets the first message names (reply ("ready", rss) or ("error", the
-    UserError)), then answer calls (name, method, args, number) until the trainer closes the socket."""
+    """A worker's life: build the targets the first message names (reply ("ready", rss, {target: its
+    async_methods, those it awaits}) or ("error", the UserError)), then answer calls (_Calls) until the
+    trainer closes the socket."""
     conn = Connection(fd)
     targets, seed, rank = conn.recv()
     threading.Thread(target=_watch, args=(os.getppid(),), daemon=True).start()
     _seed(seed, rank)
-    paths = {name: os.path.abspath(spec.rpartition(":")[0]) for name, (_, spec) in targets.items()}
     try:
         built = {name: loader(spec) for name, (loader, spec) in targets.items()}
     except UserError as e:
         return conn.send(("error", e))
-    cpu, wall = time.process_time(), time.monotonic()
-    conn.send(("ready", _rss()))
-    while True:
+    concurrent = {name: getattr(target, "async_methods", []) for name, target in built.items()}
+    conn.send(("ready", _rss(), concurrent))
+    _Calls(conn, built, targets, seed, rank).serve()
+
+
+class _Calls:
+    """Answers each call (name, method, args, timeout, number) with (number, usage, its pickled outcome).
+    usage: CPU and wall s spent with no call to run before it came, and resident bytes. A call that returns
+    an awaitable becomes a task on the worker's event loop (answered when it ends; cancelled at its timeout),
+    which runs while the worker waits for the next call; other calls run outside it (asyncio.run works)."""
+
+    def __init__(self, conn, built, targets, seed, rank):
+        self.conn, self.built, self.seed, self.rank = conn, built, seed, rank
+        files = {name: spec.removeprefix("tools:") for name, (_, spec) in targets.items()}  # or FILE:NAME
+        self.paths = {name: os.path.abspath(file.rpartition(":")[0] or file) for name, file in files.items()}
+        self.loop, self.running = asyncio.new_event_loop(), set()
+        self.idle = time.process_time(), time.monotonic()  # since when no call has run
+
+    def serve(self):
+        while True:
+            if self.running:
+                self.loop.run_until_complete(self._readable())
+            try:
+                name, method, args, timeout, number = self.conn.recv()
+            except EOFError:
+                return
+            usage = (0.0, 0.0) if self.running else (time.process_time() - self.idle[0],
+                                                     time.monotonic() - self.idle[1])
+            _seed(self.seed, self.rank, number)
+            try:
+                value = (self.built[name] if method is None else getattr(self.built[name], method))(*args)
+                outcome = ("ok", value)
+            except BaseException as e:  # the user's, whatever it is (sys.exit too): that call's failure
+                outcome = self._raised(e, name)
+            if outcome[0] == "ok" and inspect.isawaitable(value):
+                self.running.add(self.loop.create_task(self._awaited(value, name, number, timeout, usage)))
+            else:
+                self._answer(number, usage, outcome)
+
+    def _answer(self, number, usage, outcome):
         try:
-            name, method, args, number = conn.recv()
-        except EOFError:
-            return
-        idle = (time.process_time() - cpu, time.monotonic() - wall)  # between calls (a thread left running?)
-        _seed(seed, rank, number)
-        try:
-            reply = ("ok", (built[name] if method is None else getattr(built[name], method))(*args))
-        except BaseException as e:  # the user's, whatever it is (sys.exit too): that call's failure
-            line = line_in(e, paths[name])
-            reply = ("raised", repr(e), type(e).__name__, line, not isinstance(e, Exception))
-        usage = (*idle, _rss())
-        try:
-            conn.send((*reply, usage))
+            outcome = pickle.dumps(outcome)
         except Exception as e:  # what the trainer reads as PicklingError('its result does not pickle...')
             error = pickle.PicklingError(f"its result does not pickle (it comes back from a worker): {e!r}")
-            conn.send(("raised", repr(error), "PicklingError", None, False, usage))
-        cpu, wall = time.process_time(), time.monotonic()
+            outcome = pickle.dumps(("raised", repr(error), "PicklingError", None, False))
+        self.conn.send((number, (*usage, _rss()), outcome))
+        if not self.running:
+            self.idle = time.process_time(), time.monotonic()
+
+    def _raised(self, e, name):
+        return "raised", repr(e), type(e).__name__, line_in(e, self.paths[name]), not isinstance(e, Exception)
+
+    async def _awaited(self, value, name, number, timeout, usage):
+        _seed(self.seed, self.rank, number)  # again: the call's code starts now
+        limit = asyncio.timeout(timeout)
+        try:
+            async with limit:
+                outcome = ("ok", await value)
+        except BaseException as e:  # the user's, whatever it is (sys.exit too): that call's failure
+            outcome = ("timeout", timeout) if limit.expired() else self._raised(e, name)
+        self.running.discard(asyncio.current_task())
+        self._answer(number, usage, outcome)
+
+    async def _readable(self):  # the tasks run until the next call comes
+        ready, fd = self.loop.create_future(), self.conn.fileno()
+        self.loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self.loop.remove_reader(fd)
 
 
 if __name__ == "__main__":

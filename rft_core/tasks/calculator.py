@@ -3,11 +3,14 @@ calculator environment that answers `<calc>expression</calc>`.
 
     python train_ppo.py --prompt_data multiply                    # the model alone
     python train_ppo.py --prompt_data multiply --env calculator   # the model with the calculator
+    python train_ppo.py --prompt_data multiply --env calculator_react --stop "</calc>"   # ReAct, inline
 
 The data's prompts ask for the answer directly (two worked examples); the calculator's `reset` replaces
 them with the tool's instructions and two worked examples of a call, its result and the answer. Its `step`
 answers a turn that holds a call with the result (a "tool" message) and ends the episode on a turn that
-holds none: the reward (`answer`, exact match in <answer> tags) scores that last turn.
+holds none: the reward (`answer`, exact match in <answer> tags) scores that last turn. ReactCalculator
+does the same in the ReAct style most agent prompts use: call, result and answer inline in one assistant
+message, the turn stopped at `</calc>` and the result appended to it as text.
 """
 
 import ast
@@ -19,6 +22,8 @@ from rft_core.tasks.arithmetic import few_shot_row
 
 CALCULATOR_SYSTEM = ("You have a calculator. To use it, write <calc>expression</calc> and stop; the result "
                      "comes back. Then give the final answer in <answer></answer> tags.")
+REACT_SYSTEM = ("You have a calculator. To use it, write <calc>expression</calc>; its result follows it. "
+                "Then give the final answer in <answer></answer> tags.")
 SHOTS = ((123, 45), (208, 37))
 DIRECT_SHOTS = tuple((f"{x} * {y}", x * y) for x, y in SHOTS)  # the data's worked examples
 QUESTION = re.compile(r"What is (\d+) \* (\d+)\?")
@@ -64,32 +69,57 @@ def calculate(expression):
     return int(result) if float(result).is_integer() else round(result, 6)
 
 
+def opening(sample, system, shot):
+    """A tool-use opening for a multiply_task prompt: the system text, then for each of SHOTS its question
+    and shot(x, y) (the worked example's messages), then the sample's question."""
+    prompt = sample["prompt"]
+    question = QUESTION.search(prompt[-1]["content"] if isinstance(prompt, list) else prompt)
+    if question is None:
+        raise ValueError("this environment takes the multiply task's prompts ('What is A * B?'): "
+                         "--prompt_data multiply")
+    messages = [{"role": "system", "content": system}]
+    for x, y in SHOTS:
+        messages += [{"role": "user", "content": f"What is {x} * {y}?"}, *shot(x, y)]
+    return messages + [{"role": "user", "content": "What is {} * {}?".format(*question.groups())}]
+
+
 class Calculator:
     """The environment: reset gives the tool-use opening for a multiply_task prompt; step answers a
     <calc> call with its result, or ends the episode (info: the calls made)."""
 
     def reset(self, sample):
-        prompt = sample["prompt"]
-        question = QUESTION.search(prompt[-1]["content"] if isinstance(prompt, list) else prompt)
-        if question is None:
-            raise ValueError("the calculator environment takes the multiply task's prompts ('What is A * "
-                             "B?'): --prompt_data multiply")
-        a, b = question.groups()
-        messages = [{"role": "system", "content": CALCULATOR_SYSTEM}]
-        for x, y in SHOTS:
-            messages += [{"role": "user", "content": f"What is {x} * {y}?"},
-                         {"role": "assistant", "content": f"<calc>{x} * {y}</calc>"},
-                         {"role": "tool", "content": str(x * y)},
-                         {"role": "assistant", "content": f"{x} * {y} = {x * y}\n<answer>{x * y}</answer>"}]
-        return messages + [{"role": "user", "content": f"What is {a} * {b}?"}]
+        return opening(sample, CALCULATOR_SYSTEM, lambda x, y: [
+            {"role": "assistant", "content": f"<calc>{x} * {y}</calc>"},
+            {"role": "tool", "content": str(x * y)},
+            {"role": "assistant", "content": f"{x} * {y} = {x * y}\n<answer>{x * y}</answer>"}])
 
     def step(self, state, text):
         calls = CALL.findall(text)
         if not calls:  # the answer: the reward scores this turn
             return None, True, 0.0, {"calls": state.data.get("calls", 0)}
         state.data["calls"] = state.data.get("calls", 0) + 1
-        try:
-            result = str(calculate(calls[-1]))
-        except ValueError as e:
-            result = f"error: {e}"
-        return {"role": "tool", "content": result}, False
+        return {"role": "tool", "content": _result(calls[-1])}, False
+
+
+class ReactCalculator(Calculator):
+    """--env calculator_react: the calculator in the ReAct style. A turn stops at `</calc>` (its stop); step
+    answers it with " = result" appended to the turn (episodes.EpisodeRunner), and the model goes on in the
+    same message; a turn that does not end with a call ends the episode."""
+    stop = ["</calc>"]
+
+    def reset(self, sample):
+        return opening(sample, REACT_SYSTEM, lambda x, y: [
+            {"role": "assistant", "content": f"<calc>{x} * {y}</calc> = {x * y}\n<answer>{x * y}</answer>"}])
+
+    def step(self, state, text):
+        if not text.rstrip().endswith("</calc>"):
+            return None, True, 0.0, {"calls": state.data.get("calls", 0)}
+        state.data["calls"] = state.data.get("calls", 0) + 1
+        return f" = {_result(CALL.findall(text)[-1])}\n", False
+
+
+def _result(expression):
+    try:
+        return str(calculate(expression))
+    except ValueError as e:
+        return f"error: {e}"

@@ -1,0 +1,149 @@
+"""Tools as plain Python functions (`--env tools:path/to/file.py`), and the built-in tools task (`--env
+tools`: this file's `calculate`, with the multiply task).
+
+    python train_ppo.py --prompt_data multiply --env tools                   # calculate, below
+    python train_ppo.py --prompt_data my_data.jsonl --env tools:my_tools.py  # your file's functions
+
+Every public function a file defines (its name not starting with _) is a tool. Its schema comes from its
+signature and docstring (transformers' get_json_schema: type hints, a Google-style Args section), rendered
+through the chat template's `tools=` where it takes them, else as text in the system message
+(data.prompt_text). A turn's calls are read in the Qwen2.5 / Hermes format, `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` (several a turn), each run and answered by a "tool" message (its result;
+JSON text for what is not a string). A call that cannot be run (not JSON, an unknown tool, wrong arguments,
+a tool that raises) is answered by a tool message saying what was wrong, for the policy to learn from. A
+turn without a call ends the episode: the reward scores it. `async def` tools are awaited (side by side,
+--env_concurrency). info: the calls made and the errors among them. A file may also define `reset(sample)`
+(the opening; without it, the data's prompt), `parse_tool_calls(text) -> [(name, arguments)]` (another call
+format) and `stop` (a list of texts that end a turn): these are not tools.
+"""
+
+import inspect
+import json
+import re
+import sys
+
+from rft_core.errors import ConfigError
+from rft_core.tasks import calculator
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+SYSTEM = ("You have a calculator tool. To use it, call it and stop; its result comes back. Then give the "
+          "final answer in <answer></answer> tags.")
+
+
+def parse_tool_calls(text):
+    """[(name, arguments)] of each <tool_call>{"name": ..., "arguments": {...}}</tool_call> in text (Qwen2.5 /
+    Hermes), or (None, why) for one that is not such JSON. A file's own parse_tool_calls replaces this."""
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+            calls.append((call["name"], call.get("arguments", {})))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            calls.append((None, f'{body.strip()[:200]!r} is not JSON {{"name": ..., "arguments": {{...}}}} '
+                                f"({type(e).__name__}: {e})"))
+    return calls
+
+
+class ToolEnv:
+    """The environment of a module's tools (environments.load_env): `tools` (their JSON schemas), `stop`,
+    step, and the module's own reset where it has one. Made in the worker; without a module, this file's."""
+
+    def __init__(self, module=None, spec="tools"):
+        from transformers.utils import get_json_schema  # ~1.4 s; it does not import torch
+
+        module = module or sys.modules[__name__]
+        functions = {name: f for name, f in vars(module).items() if inspect.isfunction(f)
+                     and f.__module__ == module.__name__ and not name.startswith("_")}
+        if "reset" in functions:
+            self.reset = functions.pop("reset")
+        self.parse = functions.pop("parse_tool_calls", parse_tool_calls)
+        if not functions:
+            raise ConfigError(f"--env {spec!r}: the file defines no public function to serve as a tool")
+        self.functions, self.tools, self.stop = functions, [], getattr(module, "stop", [])
+        for name, f in functions.items():
+            try:
+                self.tools.append(get_json_schema(f))
+            except Exception as e:  # no docstring, an argument without a type hint or a description
+                raise ConfigError(f"--env {spec!r}: the tool {name}: {e} (a tool needs a type hint for each "
+                                  f"argument and a docstring with an Args section; or name it _{name})") \
+                    from None
+        if any(inspect.iscoroutinefunction(f) for f in functions.values()):
+            self.step = self._step_async  # awaited in the workers, side by side
+
+    def step(self, state, text):
+        return self._answer(state, [self._call(name, arguments) for name, arguments in self._read(text)])
+
+    async def _step_async(self, state, text):
+        answers = [self._call(name, arguments) for name, arguments in self._read(text)]
+        return self._answer(state, [await a if inspect.isawaitable(a) else a for a in answers])
+
+    def _read(self, text):
+        try:
+            return list(self.parse(text))
+        except Exception as e:  # a file's own parser
+            return [(None, f"the tool calls could not be read: {type(e).__name__}: {e}")]
+
+    def _call(self, name, arguments):
+        """(ok, the text answering a call), or an awaitable of it (an async tool)."""
+        if name is None:  # what the parser could not read
+            return False, f"error: {arguments}"
+        f = self.functions.get(name) if isinstance(name, str) else None
+        if f is None:
+            return False, f"error: no tool {name!r}; the tools are {', '.join(self.functions)}"
+        if not isinstance(arguments, dict):
+            return False, f"error: {name}'s arguments are {type(arguments).__name__}, not a JSON object"
+        try:
+            inspect.signature(f).bind(**arguments)
+        except TypeError as e:
+            return False, f"error: {name}: {e}"
+        try:
+            result = f(**arguments)
+        except Exception as e:
+            return False, f"error: {name} raised {type(e).__name__}: {e}"
+        return _awaited(name, result) if inspect.isawaitable(result) else _text(name, result)
+
+    def _answer(self, state, answers):
+        state.data["calls"] = state.data.get("calls", 0) + len(answers)
+        state.data["errors"] = state.data.get("errors", 0) + sum(not ok for ok, _ in answers)
+        info = {"calls": state.data["calls"], "errors": state.data["errors"]}
+        if not answers:  # the answer: the reward scores this turn
+            return None, True, 0.0, info
+        return [{"role": "tool", "content": text} for _, text in answers], False, 0.0, info
+
+
+async def _awaited(name, result):
+    try:
+        return _text(name, await result)
+    except Exception as e:
+        return False, f"error: {name} raised {type(e).__name__}: {e}"
+
+
+def _text(name, result):
+    if isinstance(result, str):
+        return True, result
+    try:
+        return True, json.dumps(result)
+    except (TypeError, ValueError) as e:
+        return False, f"error: {name}'s result is not JSON ({e})"
+
+
+# ---- the built-in task's tool and opening ----
+
+def calculate(expression: str):
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: numbers, + - * / // % and parentheses, e.g. "123 * 45"
+    """
+    return calculator.calculate(expression)
+
+
+def reset(sample):
+    """The opening for a multiply_task prompt: the instructions and two worked examples of a call, its
+    result and the answer."""
+    def shot(x, y):
+        call = json.dumps({"name": "calculate", "arguments": {"expression": f"{x} * {y}"}})
+        return [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                {"role": "tool", "content": str(x * y)},
+                {"role": "assistant", "content": f"{x} * {y} = {x * y}\n<answer>{x * y}</answer>"}]
+    return calculator.opening(sample, SYSTEM, shot)
