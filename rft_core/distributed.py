@@ -1,16 +1,7 @@
-"""The processes and their shards: what changes when the actor is sharded (DeepSpeed ZeRO-3, FSDP2) or run
-by a DeepSpeed engine.
-
-Accelerate does the sharding; this module covers its set-up and the few places the scripts touch whole
-weights:
-- `process_group_kwargs` / `end_run`: the process groups' start (gloo for DeepSpeed on CPU) and common end.
-- `configure_deepspeed`: the batch sizes and clipping DeepSpeed wants in its config, from our flags;
-  `zero_offloads_optimizer`: whether that config keeps the optimizer on the CPU (ZeRO-Offload).
-- `sharding(model)`: "zero3", "fsdp2" or None, read off the parameters themselves.
-- `prepare_frozen`: the reference model sharded like the actor (ZeRO-3: its own inference engine;
-  FSDP2: accelerate's fully_shard recipe), else a replica on the device.
-The optimizer (AdamW, accumulation, its state's offload) is rft_core/optim.py's.
-"""
+"""The processes and their shards: Accelerate does the sharding (DeepSpeed ZeRO-3, FSDP2); this module sets
+up the process groups and DeepSpeed's config from our flags, tells how a model is sharded, and places the
+frozen reference model like the actor. The optimizer (AdamW, accumulation, its state's offload) is
+rft_core/optim.py's."""
 
 import copy
 import os

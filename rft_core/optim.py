@@ -31,24 +31,18 @@ def accumulation_divisor(accelerator):
     return accelerator.gradient_accumulation_steps
 
 
-def grad_norm_value(norm):
-    """accelerator.clip_grad_norm_'s result as a float: a tensor, an FSDP2 DTensor, or DeepSpeed's
-    float / None."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float("nan") if norm is None else float(norm)
-
-
 def step_optimizers(accelerator, stepped, max_norm, metrics, check):
     """Step every (net, optimizer, scheduler) in stepped (a dict by the name its gradient norm is logged
     under); on the optimizer step's last micro-batch first clip each net's gradients, put the norms in metrics
     and pass them to check(name, norm) (the one host sync per optimizer step). Before it, accelerate's
     wrapped optimizers and schedulers skip their step (gradient accumulation)."""
+    from torch.distributed.tensor import DTensor
+
     if accelerator.sync_gradients:
         for key, (net, _, _) in stepped.items():
-            metrics[key] = grad_norm_value(accelerator.clip_grad_norm_(net.parameters(), max_norm))
+            norm = accelerator.clip_grad_norm_(net.parameters(), max_norm)  # DeepSpeed's: a float or None
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # (FSDP2)
+            metrics[key] = float("nan") if norm is None else float(norm)
         for key in stepped:
             check(key, metrics[key])
     for key, (_, optimizer, scheduler) in stepped.items():

@@ -137,15 +137,14 @@ def read_rows(path, log=None):
     return rows, lines
 
 
-def _sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _sha256_all(paths):
     """Each file's SHA-256, several at once (hashlib lets go of the GIL: sharded states hash in parallel)."""
+    def sha256(path):
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(_sha256, paths))
+        return list(pool.map(sha256, paths))
 
 
 def mark_written(ckpt):
