@@ -61,7 +61,7 @@ from rft_core.model_training import load_value_model  # VL
 from rft_core.models import embedded_model_path, load_model_and_tokenizer  # VL
 from rft_core.optim import (accumulate_over, accumulation_divisor, adamw_with_warmup, move_optimizer_state,
                             offload_after_update, step_optimizers)
-from rft_core.plan import default_bf16, resolve, with_memory_plan
+from rft_core.plan import default_bf16, resolve, with_memory_plan, with_stops
 from rft_core.reward_sources import reward_sources, start_workers
 from rft_core.rewards import RewardScorer
 from rft_core.rollout import Rollouts
@@ -141,6 +141,9 @@ class Args:
     workers: int = 4
     """worker processes per training process that run a --reward_fn file and the --env, a call at a time
     each (rft_core/workers.py)"""
+    env_concurrency: int = 0
+    """--env calls (reset, step) in flight at once at most (0: --workers): an async environment's (async def)
+    run side by side, ceil(this / --workers) in each worker; a sync one's one a worker"""
     reward_failure_limit: float = 1.0
     """stop when this share of a step's samples failed their reward (0: at the first failure, showing the
     sample; 1: all of them; above 1: never)"""
@@ -209,6 +212,9 @@ class Args:
     """sampling temperature of the rollouts"""
     top_p: float = 1.0
     """nucleus sampling of the rollouts"""
+    stop: Tuple[str, ...] = ()
+    """texts that end a response (kept in it), e.g. </lookup>; a special token's text (<|im_end|>) or id:N
+    stops at that token id. Rollouts, evaluation and episodes alike; an --env's declared stops are added"""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill from fresh prompts"""
     max_num_gen_batches: int = 3
@@ -225,13 +231,17 @@ class Args:
     fresh prompts fill it, so every round generates a full batch (1: draw only the groups still needed)"""
     # ---- multi-turn ----
     env: Optional[str] = None
-    """multi-turn episodes: an environment answers each assistant turn: calculator (built-in, with
-    --prompt_data multiply) or path/to/file.py:NAME, with step(state, text) and optionally reset(sample)
+    """multi-turn episodes: an environment answers each assistant turn: calculator, calculator_react or tools
+    (built-in, with --prompt_data multiply), tools:path/to/file.py (its functions as tools:
+    rft_core/tasks/tools.py) or path/to/file.py:NAME, with step(state, text) and optionally reset(sample)
     (docs/multi_turn.md); the reward sources score an episode's last assistant turn"""
     max_turns: int = 4
     """with --env: assistant turns per episode at most (each of --generate_max_len tokens at most)"""
     max_episode_tokens: int = 1024
     """with --env: response tokens per episode at most, the policy's and the environment's"""
+    max_env_tokens: int = 0
+    """with --env: tokens of one environment answer at most, cut beyond (ending in " [...]", counted in
+    rollout/env_truncated); 0: only the room left of --max_episode_tokens bounds it"""
     # ---- batches ----
     rollout_batch_size: int = 8
     """prompts per step, over all ranks"""
@@ -407,7 +417,7 @@ def main():
                                world) if args.pretrain_data else None  # for the ptx loss
     # user code (a --reward_fn file, --env) runs in worker processes: whatever it does stays there
     workers = start_workers(args.reward_fn, args.env, args.workers, args.call_timeout, args.seed, rank,
-                            tqdm.write)
+                            tqdm.write, args.env_concurrency)
     sources = reward_sources(args.reward_fn, args.remote_rm_url, args.reward_pretrain, device,
                              torch.bfloat16 if plan.bf16 else None, workers, args.call_timeout,
                              place=lambda m: prepare_frozen(accelerator, m),
@@ -445,9 +455,12 @@ def main():
     split, logprob_split = micro_batch_splits(args, plan, accelerator, sp)  # the micro-batches' sizes
     fwd = Forward(args.temperature, plan.chunk_size, args.packing_samples, sp)  # how each forward runs
     optimizers = [opt for _, opt, _ in trained.values()]
+    about = workers.call("env", "about", ()) if args.env else {"stop": []}  # what the --env declares
+    plan = with_stops(plan, [*args.stop, *about["stop"]], tokenizer)  # every generate call stops at them
     engine = create_engine(plan.engine, accelerator.unwrap_model(model), tokenizer, processor)
     # multi-turn: episodes against the --env, in the workers (rft_core/episodes.py)
-    episodes = EpisodeRunner(workers, tokenizer, plan.episodes, args.env, tqdm.write) if args.env else None
+    episodes = EpisodeRunner(workers, tokenizer, plan.episodes, args.env, tqdm.write,
+                             tools=about["tools"]) if args.env else None  # the tools' schemas, rendered
 
     def run_eval(step):
         metrics = evaluate(engine, tokenizer, prompts["eval"], score_all, accelerator, args.generate_max_len,
@@ -583,7 +596,7 @@ def main():
             loop.kl_coef = adaptive_kl_coef(loop.kl_coef, metrics["rollout/kl"], args.kl_target,
                                             args.kl_horizon, plan.samples_per_step)
         log.write(step, metrics, print_line=True)
-        guard.entropy(metrics["train/entropy"], step)
+        guard.entropy(metrics.get("train/entropy"), step)  # None: no policy token (every episode failed)
         log.samples_and_plots(step, samples, tokenizer, exp.action_mask.sum(-1).tolist(), step == num_steps)
 
         # ---- eval and checkpoint (and a stop asked for by SIGINT / SIGTERM) ----

@@ -4,6 +4,7 @@ computes them). The flags (`args`) are never written after parsing;
 config.json keeps the flags as typed and this plan, and the start-up prints what auto chose and why.
 
     plan = resolve(args, accelerator)          # right after the Accelerator exists; runs the flag checks
+    plan = with_stops(plan, stops, tokenizer)  # once the tokenizer loads: --stop and the environment's
     plan = with_memory_plan(plan, args, ...)   # once the trained nets are prepared: the update's memory
 
 Two choices cannot be made from the flags alone. The update's micro-batch budget and gradient checkpointing
@@ -23,6 +24,7 @@ from rft_core.advantages import TOKEN_LEVEL
 from rft_core.engines import resolve_engine_type
 from rft_core.engines.base import EngineSettings
 from rft_core.episodes import EpisodeSettings
+from rft_core.errors import ConfigError
 from rft_core.losses import LossSettings
 from rft_core.memory import plan_update_memory
 from rft_core.model_training import checkpointing_on
@@ -115,7 +117,7 @@ def resolve(args, accelerator, default_lr=None):
     by_rows = args.micro_train_batch_size is not None
     episodes = None if args.env is None else EpisodeSettings(
         args.max_turns, args.max_episode_tokens, args.generate_max_len, args.call_timeout,
-        args.prompt_max_len, args.apply_chat_template, args.system_prompt)
+        args.prompt_max_len, args.apply_chat_template, args.system_prompt, args.max_env_tokens)
     return Plan(
         world, sp_size, sharded, samples_per_step, train_batch_size, train_batch_size * sp_size // world,
         bf16, torch_compile, args.chunk_size or None,
@@ -181,6 +183,27 @@ def engine_settings(args, engine_type, bf16, requests, sp_size=1):
         args.engine_sleep_level, args.engine_enforce_eager, args.prompt_max_len + response_limit(args),
         requests, args.seed, prefix_caching, getattr(args, "limit_mm_image_per_prompt", None),
         getattr(args, "freeze_prefix", None))
+
+
+def with_stops(plan, stops, tokenizer):
+    """The plan with its stops (--stop, then the environment's) read against the tokenizer into the engine's
+    settings (every generate call stops at them) and the rollout's: an item that is a special token's text
+    (`<|im_end|>`) or `id:N` stops at that token id, any other at its text."""
+    texts, ids, special, size = [], [], set(tokenizer.all_special_tokens), len(tokenizer)
+    for item in stops:
+        if not isinstance(item, str) or not item:
+            raise ConfigError(f"stop {item!r}: a stop is a non-empty string (a text, a special token, id:N)")
+        if item.startswith("id:"):
+            if not (item[3:].isdigit() and int(item[3:]) < size):
+                raise ConfigError(f"--stop {item}: not a token id of the tokenizer (id:0 to id:{size - 1})")
+            ids.append(int(item[3:]))
+        elif item in special:
+            ids.append(tokenizer.convert_tokens_to_ids(item))
+        else:
+            texts.append(item)
+    texts, ids = tuple(dict.fromkeys(texts)), tuple(dict.fromkeys(ids))
+    engine = replace(plan.engine, stop=texts, stop_token_ids=ids)
+    return replace(plan, engine=engine, rollout=replace(plan.rollout, stop=texts))
 
 
 def with_memory_plan(plan, args, accelerator, model, nets):

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from rft_core.data import batches
-from rft_core.engines.base import Generation, wants_logprobs
+from rft_core.engines.base import Generation, stop_end, wants_logprobs
 from rft_core.episodes import episode_metrics
 from rft_core.episodes import score as score_episodes
 from rft_core.experience import Sample
@@ -43,6 +43,7 @@ class RolloutSettings:
     eos_token_id: Optional[int] = None  # a response that ends in it has finished
     inflight_ratio: float = 1.0  # groups in hand per round (generating or ready), in steps' worth of groups
     logprob_every: int = 1  # the engine's logprobs for every k-th sample (engine.generate's logprob_every)
+    stop: tuple = ()  # partial rollout: stop texts, matched again on a continued response's whole text
 
 
 @dataclass(eq=False)  # a group is itself: membership tests compare identity, not samples (and their images)
@@ -217,11 +218,14 @@ class Rollouts:
             prompts = [g.samples[i].prompt_ids + g.samples[i].generation.token_ids for g, i in requests]
             outputs = self._generate(engine, prompts, limits, [g.samples[i].mm for g, i in requests])
             for (g, i), limit, new in zip(requests, limits, outputs):
-                gen = g.samples[i].generation
-                gen.token_ids, gen.logprobs = gen.token_ids + new.token_ids, gen.logprobs + new.logprobs
-                gen.versions = gen.versions + [version] * len(new.token_ids)
-                # finished: it ended in EOS, the engine stopped short of the limit, or it reached the length
-                ended = bool(new.token_ids) and new.token_ids[-1] == cfg.eos_token_id
+                gen, ids = g.samples[i].generation, g.samples[i].generation.token_ids + new.token_ids
+                # a stop text may span two rounds' chunks, where the engine (which sees the first as prompt)
+                # cannot find it: the first stop in the whole response's text ends it (None: no stop)
+                end = stop_end(ids, tokenizer, cfg.stop) if cfg.stop else None
+                gen.token_ids, gen.logprobs = ids[:end], (gen.logprobs + new.logprobs)[:end]
+                gen.versions = (gen.versions + [version] * len(new.token_ids))[:end]
+                # finished: it stopped (EOS or a stop), stopped short of the limit, or it reached the length
+                ended = end is not None or new.finish == "stop" or new.token_ids[-1:] == [cfg.eos_token_id]
                 g.done[i] = ended or len(new.token_ids) < limit or len(gen.token_ids) >= cfg.max_new_tokens
             finished = [g for g in pending if all(g.done)]
             pending = [g for g in pending if not all(g.done)]

@@ -23,10 +23,11 @@ gpu = pytest.mark.gpu(needs="sglang")
 
 
 def test_sampling_params_per_request():
-    params = sampling_params([3, 8], 0.7, 0.9, eos_token_id=2)
+    params = sampling_params([3, 8], 0.7, 0.9, stop_token_ids=(2, 5))
     assert [p["max_new_tokens"] for p in params] == [3, 8]
-    assert all(p["temperature"] == 0.7 and p["top_p"] == 0.9 and p["stop_token_ids"] == [2] for p in params)
-    greedy = sampling_params([4], 0.0, 0.9, eos_token_id=2)[0]  # SGLang: temperature 0 is greedy
+    assert all(p["temperature"] == 0.7 and p["top_p"] == 0.9 for p in params)
+    assert all(p["stop_token_ids"] == [2, 5] for p in params)
+    greedy = sampling_params([4], 0.0, 0.9, stop_token_ids=(2,))[0]  # SGLang: temperature 0 is greedy
     assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0
 
 
@@ -43,9 +44,9 @@ def test_image_prompts_go_in_preprocessed():
     (item,) = processor_output(mm)
     assert item["format"] == "processor_output" and set(item) == {"format", "pixel_values", "image_grid_thw"}
     assert item["pixel_values"] is mm["pixel_values"] and processor_output(None) == [None]
-    assert sampling_params([4], 1.0, 1.0, 2, blocked_token_ids=[7, 9])[0]["logit_bias"] == {"7": -100.0,
+    assert sampling_params([4], 1.0, 1.0, (2,), blocked_token_ids=[7, 9])[0]["logit_bias"] == {"7": -100.0,
                                                                                             "9": -100.0}
-    assert "logit_bias" not in sampling_params([4], 1.0, 1.0, 2)[0]
+    assert "logit_bias" not in sampling_params([4], 1.0, 1.0, (2,))[0]
     names = {sglang_param_name(n) for n, _ in model.named_parameters()}
     assert {"model.layers.0.self_attn.q_proj.weight", "visual.blocks.0.attn.qkv.weight", "lm_head.weight",
             "model.embed_tokens.weight"} <= names
@@ -80,7 +81,8 @@ def test_generate_sends_image_prompts_one_each():
             return output(input_ids, sampling_params["max_new_tokens"], self.extra)
 
     engine = SGLangEngine.__new__(SGLangEngine)
-    engine.tp_group, engine.eos_token_id, engine.blocked_token_ids = None, 2, [9]
+    engine.tp_group, engine.blocked_token_ids = None, [9]
+    engine.stop, engine.stop_token_ids, engine.tokenizer = (), (2,), None
     engine.llm = Llm()
     gens = engine.generate([[1, 2], [3]], [2, 3])
     assert engine.llm.batched == [2] and not engine.llm.single and [len(g.token_ids) for g in gens] == [2, 3]
@@ -205,6 +207,12 @@ def test_greedy_equals_transformers_after_sync(engine_and_model):
 @gpu
 def test_sleep_wake_sync_keeps_outputs_and_frees_memory(engine_and_model):
     same.test_sleep_wake_sync_keeps_outputs_and_frees_memory(engine_and_model)
+
+
+@gpu
+def test_stops_cut_as_transformers(engine_and_model):
+    """SGLang stops at the token ids itself and finds the stop texts after (it runs without a tokenizer)."""
+    same.test_stops_cut_as_transformers(engine_and_model)
 
 
 @gpu

@@ -139,7 +139,8 @@ class _FakeLLM:
 def fake_engine(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=_Params))
     engine = VLLMEngine.__new__(VLLMEngine)  # the engine's state without a GPU
-    engine.llm, engine.tp_group, engine.eos_token_id, engine.logit_bias = _FakeLLM(), None, 2, None
+    engine.llm, engine.tp_group, engine.logit_bias = _FakeLLM(), None, None
+    engine.stop, engine.stop_token_ids, engine.tokenizer = (), (2,), None
     engine.seed, engine.calls = 0, 0
     return engine
 
@@ -278,6 +279,52 @@ def test_sampling_logprobs_match_trainer(engine_and_model):
     some = engine.generate(prompts, 32, temperature=1.0, logprob_every=4)  # the requests 0, 4, 8, ... only
     assert [g.logprobs is not None for g in some] == [i % 4 == 0 for i in range(len(prompts))]
     assert all(len(g.logprobs) == len(g.token_ids) for g in some[::4])
+
+
+@gpu
+def test_stops_cut_as_transformers(engine_and_model):
+    """A stop text and a stop token id (the engine's settings): each greedy response is the one without
+    stops cut at its first stop (stop_end: the token completing it kept, finish "stop", a logprob a token),
+    and where transformers' greedy response is the same, the transformers engine cuts it alike."""
+    from rft_core.engines.base import stop_end
+    from rft_core.engines.hf import HFEngine
+
+    engine, model, tokenizer = engine_and_model
+    prompts, eos = _prompts(tokenizer), tokenizer.eos_token_id
+    free = [g.token_ids for g in engine.generate(prompts, 24, temperature=0.0)]
+    stop, stop_ids = (tokenizer.decode(free[0][:5])[-3:],), (eos, free[1][2])  # by token 5; token 3
+    engine.stop, engine.stop_token_ids = stop, stop_ids
+    try:
+        gens = engine.generate(prompts, 24, temperature=0.0)
+    finally:
+        engine.stop, engine.stop_token_ids = (), (eos,)
+    assert len(gens[0].token_ids) <= 5 and len(gens[1].token_ids) <= 3 and gens[1].finish == "stop"
+    theirs, bf16 = _hf_greedy(model, tokenizer, prompts, 24)
+    hf = HFEngine(bf16, tokenizer, stop=stop, stop_token_ids=stop_ids).generate(prompts, 24, 0.0)
+    for g, f, h, t in zip(gens, free, hf, theirs):
+        end = stop_end(f, tokenizer, stop, stop_ids)
+        assert g.token_ids == f[:end] and len(g.logprobs) == len(g.token_ids)
+        assert g.finish == ("stop" if end is not None else "length")
+        if t == f:
+            assert (h.token_ids, h.finish) == (g.token_ids, g.finish)
+
+
+@gpu
+def test_vllm_returns_the_tokens_up_to_a_stop_text(engine_and_model):
+    """vLLM 0.26 ends a request at a stop text with its token ids up to the one that completed the text (one
+    token a step): the response cut_at_stop keeps."""
+    from vllm import SamplingParams
+
+    engine, _, tokenizer = engine_and_model
+    prompt = _prompts(tokenizer)[0]
+    (free,) = engine.generate([prompt], 24, temperature=0.0)
+    stop = tokenizer.decode(free.token_ids[:6])[-4:]
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop=[stop], include_stop_str_in_output=True,
+                            skip_special_tokens=False)
+    (out,) = engine.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    ids = list(out.outputs[0].token_ids)
+    assert out.outputs[0].text.endswith(stop) and tokenizer.decode(ids).endswith(stop) and len(ids) <= 6
+    assert stop not in tokenizer.decode(ids[:-1])
 
 
 @gpu

@@ -86,7 +86,8 @@ def resolve_engine_type(engine_type):
 
 def create_engine(settings, model, tokenizer, processor=None):
     """The engine that settings (an EngineSettings: the plan's `engine`) describe, with the model's current
-    weights. processor: a vision-language model's image processor. vLLM processes the images itself, with
+    weights; each stops at settings.stop and settings.stop_token_ids besides EOS (engines.base.cut_at_stop).
+    processor: a vision-language model's image processor. vLLM processes the images itself, with
     this processor's settings (so its image grids are the trainer's), at most settings.limit_mm_per_prompt
     images per prompt; SGLang takes the trainer's pixels. Both never sample the vision placeholders (the
     trainer's model blocks them at its LM head: vision.py) and sync the parameters under
@@ -96,7 +97,8 @@ def create_engine(settings, model, tokenizer, processor=None):
     if kind == "hf":
         dtype = torch.bfloat16 if settings.bf16 else None
         return HFEngine(model, tokenizer, settings.micro_batch_size, dtype,
-                        synced_gpus=sharding(model) is not None)
+                        synced_gpus=sharding(model) is not None, stop=settings.stop,
+                        stop_token_ids=settings.stop_token_ids)
     text_config = model.config.get_text_config()
     heads, tp_size = getattr(text_config, "num_attention_heads", None), settings.tp_size
     if heads and heads % tp_size:  # SmolLM2-135M has 9 heads: TP 1 only
@@ -120,11 +122,11 @@ def create_engine(settings, model, tokenizer, processor=None):
         weight_bytes = 2 * sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         engine = SGLangEngine(model_dir, tokenizer.eos_token_id, settings, max_total_tokens=tokens,
                               weight_bytes=weight_bytes, blocked_token_ids=blocked,
-                              multimodal=processor is not None)
+                              multimodal=processor is not None, tokenizer=tokenizer)
     else:
         from rft_core.engines.vllm import VLLMEngine
 
         engine = VLLMEngine(model_dir, tokenizer.eos_token_id, settings, kv_bytes=kv_bytes,
-                            max_batch=requests, blocked_token_ids=blocked)
+                            max_batch=requests, blocked_token_ids=blocked, tokenizer=tokenizer)
     engine.update_weights(model)
     return engine

@@ -3,21 +3,41 @@ so sleep / wake_up / update_weights have nothing to do. It is the engine on a CP
 SGLang is installed."""
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from rft_core.engines.base import Generation, wants_logprobs
+from rft_core.engines.base import cut_at_stop, wants_logprobs
 from rft_core.multimodal import mm_inputs
 
 
+class StopTexts(StoppingCriteria):
+    """Ends a row of `generate` once the tail of its response (never its prompt) holds a stop text: the
+    response's last tokens, as many as the longest stop has UTF-8 bytes and 2 more (a token is a byte at
+    least). A text found there is in the response's whole text too, where cut_at_stop finds it."""
+
+    def __init__(self, tokenizer, stop, prompt_len):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, stop, prompt_len
+        self.span = max(len(s.encode()) for s in stop) + 2
+
+    def __call__(self, input_ids, scores, **kwargs):
+        tails = input_ids[:, self.prompt_len:][:, -self.span:].tolist()  # (B, <= span)
+        texts = [self.tokenizer.decode(t, skip_special_tokens=False) for t in tails]
+        return torch.tensor([any(s in text for s in self.stop) for text in texts], device=input_ids.device)
+
+
 class HFEngine:
-    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, synced_gpus=False):
+    def __init__(self, model, tokenizer, micro_batch_size=32, autocast_dtype=None, synced_gpus=False, stop=(),
+                 stop_token_ids=()):
         self.model = model  # the unwrapped training model: always the current weights
         # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks step until all are done
         self.synced_gpus = synced_gpus
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.autocast_dtype = autocast_dtype
+        self.stop = tuple(stop)  # texts that end a response (EngineSettings.stop)
+        self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id, *stop_token_ids) if t is not None)
 
     def sleep(self, needed_bytes=None):
         return False
@@ -47,13 +67,13 @@ class HFEngine:
                 gens = self._generate_batch([prompt_token_ids[i] for i in part], limit, temperature, top_p,
                                             [mm[i] for i in part])
                 for i, g in zip(part, gens):
-                    out[i] = g if wants_logprobs(i, logprob_every) else Generation(g.token_ids, None)
+                    out[i] = g if wants_logprobs(i, logprob_every) else replace(g, logprobs=None)
         self.model.train(was_training)
         return out
 
     def _generate_batch(self, prompts, max_new_tokens, temperature, top_p, mm):
         device = next(self.model.parameters()).device
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
         # (B, P)
         input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
@@ -65,17 +85,19 @@ class HFEngine:
                     else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0})
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else nullcontext())
+        # a row stops at any of the token ids and its stop texts; cut_at_stop cuts it there below
+        stops = StoppingCriteriaList([StopTexts(self.tokenizer, self.stop, width)] if self.stop else [])
         with autocast:
             res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                      max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                                      max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                      eos_token_id=list(self.stop_token_ids) or None,
                                       output_logits=True, return_dict_in_generate=True,
-                                      synced_gpus=self.synced_gpus, **sampling, **images)
+                                      synced_gpus=self.synced_gpus, stopping_criteria=stops, **sampling,
+                                      **images)
         responses = res.sequences[:, width:]  # (B, T)
         logits = torch.stack(res.logits, 1).float() / (1.0 if greedy else temperature)  # (B, T, V), raw
         lse = torch.logsumexp(logits, -1)  # (B, T)
         logprobs = logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse  # (B, T)
-        gens = []
-        for ids, lps in zip(responses.tolist(), logprobs.tolist()):
-            end = ids.index(eos) + 1 if eos in ids else len(ids)  # keep the EOS: it is an action too
-            gens.append(Generation(ids[:end], lps[:end]))
-        return gens
+        # up to and including the stop (EOS too: it is an action); the rest pads the batch
+        return [cut_at_stop(ids, lps, self.tokenizer, self.stop, self.stop_token_ids)
+                for ids, lps in zip(responses.tolist(), logprobs.tolist())]

@@ -12,7 +12,9 @@ tensors travel as IPC handles; each scheduler loads its shard) -> wake_up (KV ca
 from random weights (load_format dummy); the first sync, before step 0, gives it the trained model.
 
 Sampling logprobs come from the temperature-scaled distribution before top-p (vLLM's are after it: equal at
-the default top_p 1).
+the default top_p 1). SGLang runs without a tokenizer (it refuses stop texts then): it stops at EOS and the
+stop token ids, and a response's stop texts are found after it returns (cut_at_stop, with the trainer's
+tokenizer), so a turn that ends at a stop text still generates on to its limit.
 """
 
 import asyncio
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-from rft_core.engines.base import Generation, wants_logprobs
+from rft_core.engines.base import Generation, cut_at_stop, wants_logprobs
 from rft_core.engines.colocation import (
     engine_group,
     flatten_group,
@@ -55,12 +57,13 @@ def without_agent_store():
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = value
 
 
-def sampling_params(limits, temperature, top_p, eos_token_id, blocked_token_ids=()):
+def sampling_params(limits, temperature, top_p, stop_token_ids, blocked_token_ids=()):
     """One SGLang sampling-params dict per request (its own max_new_tokens); temperature 0 is greedy;
-    blocked_token_ids are never sampled (-100 on their logits, vLLM's largest bias)."""
+    stop_token_ids (EOS among them) end a response; blocked_token_ids are never sampled (-100 on their
+    logits, vLLM's largest bias)."""
     bias = {"logit_bias": {str(t): -100.0 for t in blocked_token_ids}} if blocked_token_ids else {}
     return [{"max_new_tokens": limit, "temperature": temperature, "top_p": top_p if temperature else 1.0,
-             "stop_token_ids": [eos_token_id], **bias} for limit in limits]
+             "stop_token_ids": list(stop_token_ids), **bias} for limit in limits]
 
 
 def processor_output(mm):
@@ -97,14 +100,16 @@ def generation_of(out, with_logprobs=True):
 
 class SGLangEngine:
     def __init__(self, model_dir, eos_token_id, settings, max_total_tokens=None, weight_bytes=0,
-                 blocked_token_ids=(), multimodal=False, dtype=torch.bfloat16, bucket_mb=256):
+                 blocked_token_ids=(), multimodal=False, dtype=torch.bfloat16, bucket_mb=256, tokenizer=None):
         """settings: an EngineSettings (engines/base.py); max_total_tokens: the KV cache's size in tokens
-        (None: SGLang's share of mem_util); weight_bytes: the model's, all GPUs of the group together."""
+        (None: SGLang's share of mem_util); weight_bytes: the model's, all GPUs of the group together;
+        tokenizer: the trainer's, which finds settings.stop's texts in a response (cut_at_stop)."""
         tp_size, static_prefix = settings.tp_size, settings.static_prefix
         self.group_ranks, self.group_index, self.tp_group = engine_group(tp_size)
         rank = self.group_ranks[self.group_index]
         self.sleep_mode, self.dtype, self.bucket_bytes = settings.sleep, dtype, bucket_mb << 20
-        self.eos_token_id, self.sleeping, self.slept_bytes = eos_token_id, set(), 0
+        self.sleeping, self.slept_bytes, self.tokenizer = set(), 0, tokenizer
+        self.stop, self.stop_token_ids = settings.stop, (eos_token_id, *settings.stop_token_ids)
         self.weight_bytes = weight_bytes // tp_size  # of this GPU's scheduler
         self.blocked_token_ids = list(blocked_token_ids)
         self.static_prefix, self.synced = static_prefix, False  # weights synced once (a frozen vision tower)
@@ -167,7 +172,7 @@ class SGLangEngine:
         gens = []
         if self.llm is not None and rows:
             limits = [limit for _, limit, _, _ in rows]
-            params = sampling_params(limits, temperature, top_p, self.eos_token_id, self.blocked_token_ids)
+            params = sampling_params(limits, temperature, top_p, self.stop_token_ids, self.blocked_token_ids)
             if any(m for *_, m in rows):
                 outs = self._generate_each(rows, params)
             else:
@@ -179,6 +184,8 @@ class SGLangEngine:
                     raise ConfigError(f"prompt {i}: SGLang made it {made} tokens, the trainer's has "
                                       f"{len(ids)}")
             gens = [generation_of(out, want) for out, (_, _, want, _) in zip(outs, rows)]
+            gens = [cut_at_stop(g.token_ids, g.logprobs, self.tokenizer, self.stop, self.stop_token_ids)
+                    for g in gens]
         if self.tp_group is not None:
             box = [gens]
             torch.distributed.broadcast_object_list(box, group_src=0, group=self.tp_group)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rft_core.engines.base import Generation, wants_logprobs
+from rft_core.engines.base import cut_at_stop, wants_logprobs
 from rft_core.engines.colocation import (
     engine_group,
     flatten_group,
@@ -85,9 +85,10 @@ def engine_requests(prompt_token_ids, limits, mm, logprob_every, group=True):
 
 class VLLMEngine:
     def __init__(self, model_dir, eos_token_id, settings, kv_bytes=None, max_batch=256, blocked_token_ids=(),
-                 dtype=torch.bfloat16, bucket_mb=256):
+                 dtype=torch.bfloat16, bucket_mb=256, tokenizer=None):
         """settings: an EngineSettings (engines/base.py); kv_bytes: the KV cache's size (None: vLLM's share
-        of mem_util); max_batch: sequences per generate call, for the CUDA graphs' sizes."""
+        of mem_util); max_batch: sequences per generate call, for the CUDA graphs' sizes; tokenizer: the
+        trainer's, which finds settings.stop's texts in a response (cut_at_stop)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
         pin_triton_cache()  # its Triton kernels: the same cache on every run
@@ -100,7 +101,8 @@ class VLLMEngine:
         self.bucket_bytes = bucket_mb << 20
         self.seed, self.calls, self.sleeping = s.seed + rank // s.tp_size, 0, set()  # sleeping: tags asleep
         self.slept_bytes = 0  # what the last sleep freed (weights and KV cache), measured
-        self.eos_token_id = eos_token_id  # the trainer's, so both engines stop on the same token
+        # the trainer's EOS, so both engines stop on the same token, and the settings' stops
+        self.stop, self.stop_token_ids, self.tokenizer = s.stop, (eos_token_id, *s.stop_token_ids), tokenizer
         # never sampled; -100 is vLLM's largest bias, e^-100 is as good as 0 (processed logprobs renormalise)
         self.logit_bias = {int(t): -100.0 for t in blocked_token_ids} or None
         self.static_prefix, self.synced = s.static_prefix, False  # synced once (a frozen vision tower)
@@ -140,10 +142,13 @@ class VLLMEngine:
         self.calls += 1
         if not requests:  # (partial rollout: a rank may have nothing left to generate in a round)
             return []
-        # flat_logprobs: a request's logprobs as flat lists of floats, not a dict and an object per token
+        # flat_logprobs: a request's logprobs as flat lists of floats, not a dict and an object per token.
+        # Stop texts need detokenizing; vLLM returns every token sampled up to the one that completed the
+        # text (and a step's later ones: cut_at_stop drops them), matched with the special tokens kept
         common = dict(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
-                      detokenize=False, stop_token_ids=[self.eos_token_id], logit_bias=self.logit_bias,
-                      flat_logprobs=True)
+                      detokenize=bool(self.stop), stop=list(self.stop), include_stop_str_in_output=True,
+                      skip_special_tokens=False, stop_token_ids=list(self.stop_token_ids),
+                      logit_bias=self.logit_bias, flat_logprobs=True)
         seed = self.seed * 1_000_003 + self.calls * 10_007
         params, shared, first = [], {}, 0
         for r in requests:
@@ -172,7 +177,8 @@ class VLLMEngine:
                                  "is the engine's image processor (min / max pixels) the trainer's?")
             for c in out.outputs:  # the n samples, in order
                 # logprobs=0: one entry per position, the sampled token's
-                gens.append(Generation(list(c.token_ids), list(c.logprobs.logprobs) if r.want else None))
+                gens.append(cut_at_stop(list(c.token_ids), list(c.logprobs.logprobs) if r.want else None,
+                                        self.tokenizer, self.stop, self.stop_token_ids))
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def sleep(self, needed_bytes=None):
