@@ -17,13 +17,20 @@ from rft_core.rewards import BUILTIN_REWARDS, ServerError, ServiceDown, file_rew
 from rft_core.workers import Workers
 
 
-def start_workers(reward_fn, env, size, timeout, seed=0, rank=0, log=print):
+def start_workers(reward_fn, env, size, timeout, seed=0, rank=0, log=print, env_concurrency=0):
     """The --workers processes that run the --reward_fn file's function (not a built-in rule's) and the --env
-    (the calculator too), or None; what fails to load is its one-line error here, before any model loads."""
+    (the calculator too), or None; what fails to load is its one-line error here, before any model loads.
+    env_concurrency: environment calls in flight at once at most (0: size; a sync environment's, size)."""
+    if env_concurrency < 0:
+        raise ConfigError(f"--env_concurrency {env_concurrency}: must be >= 0 (0: as many as --workers)")
     targets = {"env": (load_env, env)} if env else {}
     if reward_fn and reward_fn not in BUILTIN_REWARDS:
         targets["reward_fn"] = (file_reward, reward_fn)
-    return Workers(targets, size, timeout, seed, rank, log) if targets else None
+    workers = Workers(targets, size, timeout, seed, rank, log, env_concurrency) if targets else None
+    if env and env_concurrency > size and not workers.concurrent["env"]:
+        log(f"[workers] --env_concurrency {env_concurrency}: the --env's reset and step are not async, so at "
+            f"most --workers {size} calls run at once; raise --workers or make step async (async def)")
+    return workers
 
 
 def load_reward_fn(spec, workers=None, timeout=60.0):

@@ -21,6 +21,7 @@ import inspect
 import json
 import re
 import sys
+from unittest import mock
 
 from rft_core.errors import ConfigError
 from rft_core.tasks import calculator
@@ -49,7 +50,7 @@ class ToolEnv:
     step, and the module's own reset where it has one. Made in the worker; without a module, this file's."""
 
     def __init__(self, module=None, spec="tools"):
-        from transformers.utils import get_json_schema  # ~1.4 s; it does not import torch
+        from transformers.utils import chat_template_utils, get_json_schema  # ~1.4 s, without torch
 
         module = module or sys.modules[__name__]
         functions = {name: f for name, f in vars(module).items() if inspect.isfunction(f)
@@ -60,13 +61,16 @@ class ToolEnv:
         if not functions:
             raise ConfigError(f"--env {spec!r}: the file defines no public function to serve as a tool")
         self.functions, self.tools, self.stop = functions, [], getattr(module, "stop", [])
-        for name, f in functions.items():
-            try:
-                self.tools.append(get_json_schema(f))
-            except Exception as e:  # no docstring, an argument without a type hint or a description
-                raise ConfigError(f"--env {spec!r}: the tool {name}: {e} (a tool needs a type hint for each "
-                                  f"argument and a docstring with an Args section; or name it _{name})") \
-                    from None
+        # get_json_schema imports torch where installed (2 s and ~300 MB a worker) only to read torch.Tensor
+        # hints (as audio); a tool's arguments come as JSON, so it is told there is none
+        with mock.patch.object(chat_template_utils, "is_torch_available", lambda: False, create=True):
+            for name, f in functions.items():
+                try:
+                    self.tools.append(get_json_schema(f))
+                except Exception as e:  # no docstring, an argument without a type hint or a description
+                    raise ConfigError(f"--env {spec!r}: the tool {name}: {e} (a tool needs a type hint for "
+                                      "each argument and a docstring with an Args section; or name it "
+                                      f"_{name})") from None
         if any(inspect.iscoroutinefunction(f) for f in functions.values()):
             self.step = self._step_async  # awaited in the workers, side by side
 
