@@ -211,3 +211,26 @@ def test_engines_cut_as_the_transformers_engine(tokenizer, monkeypatch):
     (gen,) = engine.generate([[1, 2]], 16)
     assert (gen.token_ids, gen.finish, len(gen.logprobs)) == (ids[:8], "stop", 8)
     assert engine.llm.params[0]["stop_token_ids"] == [2, 7] and "stop" not in engine.llm.params[0]
+
+
+@pytest.mark.slow
+def test_a_run_stops_at_its_stops(tiny_model_dir, tmp_path):
+    """train_ppo.py with --stop (a text, a special token, a token id): two steps run, the plan records the
+    stops read against the tokenizer, and responses end at the first "e" (a random model's tokens often hold
+    one), far short of the limit."""
+    import json
+
+    from conftest import read_metrics, run_script
+
+    out = tmp_path / "run"
+    run_script("train_ppo.py", ["--pretrain", tiny_model_dir, "--max_steps", "2", "--rollout_batch_size", "2",
+                                "--n_samples_per_prompt", "4", "--generate_max_len", "16",
+                                "--micro_train_batch_size", "4", "--log_samples_steps", "1",
+                                "--stop", "e", "<|im_end|>", "id:5", "--output_dir", str(out)])
+    engine = json.load(open(out / "config.json"))["plan"]["engine"]
+    assert engine["stop"] == ["e"] and engine["stop_token_ids"] == [2, 5]
+    steps, evals = read_metrics(str(out))
+    assert [r["step"] for r in steps] == [1, 2] and all(r["rollout/response_length"] < 8 for r in steps)
+    for row in map(json.loads, (out / "samples.jsonl").read_text().splitlines()):
+        c = row["completion"]
+        assert "e" not in c or len(c) - c.index("e") <= 16  # nothing after the token that held the first "e"
