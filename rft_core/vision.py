@@ -121,19 +121,17 @@ def tiny_qwen2_vl(tokenizer, seed=0, arch="qwen2_vl"):
     vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                   in_chans=3)
     if arch == "qwen2_vl":
-        config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
         vision.update(embed_dim=32, hidden_size=64)
     elif arch == "qwen2_5_vl":
-        config_cls = transformers.Qwen2_5_VLConfig
-        model_cls = transformers.Qwen2_5_VLForConditionalGeneration
         vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
                       fullatt_block_indexes=[1])
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}: qwen2_vl or qwen2_5_vl")
-    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids[2], video_token_id=ids[3],
-                        vision_start_token_id=ids[0], vision_end_token_id=ids[1])
+    config = transformers.AutoConfig.for_model(arch, text_config=text, vision_config=vision,
+                                               image_token_id=ids[2], video_token_id=ids[3],
+                                               vision_start_token_id=ids[0], vision_end_token_id=ids[1])
     torch.manual_seed(seed)
-    return model_cls(config)
+    return transformers.AutoModelForImageTextToText.from_config(config)
 
 
 def expand_image_tokens(text, image_grid_thw, merge_size=2, image_token="<|image_pad|>"):
