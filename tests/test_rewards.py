@@ -296,3 +296,42 @@ def test_a_reward_server_that_never_answers_fails_the_batch_at_once():
     rewards, _, failures = score(broken_by_one, ["p"] * 3, ["c", "bad", "c"], ["l"] * 3, fallback=-1.0)
     assert calls == [3, 1, 1, 1] and rewards == [1.0, -1.0, 1.0] and [i for i, _ in failures] == [1]
     assert issubclass(ServiceDown, ConnectionError)
+
+
+EPISODE_REWARDS = '''def with_episode(prompts, completions, labels, turns, info):
+    out = [len(t) + i.get("calls", 0) / 10 for t, i in zip(turns, info)]
+    turns[0].append("edited")  # its own copy
+    return out
+
+def plain(prompts, completions, labels):
+    return [1.0] * len(completions)
+'''
+
+
+def test_rewards_given_the_episode_where_they_take_it(tmp_path):
+    """With --env, a reward that names turns / info (or takes **kwargs) gets each episode's turns and the
+    environment's last info; one that takes neither is called as before; outside --env none is passed."""
+    from rft_core.episodes import Episode
+    from rft_core.experience import Sample
+
+    (tmp_path / "rw.py").write_text(EPISODE_REWARDS)
+    seen = {}
+
+    def kwargs(prompts, completions, labels, **kw):
+        seen.update(kw)
+        return [0.0] * len(completions)
+
+    turns = [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "2"},
+             {"role": "assistant", "content": "b"}]
+    samples = [Sample([1], "l", "p", completion="b", episode=Episode(list(turns), info={"calls": 1.0})),
+               Sample([1], "l", "p", completion="c", episode=Episode(turns[:1]))]
+    sources = [("rule", load_reward_fn(f"{tmp_path}/rw.py:with_episode")),
+               ("plain", load_reward_fn(f"{tmp_path}/rw.py:plain")), ("kw", kwargs)]
+    assert RewardScorer(sources, log=print)(samples) == 0
+    assert [s.components["reward"] for s in samples] == [3.1, 1.0] and samples[0].episode.turns == turns
+    assert seen == {"turns": [turns, turns[:1]], "info": [{"calls": 1.0}, {}]}
+    seen.clear()
+    said = []
+    plain = [Sample([1], "l", "p", completion="b")]
+    assert RewardScorer(sources, log=said.append)(plain) == 1 and seen == {}  # with_episode lacks them
+    assert "missing 2 required positional arguments: 'turns' and 'info'" in said[0]
