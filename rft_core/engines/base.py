@@ -4,6 +4,7 @@ engine, so the scripts never branch on which one runs), the `Generation` record 
 record an engine is built from (the plan's `engine`), and `stop_end` / `cut_at_stop`, where a response's
 first stop ends it (every engine cuts its output there after its own stopping)."""
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union
 
@@ -53,18 +54,16 @@ def stop_end(ids, tokenizer, stop=(), stop_token_ids=()):
     stop_token_ids, or a text of stop in the decoded prefix), or None where no stop occurs. Which prefix first
     holds a stop text is found by binary search on its length: O(log n) decodes."""
     end = next((i + 1 for i, t in enumerate(ids) if t in stop_token_ids), None)
+    if not stop:
+        return end
 
-    def has_stop(k):
+    def has_stop(k):  # False up to the first prefix that holds a stop text, True from there on
         text = tokenizer.decode(ids[:k], skip_special_tokens=False)
         return any(s in text for s in stop)
 
-    lo, hi = 0, len(ids) if end is None else end - 1  # a stop text completed before the stop token?
-    if not stop or not hi or not has_stop(hi):
-        return end
-    while hi - lo > 1:  # has_stop(hi) holds, has_stop(lo) does not
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if has_stop(mid) else (mid, hi)
-    return hi
+    before = len(ids) if end is None else end - 1  # a stop text completed before the stop token?
+    first = bisect.bisect_left(range(1, before + 1), True, key=has_stop) + 1
+    return first if first <= before else end
 
 
 def cut_at_stop(ids, logprobs, tokenizer, stop=(), stop_token_ids=()):
