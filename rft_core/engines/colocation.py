@@ -1,7 +1,9 @@
 """What the colocated engines (vLLM, SGLang) share besides their weights: tensor-parallel groups of
 consecutive ranks (`engine_group`; a group's requests gathered with `flatten_group` and handed back with
 `slice_for_rank`), the GPU memory checks around sleep and wake (`short_for_training`, `wake_error`,
-`memory_error`) and the KV cache size of a small model (`kv_cache_bytes`)."""
+`memory_error`), the KV cache size of a small model (`kv_cache_bytes`) and a `free_port` to start on."""
+
+import socket
 
 import torch
 
@@ -65,6 +67,13 @@ def slice_for_rank(flat, sizes, index):
     """This rank's part of a group-wide list built by flatten_group (index: rank within the group)."""
     start = sum(sizes[:index])
     return flat[start:start + sizes[index]]
+
+
+def free_port():
+    """A TCP port on this host that nothing listens on now (a rendezvous's, or SGLang's NCCL port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def kv_cache_bytes(config, requests, max_len, budget_bytes):

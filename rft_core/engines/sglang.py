@@ -18,9 +18,7 @@ tokenizer), so a turn that ends at a stop text still generates on to its limit.
 """
 
 import asyncio
-import contextlib
 import os
-import socket
 import time
 
 import torch
@@ -29,32 +27,13 @@ from rft_core.engines.base import Generation, cut_at_stop, wants_logprobs
 from rft_core.engines.colocation import (
     engine_group,
     flatten_group,
+    free_port,
     short_for_training,
     slice_for_rank,
     wake_error,
 )
 from rft_core.engines.sync import buckets, iter_weights
 from rft_core.errors import ConfigError, OutOfMemory
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def without_agent_store():
-    """Start SGLang's schedulers without TORCHELASTIC_USE_AGENT_STORE, which torchrun (accelerate launch)
-    exports to its workers: a scheduler inheriting it makes every rank of its own process group a client of
-    a store on SGLang's port that nobody serves, and hangs for NCCL's ten-minute timeout, silently
-    (pytorch/pytorch#192113). The trainer's own group is already made; the variable comes back after."""
-    value = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        yield
-    finally:
-        if value is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = value
 
 
 def sampling_params(limits, temperature, top_p, stop_token_ids, blocked_token_ids=()):
@@ -134,15 +113,22 @@ class SGLangEngine:
         free, total = torch.cuda.mem_get_info()
         fraction = min(0.95, settings.mem_util * total / free)  # of the free memory: mem_util of the GPU
         extra = {"max_total_tokens": max_total_tokens} if max_total_tokens else {}
-        with without_agent_store():
+        # the schedulers start without torchrun's (accelerate launch's) TORCHELASTIC_USE_AGENT_STORE: one
+        # inheriting it makes every rank of its own process group a client of a store on SGLang's port that
+        # nobody serves, and hangs for NCCL's ten-minute timeout, silently (pytorch/pytorch#192113). The
+        # trainer's own group is already made; the variable comes back after.
+        agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        try:
             return sglang.Engine(
-                model_path=model_dir, load_format="dummy", skip_tokenizer_init=True,
+                model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, log_level="error",
                 dtype=str(dtype).removeprefix("torch."), tp_size=tp_size, base_gpu_id=device,
-                nccl_port=_free_port(), random_seed=seed,
-                mem_fraction_static=fraction, context_length=settings.max_model_len,
-                disable_cuda_graph=settings.enforce_eager, enable_memory_saver=settings.sleep != "never",
-                enable_weights_cpu_backup=settings.sleep_level == 1,
-                log_level="error", **extra)
+                nccl_port=free_port(), random_seed=seed, mem_fraction_static=fraction, **extra,
+                context_length=settings.max_model_len, enable_memory_saver=settings.sleep != "never",
+                disable_cuda_graph=settings.enforce_eager,
+                enable_weights_cpu_backup=settings.sleep_level == 1)
+        finally:
+            if agent_store is not None:
+                os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 
     def _barrier(self):
         if self.tp_group is not None:

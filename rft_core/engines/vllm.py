@@ -16,7 +16,6 @@ trainer's, token for token, or generate raises naming the prompt.
 
 import gc
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ from rft_core.engines.base import cut_at_stop, wants_logprobs
 from rft_core.engines.colocation import (
     engine_group,
     flatten_group,
+    free_port,
     memory_error,
     short_for_training,
     slice_for_rank,
@@ -53,9 +53,7 @@ def _ensure_dist_env():
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
 
 
 @dataclass
