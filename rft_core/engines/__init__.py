@@ -1,11 +1,7 @@
 """Rollout engines, one per `--engine_type`: hf (transformers `generate`: engines/hf.py), vllm and sglang
-(colocated in every training process: engines/vllm.py, engines/sglang.py, sharing
-engines/sync.py: the weight sync, and engines/colocation.py: TP groups and memory checks). Each
-offers the calls written down in `engines.base.Engine`, so the scripts never branch on it:
-
-    generate(prompt_token_ids, max_new_tokens, ...) -> list[Generation]
-    sleep(needed_bytes=None) -> bool, wake_up(tags=None), can_wake() -> bool, update_weights(model)
-
+(colocated in every training process: engines/vllm.py, engines/sglang.py, sharing engines/sync.py: the
+weight sync, and engines/colocation.py: TP groups and memory checks). Each offers the calls written down in
+`engines.base.Engine` (generate, sleep, wake_up, can_wake, update_weights), so the scripts never branch on it.
 This module picks and builds one (`resolve_engine_type`, `create_engine` from the plan's EngineSettings:
 engines/base.py); vllm and sglang are imported only when asked for.
 """
@@ -31,7 +27,6 @@ def hf_architecture(model):
     """The transformers class name vLLM looks the model up by: a LoRA model's base, and under FSDP2 the
     class it swapped out (fully_shard subclasses it as FSDP<class>)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # remote code too
     return next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
 
 

@@ -75,11 +75,9 @@ class HFEngine:
         device = next(self.model.parameters()).device
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
-        # (B, P)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)  # (B, P)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        # a vision-language model's image inputs, as the trainer builds them
-        images = mm_inputs(mm, input_ids) or {}
+        images = mm_inputs(mm, input_ids) or {}  # a vision-language model's, as the trainer builds them
         greedy = temperature == 0
         sampling = ({"do_sample": False} if greedy
                     else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0})
