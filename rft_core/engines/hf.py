@@ -75,7 +75,7 @@ class HFEngine:
         device = next(self.model.parameters()).device
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)  # (B, P)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + [*p] for p in prompts], device=device)  # (B, P)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         images = mm_inputs(mm, input_ids) or {}  # a vision-language model's, as the trainer builds them
         greedy = temperature == 0
