@@ -221,7 +221,7 @@ class Rollouts:
                 gen, ids = g.samples[i].generation, g.samples[i].generation.token_ids + new.token_ids
                 # a stop text may span two rounds' chunks, where the engine (which sees the first as prompt)
                 # cannot find it: the first stop in the whole response's text ends it (None: no stop)
-                end = stop_end(ids, tokenizer, cfg.stop) if cfg.stop else None
+                end = stop_end(ids, tokenizer, cfg.stop)
                 gen.token_ids, gen.logprobs = ids[:end], (gen.logprobs + new.logprobs)[:end]
                 gen.versions = (gen.versions + [version] * len(new.token_ids))[:end]
                 # finished: it stopped (EOS or a stop), stopped short of the limit, or it reached the length

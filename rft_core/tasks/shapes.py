@@ -16,14 +16,11 @@ def draw_shapes(colour, count, rng, size=IMAGE_SIZE):
     for i in rng.sample(range(4), count):  # one shape per quadrant
         x0, y0 = (i % 2) * cell + rng.randint(2, 8), (i // 2) * cell + rng.randint(2, 8)
         side = rng.randint(cell // 2, cell - 12)
-        box, kind = (x0, y0, x0 + side, y0 + side), rng.choice(("circle", "square", "triangle"))
-        if kind == "circle":
-            draw.ellipse(box, fill=COLOURS[colour])
-        elif kind == "square":
-            draw.rectangle(box, fill=COLOURS[colour])
-        else:
-            draw.polygon([(x0, y0 + side), (x0 + side, y0 + side), (x0 + side // 2, y0)],
-                         fill=COLOURS[colour])
+        kind = rng.choice(("circle", "square", "triangle"))
+        box = (x0, y0, x0 + side, y0 + side)
+        triangle = [(x0, y0 + side), (x0 + side, y0 + side), (x0 + side // 2, y0)]
+        shape = {"circle": draw.ellipse, "square": draw.rectangle, "triangle": draw.polygon}[kind]
+        shape(triangle if kind == "triangle" else box, fill=COLOURS[colour])
     return image
 
 
