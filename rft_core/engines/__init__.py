@@ -3,8 +3,7 @@
 weight sync, and engines/colocation.py: TP groups and memory checks). Each offers the calls written down in
 `engines.base.Engine` (generate, sleep, wake_up, can_wake, update_weights), so the scripts never branch on it.
 This module picks and builds one (`resolve_engine_type`, `create_engine` from the plan's EngineSettings:
-engines/base.py); vllm and sglang are imported only when asked for.
-"""
+engines/base.py); vllm and sglang are imported only when asked for."""
 
 import hashlib
 import importlib.util
@@ -86,8 +85,7 @@ def create_engine(settings, model, tokenizer, processor=None):
     this processor's settings (so its image grids are the trainer's), at most settings.limit_mm_per_prompt
     images per prompt; SGLang takes the trainer's pixels. Both never sample the vision placeholders (the
     trainer's model blocks them at its LM head: vision.py) and sync the parameters under
-    settings.static_prefix (a frozen vision tower) once.
-    """
+    settings.static_prefix (a frozen vision tower) once."""
     kind = resolve_engine_type(settings.type)  # (the plan's is resolved already; a direct call's may not be)
     if kind == "hf":
         dtype = torch.bfloat16 if settings.bf16 else None

@@ -66,11 +66,9 @@ def full_weights(model, dtype):
 
 
 def vllm_param_name(name):
-    """HF parameter name as vLLM's load_weights expects it: wrapper prefixes removed.
-
-    vLLM maps HF names itself (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and skips lm_head
-    when embeddings are tied, so nothing else changes here.
-    """
+    """HF parameter name as vLLM's load_weights expects it: wrapper prefixes removed. vLLM maps HF names
+    itself (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and skips lm_head when embeddings are tied, so
+    nothing else changes here."""
     parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
     while parts and parts[0] == "module":  # DDP / DeepSpeed wrap the whole model once (or twice)
         parts.pop(0)
