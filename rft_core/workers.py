@@ -136,11 +136,12 @@ class Workers:
                     load = sum(w == i for _, w, _ in running.values())
                     for _ in range(min(each - load, self.cap - len(running), len(todo))):
                         k = todo.popleft()  # worker i takes the next call
-                        if error := self._send(i, (name, method, calls[k], timeout)):
-                            results[k] = (False, error)
+                        if not (error := self._send(i, (name, method, calls[k], timeout))):
+                            running[self.calls] = (k, i, time.monotonic() + timeout + GRACE_S * awaited)
+                            continue
+                        results[k] = (False, error)
+                        if self.procs[i] is None:  # it ended, with the calls it was running
                             self._drop(i, running, results, error)
-                            break
-                        running[self.calls] = (k, i, time.monotonic() + timeout + GRACE_S * awaited)
                 if running:
                     self._collect(running, results, timeout)
         except BaseException:  # a real Ctrl-C while waiting: the calls under way are stopped
