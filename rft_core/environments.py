@@ -1,44 +1,104 @@
 """The boundary with an environment's code (--env): the State its step sees, the environment as a worker
-builds and calls it (`load_env`), and checking what its step returned."""
+builds and calls it (`load_env`), and checking what its reset and step returned. Environment output is data:
+HostedEnv checks it in the worker and turns it into built-in types (numbers as floats), so nothing of the
+user's classes reaches the trainer, and whatever fails there is the episode's failure ("malformed")."""
 
+import inspect
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 from rft_core.errors import ConfigError, MissingName
-from rft_core.tasks.calculator import Calculator
-from rft_core.workers import line_in, load_from_file
+from rft_core.tasks.calculator import Calculator, ReactCalculator
+from rft_core.tasks.tools import ToolEnv
+from rft_core.workers import line_in, load_from_file, load_module
+
+ROLES = ("user", "tool", "system")  # an observation's (the policy alone speaks as the assistant)
 
 
 @dataclass
 class State:
-    """What step(state, text) sees of its episode. It goes to a worker and back with each step (any worker
-    may run the next), so state.data holds built-in types (numbers, strings, lists, dicts)."""
+    """What step(state, text) sees of its episode. It goes to a worker with each step (any worker may run
+    the next); only state.data comes back: sample, turn and messages are the trainer's record, the episode's
+    own copies. state.data holds built-in types (numbers, strings, lists, dicts)."""
     sample: dict  # {"prompt": the opening as the data or reset gave it, "label": ...}
     turn: int = 0  # assistant turns so far, the one being answered included
     messages: list = field(default_factory=list)  # the turns so far: {"role", "content"}, assistant first
     data: dict = field(default_factory=dict)  # the environment's own, kept from one step to the next
 
 
-class HostedEnv:
-    """An environment as its worker holds it: reset (None, the data's prompt, where it has none) and step,
-    which returns the state too, as step left it (the trainer's copy is not the one step changed)."""
+class Malformed(ValueError):
+    """What HostedEnv returns (not raises) for an outcome that fails its check: the episode fails as
+    "malformed", with this message."""
 
-    def __init__(self, env):
+
+class HostedEnv:
+    """An environment as its worker holds it: reset (None, the data's prompt, where it has none) and step
+    (with state.data as step left it), each checked (parse_opening, parse_step) and awaited where async;
+    about(): its `stop` texts and `tools` schemas, read once at start-up."""
+
+    def __init__(self, env, spec="--env"):
         self.env = env
+        stop, tools = getattr(env, "stop", None) or [], getattr(env, "tools", None)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"--env {spec!r}: its stop {stop!r} is not a list of texts that end a turn")
+        schemas = isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
+        if tools is not None and not schemas:
+            raise ConfigError(f"--env {spec!r}: its tools {tools!r} are not a list of JSON schemas (dicts)")
+        # awaited side by side in the workers (rft_core/workers.py: --env_concurrency at once)
+        self.async_methods = [m for m in ("reset", "step") if inspect.iscoroutinefunction(getattr(env, m, 0))]
+        self.info = {"stop": list(stop), "tools": None if tools is None else list(tools),
+                     "async": bool(self.async_methods)}
+
+    def about(self):
+        return self.info
 
     def reset(self, sample):
-        return self.env.reset(sample) if callable(getattr(self.env, "reset", None)) else None
+        reset = getattr(self.env, "reset", None)
+        return _awaited(reset(sample) if callable(reset) else None, lambda out: _checked(parse_opening, out))
 
     def step(self, state, text):
-        return self.env.step(state, text), state
+        def checked(out):
+            out = _checked(parse_step, out)
+            if not isinstance(state.data, dict):
+                out = Malformed(f"step left state.data a {type(state.data).__name__}, not a dict")
+            return out, state
+
+        return _awaited(self.env.step(state, text), checked)
+
+
+def _awaited(value, then):
+    """then(value); where value is awaitable (an `async def` reset or step), a coroutine of then(what it
+    comes to), which the worker awaits beside others (rft_core/workers.py)."""
+    if not inspect.isawaitable(value):
+        return then(value)
+
+    async def awaited():
+        return then(await value)
+    return awaited()
+
+
+def _checked(parse, out):
+    """parse(out), or the Malformed it is: whatever checking raised (a __bool__ that raises...)."""
+    try:
+        return parse(out)
+    except ValueError as e:
+        return Malformed(str(e))
+    except Exception as e:
+        return Malformed(f"checking what it returned raised {e!r}")
 
 
 def load_env(spec):
-    """The environment --env names, built in a worker: "calculator" (rft_core/tasks/calculator.py), or
-    'path/to/file.py:NAME', an object with step (and optionally reset) or a class of them (no arguments)."""
-    env = Calculator() if spec == "calculator" else load_from_file(spec, "--env", "NAME", ["calculator"],
-                                                                 "an environment file")
+    """The environment --env names, built in a worker: calculator or calculator_react
+    (rft_core/tasks/calculator.py), tools or 'tools:path/to/file.py' (functions as tools:
+    rft_core/tasks/tools.py), or 'path/to/file.py:NAME', an object with step (and optionally reset) or a
+    class of them (no arguments)."""
+    builtin = {"calculator": Calculator, "calculator_react": ReactCalculator, "tools": ToolEnv}
+    if spec.startswith("tools:"):
+        env = ToolEnv(load_module(spec.removeprefix("tools:"), spec, "--env", "a tools file"), spec)
+    else:
+        env = builtin.get(spec) or load_from_file(spec, "--env", "NAME", list(builtin), "an environment file")
     if isinstance(env, type):
         try:
             env = env()
@@ -50,29 +110,89 @@ def load_env(spec):
     if not callable(getattr(env, "step", None)):
         raise MissingName(f"--env {spec!r}: {spec.rpartition(':')[0]} defines no {spec.rpartition(':')[2]!r} "
                           "with a step(state, text) function (docs/multi_turn.md)")
-    return HostedEnv(env)
+    return HostedEnv(env, spec)
 
 
-def is_message(m):
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+def parse_opening(opening):
+    """What reset returned as built-in types: None, a string, or chat messages (any of ROLES or assistant:
+    few-shot turns); ValueError naming what is wrong."""
+    if opening is None or isinstance(opening, str):
+        return None if opening is None else _text(opening)
+    if not isinstance(opening, list):
+        raise ValueError(f"reset returned {type(opening).__name__}, not chat messages, a string or None")
+    return [_message(m, (*ROLES, "assistant")) for m in opening]
 
 
 def parse_step(out):
-    """(messages, done, reward, info) from what step returned; ValueError naming what is wrong."""
+    """(messages, done, reward, info) as built-in types from what step returned; ValueError naming what is
+    wrong. Run in the worker (HostedEnv.step), and again in the trainer: its output parses to itself."""
     if not isinstance(out, tuple) or not 2 <= len(out) <= 4:
         raise ValueError(f"step returned {type(out).__name__}, not (observation, done[, reward[, info]])")
     observation, done, reward, info = (*out, None, None)[:4]
     if observation is None or isinstance(observation, str):
-        messages = [{"role": "user", "content": observation}] if observation else []
-    else:
+        messages = [{"role": "user", "content": _text(observation)}] if observation else []
+    elif isinstance(observation, (dict, list)):
         messages = [observation] if isinstance(observation, dict) else observation
-        if not isinstance(messages, list) or not all(is_message(m) for m in messages):
-            raise ValueError(f"observation is {type(observation).__name__}, not a string or "
-                             "{'role', 'content'} message(s) with string content")
+        messages = [_message(m, ROLES) for m in messages]
+    else:
+        raise ValueError(f"observation is {type(observation).__name__}, not a string or "
+                         "{'role', 'content'} message(s)")
+    done = _bool(done)
     if not done and not messages:
         raise ValueError("no observation for an episode that goes on (done is false)")
-    if reward is not None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
-        raise ValueError(f"reward {reward!r} is not a finite number")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"info is {type(info).__name__}, not a dict")
-    return messages, bool(done), float(reward or 0.0), info or {}
+    return messages, done, 0.0 if reward is None else _number(reward, "reward"), _data(info or {}, "info")
+
+
+def _message(m, roles):
+    if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in roles):
+        raise ValueError(f"{m!r:.80} is not a message {{'role': one of {roles}, 'content': a string}}")
+    return {"role": _text(m["role"]), "content": _text(m["content"])}
+
+
+def _text(s):
+    return str.__str__(s)  # a plain str, also of a str subclass (whose own __str__ may say anything)
+
+
+def _bool(done):
+    """done as a bool: a bool, 0 or 1, or a numpy / torch bool scalar; ValueError for anything else ("no")."""
+    if isinstance(done, bool) or type(done) is int and done in (0, 1) or _kind(done) == "b":
+        return bool(done)
+    raise ValueError(f"done {done!r:.80} is not a bool")
+
+
+def _number(value, what, kind="a finite number (one a float holds)"):
+    """value as a finite float: an int, a float (a bool too), a real numpy / torch scalar; else ValueError."""
+    try:
+        real = isinstance(value, (int, float)) or _kind(value) in ("b", "i", "u", "f")
+        number = float(value) if real else math.nan
+    except OverflowError:  # an int beyond a float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{what} {value!r:.80} is not {kind}")
+    return number
+
+
+def _kind(value):
+    """The dtype kind of a 0-d numpy or torch value (numpy's "b", "i", "u", "f", "c"...; torch's "b", "c" or
+    "f" for any other), else None. Neither is imported here: only what the user's code returned is read."""
+    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    if numpy and isinstance(value, (numpy.generic, numpy.ndarray)) and value.ndim == 0:
+        return value.dtype.kind
+    if torch and isinstance(value, torch.Tensor) and value.dim() == 0:
+        return "b" if value.dtype == torch.bool else "c" if value.is_complex() else "f"
+    return None
+
+
+def _data(value, where):
+    """info's value as JSON-like built-in types, its numbers finite floats; ValueError naming where not."""
+    if value is None or isinstance(value, (bool, str)):
+        return _text(value) if isinstance(value, str) else value
+    if isinstance(value, (list, tuple)):
+        return [_data(v, f"{where}[{k}]") for k, v in enumerate(value)]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{where} has a key that is not a string")
+        return {_text(k): _data(v, f"{where}[{k!r}]") for k, v in value.items()}
+    return _number(value, where, "a finite number, string, bool, None, list or dict")

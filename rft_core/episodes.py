@@ -5,22 +5,25 @@ An environment is an object with `step(state, text) -> (observation, done[, rewa
 as `--env path/to/file.py:NAME` (docs/multi_turn.md), run in worker processes (rft_core/workers.py).
 
 Token in, token out: each turn continues from the episode's own token ids, so the ids that train are the
-engine's sampled ids (and logprobs) exactly. An environment turn is rendered and tokenized once; its tokens
-carry mask 0 (Generation.mask), so no loss, KL term, entropy, advantage or length statistic sees them. An
-episode ends when the environment says done, at `max_turns`, or when a turn reaches its token limit. Every
-rank runs the same number of turns (`any_active`): a tensor-parallel engine's call is a collective. A reset
-or step that fails (raises, hangs, ends its worker, returns something malformed or overflows the episode)
-ends that episode, which scores as a failed reward.
+engine's sampled ids (and logprobs) exactly. An environment turn is rendered and tokenized once, its text as
+data (special tokens' text in it stays text), cut to the room left; its tokens carry mask 0
+(Generation.mask), so no loss, KL term, entropy, advantage or length statistic sees them. A turn that ended
+at another stop than the end of turn (`</calc>`) gets the answer inline and goes on (_ended). An episode ends
+when the environment says done, at `max_turns`, or when a turn reaches its token limit. Every rank runs the
+same number of turns (`any_active`): a tensor-parallel engine's call is a collective. A reset or step that
+fails (raises, hangs, ends its worker, returns something malformed or unrenderable) ends that episode, which
+scores as a failed reward.
 """
 
 import math
+import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from rft_core.data import prompt_text
 from rft_core.engines.base import Generation
-from rft_core.environments import State, is_message, parse_step
+from rft_core.environments import Malformed, State, parse_opening, parse_step
 from rft_core.errors import ConfigError
 from rft_core.workers import UserCodeError
 
@@ -34,6 +37,7 @@ class EpisodeSettings:
     prompt_max_len: int = 1024  # tokens of an opening that reset returns, at most
     apply_chat_template: bool = True
     system_prompt: Optional[str] = None
+    max_env_tokens: int = 0  # tokens of one environment answer at most (0: the room the episode has left)
 
 
 @dataclass
@@ -44,25 +48,33 @@ class Episode:
     env_reward: float = 0.0  # the environment's rewards, summed over its steps
     env_calls: int = 0
     env_tokens: int = 0  # response tokens the environment wrote (mask 0)
-    info: dict = field(default_factory=dict)  # the last info dict step returned
+    env_truncated: int = 0  # its answers cut to fit (the episode's room, --max_env_tokens)
+    info: dict = field(default_factory=dict)  # the info dict the last step returned
     cut: Optional[str] = None  # "turns" or "tokens": ended by a limit, not by the environment
     failure: Optional[str] = None  # why the environment failed, which ended the episode
 
 
 BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]  # what turns follow
+SLOT = "\ue000%d\ue001"  # stands for message k's content while the template renders (private-use characters)
+MARKER = " [...]"  # ends an environment answer cut to fit
 
 
 class EpisodeRunner:
     """Runs batches of episodes through an engine and an environment (`run`), and renders the environment's
-    turns as token ids. workers: the processes holding it, target "env" (reward_sources.start_workers)."""
+    turns as token ids. workers: the processes holding it, target "env" (reward_sources.start_workers);
+    tools: its tool schemas (HostedEnv.about), rendered into every opening."""
 
-    def __init__(self, workers, tokenizer, settings, name="env", log=print):
-        self.workers, self.tokenizer, self.settings = workers, tokenizer, settings
+    def __init__(self, workers, tokenizer, settings, name="env", log=print, tools=None):
+        self.workers, self.tokenizer, self.settings, self.tools = workers, tokenizer, settings, tools
         self.name, self.log = name, log
         self.seen = set()  # failure kinds shown
         self.env_s = 0.0  # seconds spent waiting for the environment
+        self.longest = max(map(len, tokenizer.get_vocab())) + 1  # characters of a token at most (+1: a space)
+        self.special = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}  # control tokens
+        self.marker = tokenizer(MARKER, add_special_tokens=False)["input_ids"]
         self.templated = bool(settings.apply_chat_template and getattr(tokenizer, "chat_template", None))
         self.parts = False  # the template takes a message's content as a list of parts (vision-language)
+        self.end, self.tool_role = None, "tool"  # the template's end-of-turn markup; tool messages' role
         if self.templated:  # what the template writes after an assistant turn's end token, before the next
             self.base = tokenizer.apply_chat_template(self._messages(BASE), tokenize=False)
             if "y" not in self.base:
@@ -71,34 +83,103 @@ class EpisodeRunner:
             tail = self.base[self.base.rindex("y") + 1:]
             end = tail.find(tokenizer.eos_token) if tokenizer.eos_token else -1
             self.after_eos = tail[end + len(tokenizer.eos_token):] if end >= 0 else tail
+            self.end = tail.strip()
+            self.after_end = tail[tail.find(self.end) + len(self.end):]
             full = tokenizer.apply_chat_template(self._messages(BASE * 2), add_generation_prompt=True,
                                                  tokenize=False)
             if not full.startswith(self.base):
                 raise ConfigError("--env: the tokenizer's chat template renders a conversation "
                                   "differently once it goes on, so turns cannot be appended: use "
                                   "--apply_chat_template false")
+            if not self._renders_tool():
+                self.tool_role = "user"
+                log(f"[env] the chat template cannot render a `tool` message (it raises or leaves its "
+                    f"content out): {name}'s tool messages are rendered as `user` messages")
 
     def _messages(self, messages):
         if not self.parts:
             return messages
         return [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
 
-    def render(self, messages):
-        """Token ids of an environment turn (messages) that follows an assistant turn: under the chat template
-        the rest of that turn's markup, the messages, and the next assistant header; else their text."""
-        if not self.templated:
-            text = "".join(m["content"] for m in messages)
-        else:
-            full = self.tokenizer.apply_chat_template(self._messages(BASE + messages),
-                                                      add_generation_prompt=True, tokenize=False)
-            text = self.after_eos + full[len(self.base):]
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def _renders_tool(self):
+        try:
+            text = self.tokenizer.apply_chat_template(
+                self._messages(BASE + [{"role": "tool", "content": SLOT % 0}]), add_generation_prompt=True,
+                tokenize=False)
+        except Exception:  # whatever the template raised ("unknown role"...)
+            return False
+        return SLOT % 0 in text
+
+    def _slots(self, messages):
+        return [{"role": self.tool_role if m["role"] == "tool" else m["role"], "content": SLOT % k}
+                for k, m in enumerate(messages)]
+
+    def render(self, messages, ended="eos", limit=math.inf):
+        """(token ids, contents, cut) of an environment turn (messages) after an assistant turn that `ended`
+        ("eos", "end": under the chat template the rest of that turn's markup, the messages, and the next
+        assistant header; "inline", or no template: their text), cut to `limit` ids (_ids)."""
+        contents = [m["content"] for m in messages]
+        if not self.templated or ended == "inline":
+            return self._ids("".join(SLOT % k for k in range(len(messages))), contents, limit)
+        full = self.tokenizer.apply_chat_template(self._messages(BASE + self._slots(messages)),
+                                                  add_generation_prompt=True, tokenize=False)
+        after = self.after_eos if ended == "eos" else self.after_end
+        return self._ids(after + full[len(self.base):], contents, limit)
+
+    def _ids(self, text, contents, limit):
+        """(ids, contents, cut) of text in which SLOT k stands for contents[k]: the markup tokenized as usual,
+        each content as data (a special token's text in it stays text, never a control token). Past `limit`
+        ids the contents end early in MARKER (cut True, contents as kept; ids None where not even that fits);
+        text beyond any limit is cut by characters before it is tokenized."""
+        parts = re.split("\ue000(\\d+)\ue001", text)  # markup, k, markup, k, ..., markup
+        if sorted(int(k) for k in parts[1::2]) != list(range(len(contents))):
+            raise ValueError("the chat template left out a message's content")
+        chars = (max(limit, 0) + 1) * self.longest if limit < math.inf else None
+        pieces = [self._tokens(p) if j % 2 == 0 else self._tokens(contents[int(p)][:chars], data=True)
+                  for j, p in enumerate(parts)]
+        long = [chars is not None and len(contents[int(k)]) > chars for k in parts[1::2]]
+        if sum(map(len, pieces)) <= limit and not any(long):
+            return [t for p in pieces for t in p], contents, False
+        room = limit - sum(map(len, pieces[::2])) - len(self.marker)  # content ids that can stay
+        if room < 0:
+            return None, contents, True
+        contents = list(contents)
+        for j in range(1, len(parts), 2):
+            k = int(parts[j])
+            if room is None:  # after the cut
+                pieces[j], contents[k] = [], ""
+            elif len(pieces[j]) > room or long[j // 2]:
+                contents[k] = self.tokenizer.decode(pieces[j][:room]) + MARKER
+                pieces[j], room = pieces[j][:room] + self.marker, None
+            else:
+                room -= len(pieces[j])
+        return [t for p in pieces for t in p], contents, True
+
+    def _tokens(self, text, data=False):
+        if not text:
+            return []
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=data)["input_ids"]
+        if data and self.special.intersection(ids):  # a vocabulary that holds the special tokens as words
+            raise ValueError("its text tokenizes to a special token even as text")
+        return ids
+
+    def _ended(self, gen):
+        """How an assistant turn ended: "eos", "end" (a stop that is the template's end-of-turn markup): the
+        environment answers in chat messages; "inline" (another stop): its answer is appended as is, and the
+        assistant goes on in the same turn; "cut": its token limit."""
+        ids = gen.token_ids
+        if ids and ids[-1] == self.tokenizer.eos_token_id:
+            return "eos"
+        if gen.finish != "stop":  # "length", or unknown (None) and not at EOS
+            return "cut"
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return "end" if self.end and text.endswith(self.end) else "inline"
 
     def run(self, generate, samples, any_active):
         """One episode per Sample: the samples with their generation (logprobs 0 on environment tokens,
         None where generate gave none), prompt (the opening) and episode. generate(prompts, limits, mm) ->
         [Generation]; any_active(n) -> whether any rank has episodes going on (a collective)."""
-        cfg, eos = self.settings, self.tokenizer.eos_token_id
+        cfg = self.settings
         samples = [replace(s, episode=Episode([])) for s in samples]
         ids = [[] for _ in samples]  # response token ids so far
         logprobs = [[] for _ in samples]  # None once a turn came without them
@@ -111,7 +192,7 @@ class EpisodeRunner:
             limits = [min(cfg.turn_tokens, cfg.max_tokens - len(ids[i])) for i in active]
             gens = generate([samples[i].prompt_ids + ids[i] for i in active], limits,
                             [samples[i].mm for i in active])
-            stepping = []
+            stepping, ended = [], {}
             for i, gen in zip(active, gens):
                 episode = samples[i].episode
                 text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -123,78 +204,92 @@ class EpisodeRunner:
                 episode.completion = text
                 states[i].turn = turn
                 states[i].messages.append({"role": "assistant", "content": text})
-                if not gen.token_ids or gen.token_ids[-1] != eos:  # the limit cut the turn
+                ended[i] = self._ended(gen)
+                if ended[i] == "cut":  # the limit cut the turn
                     episode.cut = "tokens"
                 else:
                     stepping.append(i)
             outcomes = self._call("step", [(states[i], samples[i].episode.completion) for i in stepping])
             active = [i for i, outcome in zip(stepping, outcomes)
-                      if self._answer(samples[i], states, i, outcome, turn, ids[i], mask[i], logprobs[i])]
+                      if self._answer(samples[i], states[i], outcome, turn, ended[i], ids[i], mask[i],
+                                      logprobs[i])]
         return [replace(s, generation=Generation(ids[i], logprobs[i], mask=mask[i]))
                 for i, s in enumerate(samples)]
 
-    def _answer(self, sample, states, i, outcome, turn, ids, mask, logprobs):
-        """Take in step's outcome: states[i] as step left it, reward, info, its messages appended to ids,
-        mask (0) and logprobs (0.0) in place. Returns whether the episode goes on."""
+    def _answer(self, sample, state, outcome, turn, ended, ids, mask, logprobs):
+        """Take in step's outcome: state.data as step left it, reward, info, its messages rendered after a
+        turn that `ended` so and appended to ids, mask (0) and logprobs (0.0) in place, cut to the room left
+        (or --max_env_tokens). Returns whether the episode goes on."""
         episode, cfg = sample.episode, self.settings
         episode.env_calls += 1
         try:
-            (messages, done, reward, info), states[i] = self._outcome(*outcome, "step")
+            (messages, done, reward, info), state.data = self._outcome(*outcome, "step")
+            episode.env_reward += reward
+            episode.info = info
+            if not math.isfinite(episode.env_reward):
+                raise _Failed("malformed", f"its rewards sum to {episode.env_reward}, not a finite number")
+            if done or turn == cfg.max_turns:
+                episode.cut = None if done else "turns"
+                return False
+            room = cfg.max_tokens - len(ids) - 1  # the next turn's first token at least
+            env_ids, contents, cut = self.render(messages, ended, min(room, cfg.max_env_tokens or room))
         except _Failed as failed:
             self._fail(sample, failed.kind, failed.why, f"turn {turn}")
             return False
-        episode.env_reward += reward
-        episode.info = info or episode.info
-        if done:
+        except Exception as e:  # the template or tokenizer on its answer: the episode's failure, not the run
+            self._fail(sample, "render", f"rendering its answer raised {e!r}", f"turn {turn}")
             return False
-        if turn == cfg.max_turns:
-            episode.cut = "turns"
-            return False
-        env_ids = self.render(messages)
-        if len(ids) + len(env_ids) >= cfg.max_tokens:  # no room for the next turn
-            self._fail(sample, "context", f"its answer of {len(env_ids)} tokens does not fit the episode's "
-                       f"--max_episode_tokens {cfg.max_tokens} ({len(ids)} used)", f"turn {turn}")
+        episode.env_truncated += cut
+        if env_ids is None:  # no room for even a cut answer
+            episode.cut = "tokens"
             return False
         ids += env_ids
         mask += [0] * len(env_ids)
         if logprobs is not None:
             logprobs += [0.0] * len(env_ids)
         episode.env_tokens += len(env_ids)
-        for m in messages:
+        for m, content in zip(messages, contents):
             role = m["role"] if self.templated else "environment"
-            episode.turns.append({"role": role, "content": m["content"]})
-            states[i].messages.append(m)
+            episode.turns.append({"role": role, "content": content})
+            state.messages.append({"role": m["role"], "content": content})
         return True
 
     def _reset(self, samples, states):
-        """Reset each sample (its opening becomes its prompt): the indices of the episodes that can start."""
-        cfg, active = self.settings, []
+        """Reset each sample (its opening becomes its prompt, rendered with the tools where there are): the
+        indices of the episodes that can start."""
+        active = []
         results = self._call("reset", [({"prompt": s.prompt, "label": s.label},) for s in samples])
         for i, (ok, out) in enumerate(results):
             try:
                 opening = self._outcome(ok, out, "reset")
-                if opening is None:
-                    active.append(i)
-                    continue
-                if not (isinstance(opening, str) or isinstance(opening, list)
-                        and all(is_message(m) for m in opening)):
-                    raise _Failed("malformed", f"reset returned {type(opening).__name__}, not chat messages, "
-                                  "a string or None")
-                if samples[i].mm is not None:
+                if opening is not None and samples[i].mm is not None:
                     raise _Failed("malformed", "reset returned an opening for a prompt with images; return "
                                   "None to keep the data's prompt and its images")
-                text = prompt_text(self.tokenizer, opening, cfg.apply_chat_template, cfg.system_prompt)
-                prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                if len(prompt_ids) > cfg.prompt_max_len:
-                    raise _Failed("context", f"its opening of {len(prompt_ids)} tokens is longer than "
-                                  f"--prompt_max_len {cfg.prompt_max_len}")
+                if opening is not None or self.tools is not None and samples[i].mm is None:
+                    opening = samples[i].prompt if opening is None else opening
+                    samples[i] = replace(samples[i], prompt=opening, prompt_ids=self._opening(opening))
+                    states[i].sample["prompt"] = opening
             except _Failed as failed:
                 self._fail(samples[i], failed.kind, failed.why, "reset")
                 continue
-            samples[i] = replace(samples[i], prompt=opening, prompt_ids=prompt_ids)
-            states[i].sample["prompt"] = opening
+            except Exception as e:  # the template or tokenizer on its opening
+                self._fail(samples[i], "render", f"rendering its opening raised {e!r}", "reset")
+                continue
             active.append(i)
         return active
+
+    def _opening(self, opening):
+        """Token ids of an opening (a string or messages), its contents as data (_ids), with the tools."""
+        cfg = self.settings
+        if isinstance(opening, str):
+            contents, slotted = [opening], SLOT % 0
+        else:
+            contents, slotted = [m["content"] for m in opening], self._slots(opening)
+        text = prompt_text(self.tokenizer, slotted, cfg.apply_chat_template, cfg.system_prompt, self.tools)
+        prompt_ids, _, cut = self._ids(text, contents, cfg.prompt_max_len)
+        if cut:
+            raise _Failed("context", f"its opening is longer than --prompt_max_len {cfg.prompt_max_len}")
+        return prompt_ids
 
     def _call(self, method, calls):
         """The environment's reset or step on each call's arguments, in the workers: (ok, value) each."""
@@ -204,16 +299,18 @@ class EpisodeRunner:
         return results
 
     def _outcome(self, ok, out, what):
-        """A call's value (step's parsed, and the state as step left it); _Failed if either failed."""
+        """A call's value, checked again (parse_opening, parse_step: cheap on what the worker checked), and
+        for a step state.data as step left it; _Failed if the call or the check failed."""
         if not ok and isinstance(out, UserCodeError):
             raise _Failed(f"raised {out.kind}", f"{what} raised {out!r}")
         if not ok:  # TimeoutError, WorkerLost, PicklingError
             kind = "timeout" if isinstance(out, TimeoutError) else type(out).__name__
             raise _Failed(kind, f"{what}: {out}")
-        if what == "reset":
-            return out
+        value = out if what == "reset" else out[0]
         try:
-            return parse_step(out[0]), out[1]
+            if isinstance(value, Malformed):
+                raise value
+            return parse_opening(value) if what == "reset" else (parse_step(value), out[1].data)
         except ValueError as e:
             raise _Failed("malformed", str(e)) from None
 
@@ -251,7 +348,8 @@ def score(samples, score_all, strict=False):
 
 
 def episode_metrics(samples):
-    """rollout/ metrics of this rank's episodes: turns, environment calls and tokens, cuts, info numbers."""
+    """rollout/ metrics of this rank's episodes: turns, environment calls and tokens, cuts, answers cut to
+    fit, and the means of the numbers in the last info dicts (each finite)."""
     episodes = [s.episode for s in samples]
     turns = [sum(t["role"] == "assistant" for t in e.turns) for e in episodes]
     metrics = {"rollout/turns_mean": sum(turns) / max(1, len(turns)),
@@ -259,11 +357,13 @@ def episode_metrics(samples):
                "rollout/env_calls": sum(e.env_calls for e in episodes),
                "rollout/env_tokens": sum(e.env_tokens for e in episodes),
                "rollout/cut_turns": sum(e.cut == "turns" for e in episodes),
-               "rollout/cut_tokens": sum(e.cut == "tokens" for e in episodes)}
+               "rollout/cut_tokens": sum(e.cut == "tokens" for e in episodes),
+               "rollout/env_truncated": sum(e.env_truncated for e in episodes)}
     numbers = {}
     for e in episodes:
         for key, value in e.info.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
+            if isinstance(value, (int, float)):  # finite: parse_step checked (bools count too: rates)
                 numbers.setdefault(key, []).append(float(value))
-    metrics.update({f"rollout/env/{key}": sum(v) / len(v) for key, v in numbers.items()})
+    means = {f"rollout/env/{key}": sum(x / len(v) for x in v) for key, v in numbers.items()}  # no overflow
+    metrics.update({key: mean for key, mean in means.items() if math.isfinite(mean)})
     return metrics

@@ -198,9 +198,10 @@ def env_workers(tmp_path_factory):
 
 def test_environment_faults_end_the_episode_not_the_run(tokenizer, env_workers):
     """An environment (in worker processes) that raises (an Exception, or SystemExit), calls os._exit, hangs,
-    keeps a state that does not pickle, returns something malformed or an answer too long for the episode:
-    that episode ends with its failure, counted, the first of each kind printed; the others go on. The hung
-    call is stopped at the timeout (its worker killed) and the workers that ended are replaced."""
+    keeps a state that does not pickle or returns something malformed: that episode ends with its failure,
+    counted, the first of each kind printed; the others go on (an answer too long for the episode too: cut to
+    fit). The hung call is stopped at the timeout (its worker killed) and the workers that ended are
+    replaced."""
     workers, said = env_workers
     kinds = ["raise", "exit", "os_exit", "hang", "lock", "malformed", "long", "ok", "raise"]
     samples = [replace(s, label=k) for s, k in zip(prompts(tokenizer, len(kinds)), kinds)]
@@ -217,9 +218,11 @@ def test_environment_faults_end_the_episode_not_the_run(tokenizer, env_workers):
     assert failures[3].startswith("timeout: step: no result within --call_timeout 0.5 s: the call was")
     assert failures[4].startswith("raised PicklingError: step raised PicklingError('its result does not")
     assert "_thread.lock" in failures[4]
-    assert failures[5].startswith("malformed") and failures[6].startswith("context")
+    assert failures[5].startswith("malformed") and failures[6] is None
+    assert out[6].episode.env_truncated == 1 and out[6].episode.cut == "tokens"
+    assert len(out[6].generation.token_ids) == 100  # the answer left room for one more token: it was taken
     assert failures[7] is None and failures[8].startswith("raised")
-    assert out[7].episode.env_calls == 2 and len(lines) == 7  # the second ValueError is not printed again
+    assert out[7].episode.env_calls == 2 and len(lines) == 6  # the second ValueError is not printed again
     assert "--reward_fallback" in lines[0] and "ValueError('boom')" in lines[0]
     assert workers.restarts["ended"] >= 1 and workers.restarts["timeout"] == 1
     assert any(line.startswith("[workers] a call ran past --call_timeout 0.5 s: killed") for line in said)
@@ -227,12 +230,12 @@ def test_environment_faults_end_the_episode_not_the_run(tokenizer, env_workers):
 
 def test_the_state_goes_to_whichever_worker_runs_the_next_step(env_workers):
     """state.data persists across turns though another worker process runs each step; the trainer's copy is
-    the one step returned."""
+    the one step returned, and its outcome comes back checked, as built-in types (parse_step)."""
     workers, _ = env_workers
     a, b = State({"prompt": "p", "label": "ok"}, turn=1), State({"prompt": "p", "label": "ok"}, turn=1)
     (_, (out_a, a)), (_, (_, b)) = workers.map("env", "step", [(a, "x"), (b, "x")], 10)
     (_, (_, b)), (_, (out_a, a)) = workers.map("env", "step", [(b, "x"), (replace(a, turn=2), "x")], 10)
-    assert out_a == (None, True) and len(a.data["pids"]) == 2 and len(set(a.data["pids"])) == 2
+    assert out_a == ([], True, 0.0, {}) and len(a.data["pids"]) == 2 and len(set(a.data["pids"])) == 2
 
 
 def test_a_worker_that_leaks_is_replaced(env_workers, monkeypatch):
@@ -280,7 +283,8 @@ def test_a_reset_that_fails_or_returns_an_opening(tokenizer):
 @pytest.mark.parametrize("bad, why", [
     ("text", "not (observation, done"), ((1, False), "observation is int"),
     ((None, False), "no observation"), (("x", True, math.nan), "reward nan"),
-    (("x", True, 0.0, [1]), "info is list"), (([{"role": "user"}], False), "observation is list")])
+    (("x", True, 0.0, [1]), "info is list"),
+    (([{"role": "user"}], False), "{'role': 'user'} is not a message")])
 def test_malformed_steps_are_named(bad, why):
     with pytest.raises(ValueError, match=why.replace("(", r"\(")):
         parse_step(bad)
@@ -420,7 +424,7 @@ def test_lengths_and_episode_metrics_count_policy_tokens():
     m = episode_metrics(samples)
     assert m == {"rollout/turns_mean": 1.5, "rollout/turns_max": 2, "rollout/env_calls": 1,
                  "rollout/env_tokens": 3, "rollout/cut_turns": 0, "rollout/cut_tokens": 1,
-                 "rollout/env/calls": 0.5}
+                 "rollout/env_truncated": 0, "rollout/env/calls": 0.5}
 
 
 def test_experience_layout_with_environment_tokens(tiny_model_dir):
@@ -536,7 +540,8 @@ def test_environment_files_that_cannot_load(tmp_path):
         load_env(f"{tmp_path}/env.py:Needs")
     (tmp_path / "ok.py").write_text("class Env:\n    def step(self, state, text):\n"
                                     "        return None, True\n")
-    assert load_env(f"{tmp_path}/ok.py:Env").step(None, "") == ((None, True), None)
+    state = State({"prompt": "p"})
+    assert load_env(f"{tmp_path}/ok.py:Env").step(state, "") == (([], True, 0.0, {}), state)
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
     with pytest.raises(ConfigError, match="an environment file cannot end"):  # through a worker process
         start_workers(None, f"{tmp_path}/exits.py:Env", 2, 30)

@@ -66,6 +66,20 @@ def test_text_script_trains_episodes(eos_model_dir, files, tmp_path):
 
 
 @pytest.mark.slow
+def test_steps_whose_every_episode_failed_at_reset(eos_model_dir, tmp_path):
+    """Every reset raises and --reward_failure_limit above 1 keeps the run going: each step logs its failures
+    and trains nothing, instead of dying on a step without a policy token (no train/entropy)."""
+    (tmp_path / "env.py").write_text("class Env:\n    def reset(self, sample):\n"
+                                     "        raise ValueError('no')\n"
+                                     "    def step(self, state, text):\n        return None, True\n")
+    out = tmp_path / "out"
+    run_script("train_ppo.py", ["--pretrain", eos_model_dir, *TINY, "--env", f"{tmp_path}/env.py:Env",
+                                "--max_steps", "2", "--reward_failure_limit", "2", "--output_dir", str(out)])
+    rows, _ = read_metrics(str(out))
+    assert [r["rollout/env_errors"] for r in rows] == [16, 16] and "train/entropy" not in rows[0]
+
+
+@pytest.mark.slow
 def test_gae_over_episodes(eos_model_dir, files, tmp_path):
     run_script("train_ppo.py", ["--pretrain", eos_model_dir, *TINY, *files, "--max_steps", "2",
                                 "--advantage_estimator", "gae", "--output_dir", str(tmp_path / "out")])

@@ -83,7 +83,9 @@ class HealthGuard:
 
     def entropy(self, entropy, step, what="the policy"):
         """The mean entropy of the sampled tokens under the policy; a collapse to uniform stops the run (a
-        model that starts near uniform, a random one, is left alone)."""
+        model that starts near uniform, a random one, is left alone). None: a step without a policy token."""
+        if entropy is None:
+            return
         if not math.isfinite(entropy):
             self.stop(f"{what} is not finite (entropy {entropy})", step)
         self.first_entropy = entropy if self.first_entropy is None else self.first_entropy

@@ -121,8 +121,8 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
 # how a metric merges over the ranks, by its name after the prefix: counts are summed, maxima (names ending
 # in _max) are maxima; the rest are means
 SUMMED = ("reward_errors", "filled_groups", "tokens", "buffered", "resumed", "finished_from_buffer",
-          "dropped_stale", "tokens_generated", "env_calls", "env_errors", "env_tokens", "cut_turns",
-          "cut_tokens")
+          "dropped_stale", "tokens_generated", "env_calls", "env_errors", "env_tokens", "env_truncated",
+          "cut_turns", "cut_tokens")
 
 
 def gather_metrics(local):
