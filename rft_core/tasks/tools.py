@@ -139,7 +139,7 @@ def calculate(expression: str):
     Args:
         expression: numbers, + - * / // % and parentheses, e.g. "123 * 45"
     """
-    return calculator.calculate(expression)
+    return calculator.calculate(str(expression))  # a number given as one too
 
 
 def reset(sample):
