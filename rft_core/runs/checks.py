@@ -49,7 +49,7 @@ AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batc
                 "micro_train_batch_size", "max_tokens_per_micro_batch", "train_batch_size")
 AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "lora_rank",
                  "freezing_actor_steps", "overlong_buffer_len", "max_staleness", "init_kl_coef", "ptx_coef",
-                 "overlong_penalty_factor", "policy_drift_coef", "max_env_tokens")
+                 "overlong_penalty_factor", "policy_drift_coef", "max_env_tokens", "env_concurrency")
 # flags that name a file, directory, URL or column: an empty string is a mistake, not "none"
 PATHS = ("pretrain", "prompt_data", "eval_data", "reward_fn", "reward_pretrain", "critic_pretrain",
          "pretrain_data", "env", "output_dir", "images_key", "freeze_prefix", "remote_rm_url")
@@ -313,7 +313,7 @@ def check_inert(args, engine_type):
         (args.partial_rollout, ("max_token_budget", "max_staleness", "inflight_ratio"),
          "--partial_rollout is off"),
         (args.tis_cap is not None or args.partial_rollout, ("tis_mode", "tis_level"), "--tis_cap is off"),
-        (args.env is not None, ("max_turns", "max_episode_tokens", "max_env_tokens"),
+        (args.env is not None, ("max_turns", "max_episode_tokens", "max_env_tokens", "env_concurrency"),
          "it limits the episodes of --env, which is not given"),
         (args.env is not None or ":" in (args.reward_fn or ""), ("workers",),
          "it sizes the processes that run --env and a --reward_fn file, and this run has neither"),
