@@ -34,17 +34,16 @@ class Malformed(ValueError):
 
 
 class HostedEnv:
-    """An environment as its worker holds it: reset (None, the data's prompt, where it has none) and step
-    (with state.data as step left it), each checked (parse_opening, parse_step) and awaited where async;
-    about(): its `stop` texts and `tools` schemas, read once at start-up."""
+    """An environment as its worker holds it: reset (None where it has none) and step (with state.data as
+    step left it), each checked (parse_opening, parse_step) and awaited where async; about(): its `stop`
+    texts and `tools` schemas, read once at start-up."""
 
     def __init__(self, env, spec="--env"):
         self.env = env
         stop, tools = getattr(env, "stop", None) or [], getattr(env, "tools", None)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ConfigError(f"--env {spec!r}: its stop {stop!r} is not a list of texts that end a turn")
-        schemas = isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
-        if tools is not None and not schemas:
+        if not (tools is None or isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
             raise ConfigError(f"--env {spec!r}: its tools {tools!r} are not a list of JSON schemas (dicts)")
         # awaited side by side in the workers (rft_core/workers.py: --env_concurrency at once)
         self.async_methods = [m for m in ("reset", "step") if inspect.iscoroutinefunction(getattr(env, m, 0))]
@@ -69,8 +68,7 @@ class HostedEnv:
 
 
 def _awaited(value, then):
-    """then(value); where value is awaitable (an `async def` reset or step), a coroutine of then(what it
-    comes to), which the worker awaits beside others (rft_core/workers.py)."""
+    """then(value), or where value is awaitable (an `async def` reset or step) a coroutine of it."""
     if not inspect.isawaitable(value):
         return then(value)
 
@@ -80,7 +78,7 @@ def _awaited(value, then):
 
 
 def _checked(parse, out):
-    """parse(out), or the Malformed it is: whatever checking raised (a __bool__ that raises...)."""
+    """parse(out), or the Malformed of whatever checking raised (a __bool__ that raises...)."""
     try:
         return parse(out)
     except ValueError as e:
@@ -124,19 +122,19 @@ def parse_opening(opening):
 
 
 def parse_step(out):
-    """(messages, done, reward, info) as built-in types from what step returned; ValueError naming what is
-    wrong. Run in the worker (HostedEnv.step), and again in the trainer: its output parses to itself."""
+    """(messages, done, reward, info) as built-in types from what step returned (in the worker:
+    HostedEnv.step); ValueError naming what is wrong."""
     if not isinstance(out, tuple) or not 2 <= len(out) <= 4:
         raise ValueError(f"step returned {type(out).__name__}, not (observation, done[, reward[, info]])")
     observation, done, reward, info = (*out, None, None)[:4]
     if observation is None or isinstance(observation, str):
-        messages = [{"role": "user", "content": _text(observation)}] if observation else []
-    elif isinstance(observation, (dict, list)):
-        messages = [observation] if isinstance(observation, dict) else observation
-        messages = [_message(m, ROLES) for m in messages]
-    else:
+        observation = [{"role": "user", "content": observation}] if observation else []
+    elif isinstance(observation, dict):
+        observation = [observation]
+    if not isinstance(observation, list):
         raise ValueError(f"observation is {type(observation).__name__}, not a string or "
                          "{'role', 'content'} message(s)")
+    messages = [_message(m, ROLES) for m in observation]
     done = _bool(done)
     if not done and not messages:
         raise ValueError("no observation for an episode that goes on (done is false)")
@@ -157,16 +155,16 @@ def _text(s):
 
 def _bool(done):
     """done as a bool: a bool, 0 or 1, or a numpy / torch bool scalar; ValueError for anything else ("no")."""
-    if isinstance(done, bool) or type(done) is int and done in (0, 1) or _kind(done) == "b":
+    if isinstance(done, bool) or type(done) is int and done in (0, 1) or type(_plain(done)) is bool:
         return bool(done)
     raise ValueError(f"done {done!r:.80} is not a bool")
 
 
 def _number(value, what, kind="a finite number (one a float holds)"):
     """value as a finite float: an int, a float (a bool too), a real numpy / torch scalar; else ValueError."""
+    value = _plain(value)
     try:
-        real = isinstance(value, (int, float)) or _kind(value) in ("b", "i", "u", "f")
-        number = float(value) if real else math.nan
+        number = float(value) if isinstance(value, (int, float)) else math.nan
     except OverflowError:  # an int beyond a float's range
         number = math.inf
     if not math.isfinite(number):
@@ -174,15 +172,15 @@ def _number(value, what, kind="a finite number (one a float holds)"):
     return number
 
 
-def _kind(value):
-    """The dtype kind of a 0-d numpy or torch value (numpy's "b", "i", "u", "f", "c"...; torch's "b", "c" or
-    "f" for any other), else None. Neither is imported here: only what the user's code returned is read."""
+def _plain(value):
+    """A real 0-d numpy or torch value as a Python bool, int or float; anything else as it is. Neither
+    library is imported here: only what the user's code returned is read."""
     numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
     if numpy and isinstance(value, (numpy.generic, numpy.ndarray)) and value.ndim == 0:
-        return value.dtype.kind
-    if torch and isinstance(value, torch.Tensor) and value.dim() == 0:
-        return "b" if value.dtype == torch.bool else "c" if value.is_complex() else "f"
-    return None
+        return value.item() if value.dtype.kind in "biuf" else value
+    if torch and isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return value.item()
+    return value
 
 
 def _data(value, where):

@@ -23,7 +23,7 @@ from typing import Optional
 
 from rft_core.data import prompt_text
 from rft_core.engines.base import Generation
-from rft_core.environments import Malformed, State, parse_opening, parse_step
+from rft_core.environments import Malformed, State
 from rft_core.errors import ConfigError
 from rft_core.workers import UserCodeError
 
@@ -76,18 +76,14 @@ class EpisodeRunner:
         self.parts = False  # the template takes a message's content as a list of parts (vision-language)
         self.end, self.tool_role = None, "tool"  # the template's end-of-turn markup; tool messages' role
         if self.templated:  # what the template writes after an assistant turn's end token, before the next
-            self.base = tokenizer.apply_chat_template(self._messages(BASE), tokenize=False)
-            if "y" not in self.base:
-                self.parts = True
-                self.base = tokenizer.apply_chat_template(self._messages(BASE), tokenize=False)
+            self.parts = "y" not in self._template(BASE)
+            self.base = self._template(BASE)
             tail = self.base[self.base.rindex("y") + 1:]
             end = tail.find(tokenizer.eos_token) if tokenizer.eos_token else -1
             self.after_eos = tail[end + len(tokenizer.eos_token):] if end >= 0 else tail
             self.end = tail.strip()
             self.after_end = tail[tail.find(self.end) + len(self.end):]
-            full = tokenizer.apply_chat_template(self._messages(BASE * 2), add_generation_prompt=True,
-                                                 tokenize=False)
-            if not full.startswith(self.base):
+            if not self._template(BASE * 2, True).startswith(self.base):
                 raise ConfigError("--env: the tokenizer's chat template renders a conversation "
                                   "differently once it goes on, so turns cannot be appended: use "
                                   "--apply_chat_template false")
@@ -96,19 +92,17 @@ class EpisodeRunner:
                 log(f"[env] the chat template cannot render a `tool` message (it raises or leaves its "
                     f"content out): {name}'s tool messages are rendered as `user` messages")
 
-    def _messages(self, messages):
-        if not self.parts:
-            return messages
-        return [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    def _template(self, messages, add_generation_prompt=False):
+        if self.parts:
+            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
 
     def _renders_tool(self):
         try:
-            text = self.tokenizer.apply_chat_template(
-                self._messages(BASE + [{"role": "tool", "content": SLOT % 0}]), add_generation_prompt=True,
-                tokenize=False)
+            return SLOT % 0 in self._template(BASE + [{"role": "tool", "content": SLOT % 0}], True)
         except Exception:  # whatever the template raised ("unknown role"...)
             return False
-        return SLOT % 0 in text
 
     def _slots(self, messages):
         return [{"role": self.tool_role if m["role"] == "tool" else m["role"], "content": SLOT % k}
@@ -121,8 +115,7 @@ class EpisodeRunner:
         contents = [m["content"] for m in messages]
         if not self.templated or ended == "inline":
             return self._ids("".join(SLOT % k for k in range(len(messages))), contents, limit)
-        full = self.tokenizer.apply_chat_template(self._messages(BASE + self._slots(messages)),
-                                                  add_generation_prompt=True, tokenize=False)
+        full = self._template(BASE + self._slots(messages), True)
         after = self.after_eos if ended == "eos" else self.after_end
         return self._ids(after + full[len(self.base):], contents, limit)
 
@@ -233,11 +226,8 @@ class EpisodeRunner:
                 return False
             room = cfg.max_tokens - len(ids) - 1  # the next turn's first token at least
             env_ids, contents, cut = self.render(messages, ended, min(room, cfg.max_env_tokens or room))
-        except _Failed as failed:
-            self._fail(sample, failed.kind, failed.why, f"turn {turn}")
-            return False
-        except Exception as e:  # the template or tokenizer on its answer: the episode's failure, not the run
-            self._fail(sample, "render", f"rendering its answer raised {e!r}", f"turn {turn}")
+        except Exception as e:  # _Failed, or the template or tokenizer on its answer: the episode's failure
+            self._fail(sample, e, f"turn {turn}", "answer")
             return False
         episode.env_truncated += cut
         if env_ids is None:  # no room for even a cut answer
@@ -269,13 +259,9 @@ class EpisodeRunner:
                     opening = samples[i].prompt if opening is None else opening
                     samples[i] = replace(samples[i], prompt=opening, prompt_ids=self._opening(opening))
                     states[i].sample["prompt"] = opening
-            except _Failed as failed:
-                self._fail(samples[i], failed.kind, failed.why, "reset")
-                continue
-            except Exception as e:  # the template or tokenizer on its opening
-                self._fail(samples[i], "render", f"rendering its opening raised {e!r}", "reset")
-                continue
-            active.append(i)
+                active.append(i)
+            except Exception as e:  # _Failed, or the template or tokenizer on its opening
+                self._fail(samples[i], e, "reset", "opening")
         return active
 
     def _opening(self, opening):
@@ -299,22 +285,22 @@ class EpisodeRunner:
         return results
 
     def _outcome(self, ok, out, what):
-        """A call's value, checked again (parse_opening, parse_step: cheap on what the worker checked), and
-        for a step state.data as step left it; _Failed if the call or the check failed."""
+        """A call's value as its worker checked it (HostedEnv), a step's with state.data as step left it;
+        _Failed if the call or the check failed."""
         if not ok and isinstance(out, UserCodeError):
             raise _Failed(f"raised {out.kind}", f"{what} raised {out!r}")
         if not ok:  # TimeoutError, WorkerLost, PicklingError
             kind = "timeout" if isinstance(out, TimeoutError) else type(out).__name__
             raise _Failed(kind, f"{what}: {out}")
         value = out if what == "reset" else out[0]
-        try:
-            if isinstance(value, Malformed):
-                raise value
-            return parse_opening(value) if what == "reset" else (parse_step(value), out[1].data)
-        except ValueError as e:
-            raise _Failed("malformed", str(e)) from None
+        if isinstance(value, Malformed):
+            raise _Failed("malformed", str(value))
+        return value if what == "reset" else (value, out[1].data)
 
-    def _fail(self, sample, kind, why, where):
+    def _fail(self, sample, error, where, what):
+        """End the episode with error: a _Failed, or what rendering its `what` raised."""
+        kind, why = (error.kind, str(error)) if isinstance(error, _Failed) else (
+            "render", f"rendering its {what} raised {error!r}")
         sample.episode.failure = f"{kind}: {why}"
         if kind not in self.seen:
             self.seen.add(kind)
@@ -326,7 +312,7 @@ class EpisodeRunner:
 class _Failed(Exception):
     def __init__(self, kind, why):
         super().__init__(why)
-        self.kind, self.why = kind, why
+        self.kind = kind
 
 
 def score(samples, score_all, strict=False):
@@ -362,7 +348,7 @@ def episode_metrics(samples):
     numbers = {}
     for e in episodes:
         for key, value in e.info.items():
-            if isinstance(value, (int, float)):  # finite: parse_step checked (bools count too: rates)
+            if isinstance(value, (int, float)):  # finite (parse_step); bools count too: rates
                 numbers.setdefault(key, []).append(float(value))
     means = {f"rollout/env/{key}": sum(x / len(v) for x in v) for key, v in numbers.items()}  # no overflow
     metrics.update({key: mean for key, mean in means.items() if math.isfinite(mean)})
