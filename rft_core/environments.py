@@ -43,7 +43,8 @@ class HostedEnv:
         stop, tools = getattr(env, "stop", None) or [], getattr(env, "tools", None)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ConfigError(f"--env {spec!r}: its stop {stop!r} is not a list of texts that end a turn")
-        if not (tools is None or isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+        schemas = isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
+        if tools is not None and not schemas:
             raise ConfigError(f"--env {spec!r}: its tools {tools!r} are not a list of JSON schemas (dicts)")
         # awaited side by side in the workers (rft_core/workers.py: --env_concurrency at once)
         self.async_methods = [m for m in ("reset", "step") if inspect.iscoroutinefunction(getattr(env, m, 0))]
