@@ -198,8 +198,8 @@ class Workers:
         try:
             reply = pickle.loads(reply)
         except Exception as e:  # a result of a class only the user's file defines
-            reply = ("unread", pickle.PicklingError(f"its result cannot be read outside its worker: {e!r}; "
-                                                    "return built-in types (numbers, strings, lists, dicts)"))
+            reply = ("error", pickle.PicklingError(f"its result cannot be read outside its worker: {e!r}; "
+                                                   "return built-in types (numbers, strings, lists, dicts)"))
         if rss > worker.rss + LEAK_BYTES:
             self.retiring[i] = ("memory", f"a worker's memory grew to {rss / 2**30:.2f} GiB, by "
                                           f"{(rss - worker.rss) / 2**30:.2f} GiB since it started (a leak in "
@@ -207,13 +207,7 @@ class Workers:
         elif cpu > max(BUSY_MIN_S, BUSY_SHARE * idle):
             self.retiring[i] = ("busy", f"a worker used {cpu:.1f} s of CPU in {idle:.1f} s between calls (a "
                                         f"thread of {self._named()} left running?)")
-        kind, value = reply[0], reply[1]
-        if kind == "raised":
-            value = UserCodeError(*reply[1:])
-        elif kind == "timeout":
-            value = TimeoutError(f"no result within --call_timeout {value} s: the call was cancelled in its "
-                                 "worker")
-        results[k] = (kind == "ok", value)
+        results[k] = (reply[0] == "ok", UserCodeError(*reply[1:]) if reply[0] == "raised" else reply[1])
 
     def _drop(self, i, running, results, error):
         """Fail the calls running in worker i (stopped, or ended) with error."""
@@ -346,7 +340,8 @@ def serve(fd):
 
 
 class _Calls:
-    """Answers each call (name, method, args, timeout, number) with (number, usage, its pickled outcome).
+    """Answers each call (name, method, args, timeout, number) with (number, usage, its pickled outcome:
+    ("ok", value), ("raised", what, kind, line, interrupt) or ("error", a TimeoutError / PicklingError)).
     usage: CPU and wall s spent with no call to run before it came, and resident bytes. A call that returns
     an awaitable becomes a task on the worker's event loop (answered when it ends; cancelled at its timeout),
     which runs while the worker waits for the next call; other calls run outside it (asyncio.run works)."""
@@ -399,7 +394,8 @@ class _Calls:
             async with limit:
                 outcome = ("ok", await value)
         except BaseException as e:  # the user's, whatever it is (sys.exit too): that call's failure
-            outcome = ("timeout", timeout) if limit.expired() else self._raised(e, name)
+            outcome = self._raised(e, name) if not limit.expired() else ("error", TimeoutError(
+                f"no result within --call_timeout {timeout} s: the call was cancelled in its worker"))
         self.running.discard(asyncio.current_task())
         self._answer(number, usage, outcome)
 
