@@ -249,11 +249,11 @@ def prompt_text(tokenizer, prompt, apply_chat_template=True, system_prompt=None,
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
 
     text = render(prompt)
-    if tools and (with_tools := render(prompt, tools=tools)) != text:
-        return with_tools  # the template writes them
-    if tools and prompt[0]["role"] == "system":  # the schemas join the system message
-        return render([{"role": "system", "content": f"{prompt[0]['content']}\n\n{tools_text}"}, *prompt[1:]])
-    return render([{"role": "system", "content": tools_text}, *prompt]) if tools else text
+    if not tools or (with_tools := render(prompt, tools=tools)) != text:
+        return with_tools if tools else text  # with tools the template writes
+    if prompt[0]["role"] == "system":  # the schemas join the system message
+        tools_text, prompt = f"{prompt[0]['content']}\n\n{tools_text}", prompt[1:]
+    return render([{"role": "system", "content": tools_text}, *prompt])
 
 
 def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):
