@@ -4,17 +4,14 @@ tools`: this file's `calculate`, with the multiply task).
     python train_ppo.py --prompt_data multiply --env tools                   # calculate, below
     python train_ppo.py --prompt_data my_data.jsonl --env tools:my_tools.py  # your file's functions
 
-Every public function a file defines (its name not starting with _) is a tool. Its schema comes from its
-signature and docstring (transformers' get_json_schema: type hints, a Google-style Args section), rendered
-through the chat template's `tools=` where it takes them, else as text in the system message
-(data.prompt_text). A turn's calls are read in the Qwen2.5 / Hermes format, `<tool_call>{"name": ...,
-"arguments": {...}}</tool_call>` (several a turn), each run and answered by a "tool" message (its result;
-JSON text for what is not a string). A call that cannot be run (not JSON, an unknown tool, wrong arguments,
-a tool that raises) is answered by a tool message saying what was wrong, for the policy to learn from. A
-turn without a call ends the episode: the reward scores it. `async def` tools are awaited (side by side,
---env_concurrency). info: the calls made and the errors among them. A file may also define `reset(sample)`
-(the opening; without it, the data's prompt), `parse_tool_calls(text) -> [(name, arguments)]` (another call
-format) and `stop` (a list of texts that end a turn): these are not tools.
+Every public function a file defines is a tool, its schema from its type hints and docstring's Args
+section (transformers' get_json_schema), rendered into the opening (data.prompt_text). A turn's calls,
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5 / Hermes; several a turn), are each
+answered by a "tool" message: the result (JSON for what is not a string), or what was wrong with the call
+(not JSON, an unknown tool, wrong arguments, a tool that raised), for the policy to learn from. A turn
+without a call ends the episode: the reward scores it. `async def` tools are awaited side by side. info:
+the calls made and the errors among them. Not tools: a file's `reset(sample)` (the opening),
+`parse_tool_calls(text) -> [(name, arguments)]` (another call format) and `stop` (texts that end a turn).
 """
 
 import inspect
@@ -75,17 +72,17 @@ class ToolEnv:
             self.step = self._step_async  # awaited in the workers, side by side
 
     def step(self, state, text):
-        return self._answer(state, [self._call(name, arguments) for name, arguments in self._read(text)])
+        return self._answer(state, self._calls(text))
 
     async def _step_async(self, state, text):
-        answers = [self._call(name, arguments) for name, arguments in self._read(text)]
-        return self._answer(state, [await a if inspect.isawaitable(a) else a for a in answers])
+        return self._answer(state, [await a if inspect.isawaitable(a) else a for a in self._calls(text)])
 
-    def _read(self, text):
+    def _calls(self, text):
         try:
-            return list(self.parse(text))
+            calls = list(self.parse(text))
         except Exception as e:  # a file's own parser
-            return [(None, f"the tool calls could not be read: {type(e).__name__}: {e}")]
+            calls = [(None, f"the tool calls could not be read: {type(e).__name__}: {e}")]
+        return [self._call(name, arguments) for name, arguments in calls]
 
     def _call(self, name, arguments):
         """(ok, the text answering a call), or an awaitable of it (an async tool)."""
@@ -107,9 +104,9 @@ class ToolEnv:
         return _awaited(name, result) if inspect.isawaitable(result) else _text(name, result)
 
     def _answer(self, state, answers):
-        state.data["calls"] = state.data.get("calls", 0) + len(answers)
-        state.data["errors"] = state.data.get("errors", 0) + sum(not ok for ok, _ in answers)
-        info = {"calls": state.data["calls"], "errors": state.data["errors"]}
+        info = {"calls": state.data.get("calls", 0) + len(answers),
+                "errors": state.data.get("errors", 0) + sum(not ok for ok, _ in answers)}
+        state.data.update(info)
         if not answers:  # the answer: the reward scores this turn
             return None, True, 0.0, info
         return [{"role": "tool", "content": text} for _, text in answers], False, 0.0, info
