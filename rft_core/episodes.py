@@ -1,8 +1,7 @@
 """Multi-turn rollouts (`--env`): the policy acts, an environment answers, and the whole episode trains.
 
-An environment is an object with `step(state, text) -> (observation, done[, reward[, info]])` and optionally
-`reset(sample) -> opening` (chat messages, a string, or None for the data's prompt), in a user's file named
-as `--env path/to/file.py:NAME` (docs/multi_turn.md), run in worker processes (rft_core/workers.py).
+The environment (`step(state, text)`, optionally `reset(sample)`: rft_core/environments.py,
+docs/multi_turn.md) runs in worker processes (rft_core/workers.py).
 
 Token in, token out: each turn continues from the episode's own token ids, so the ids that train are the
 engine's sampled ids (and logprobs) exactly. An environment turn is rendered and tokenized once, its text as
@@ -174,25 +173,20 @@ class EpisodeRunner:
         [Generation]; any_active(n) -> whether any rank has episodes going on (a collective)."""
         cfg = self.settings
         samples = [replace(s, episode=Episode([])) for s in samples]
-        ids = [[] for _ in samples]  # response token ids so far
-        logprobs = [[] for _ in samples]  # None once a turn came without them
-        mask = [[] for _ in samples]
+        out = [Generation([], [], mask=[]) for _ in samples]  # the responses so far
         states = [State({"prompt": s.prompt, "label": s.label}) for s in samples]
         active = self._reset(samples, states)
         for turn in range(1, cfg.max_turns + 1):
             if not any_active(len(active)):
                 break  # every rank's episodes have ended
-            limits = [min(cfg.turn_tokens, cfg.max_tokens - len(ids[i])) for i in active]
-            gens = generate([samples[i].prompt_ids + ids[i] for i in active], limits,
+            limits = [min(cfg.turn_tokens, cfg.max_tokens - len(out[i].token_ids)) for i in active]
+            gens = generate([samples[i].prompt_ids + out[i].token_ids for i in active], limits,
                             [samples[i].mm for i in active])
             stepping, ended = [], {}
             for i, gen in zip(active, gens):
                 episode = samples[i].episode
                 text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-                ids[i] += gen.token_ids
-                mask[i] += [1] * len(gen.token_ids)
-                known = logprobs[i] is not None and gen.logprobs is not None
-                logprobs[i] = logprobs[i] + list(gen.logprobs) if known else None
+                _extend(out[i], gen.token_ids, gen.logprobs, 1)
                 episode.turns.append({"role": "assistant", "content": text})
                 episode.completion = text
                 states[i].turn = turn
@@ -204,15 +198,13 @@ class EpisodeRunner:
                     stepping.append(i)
             outcomes = self._call("step", [(states[i], samples[i].episode.completion) for i in stepping])
             active = [i for i, outcome in zip(stepping, outcomes)
-                      if self._answer(samples[i], states[i], outcome, turn, ended[i], ids[i], mask[i],
-                                      logprobs[i])]
-        return [replace(s, generation=Generation(ids[i], logprobs[i], mask=mask[i]))
-                for i, s in enumerate(samples)]
+                      if self._answer(samples[i], states[i], outcome, turn, ended[i], out[i])]
+        return [replace(s, generation=g) for s, g in zip(samples, out)]
 
-    def _answer(self, sample, state, outcome, turn, ended, ids, mask, logprobs):
+    def _answer(self, sample, state, outcome, turn, ended, out):
         """Take in step's outcome: state.data as step left it, reward, info, its messages rendered after a
-        turn that `ended` so and appended to ids, mask (0) and logprobs (0.0) in place, cut to the room left
-        (or --max_env_tokens). Returns whether the episode goes on."""
+        turn that `ended` so and appended to the response `out` (mask 0), cut to the room left (or
+        --max_env_tokens). Returns whether the episode goes on."""
         episode, cfg = sample.episode, self.settings
         episode.env_calls += 1
         try:
@@ -224,7 +216,7 @@ class EpisodeRunner:
             if done or turn == cfg.max_turns:
                 episode.cut = None if done else "turns"
                 return False
-            room = cfg.max_tokens - len(ids) - 1  # the next turn's first token at least
+            room = cfg.max_tokens - len(out.token_ids) - 1  # the next turn's first token at least
             env_ids, contents, cut = self.render(messages, ended, min(room, cfg.max_env_tokens or room))
         except Exception as e:  # _Failed, or the template or tokenizer on its answer: the episode's failure
             self._fail(sample, e, f"turn {turn}", "answer")
@@ -233,10 +225,7 @@ class EpisodeRunner:
         if env_ids is None:  # no room for even a cut answer
             episode.cut = "tokens"
             return False
-        ids += env_ids
-        mask += [0] * len(env_ids)
-        if logprobs is not None:
-            logprobs += [0.0] * len(env_ids)
+        _extend(out, env_ids, [0.0] * len(env_ids), 0)
         episode.env_tokens += len(env_ids)
         for m, content in zip(messages, contents):
             role = m["role"] if self.templated else "environment"
@@ -307,6 +296,13 @@ class EpisodeRunner:
             self.log(f"[env] {self.name} failed an episode at {where} (label {sample.label!r}): {why}; the "
                      "episode ends and gets --reward_fallback, counted in rollout/env_errors (shown once per "
                      "kind)")
+
+
+def _extend(out, ids, logprobs, mask):
+    """Append ids to the response out with their logprobs (None once a turn came without) and mask."""
+    out.token_ids += ids
+    out.mask += [mask] * len(ids)
+    out.logprobs = None if out.logprobs is None or logprobs is None else out.logprobs + list(logprobs)
 
 
 class _Failed(Exception):
