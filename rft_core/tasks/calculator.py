@@ -86,6 +86,7 @@ def opening(sample, system, shot):
 class Calculator:
     """The environment: reset gives the tool-use opening for a multiply_task prompt; step answers a
     <calc> call with its result, or ends the episode (info: the calls made)."""
+    inline = False  # ReAct: the result appended to the turn, which goes on
 
     def reset(self, sample):
         return opening(sample, CALCULATOR_SYSTEM, lambda x, y: [
@@ -94,32 +95,23 @@ class Calculator:
             {"role": "assistant", "content": f"{x} * {y} = {x * y}\n<answer>{x * y}</answer>"}])
 
     def step(self, state, text):
-        calls = CALL.findall(text)
+        calls = CALL.findall(text) if not self.inline or text.rstrip().endswith("</calc>") else []
         if not calls:  # the answer: the reward scores this turn
             return None, True, 0.0, {"calls": state.data.get("calls", 0)}
         state.data["calls"] = state.data.get("calls", 0) + 1
-        return {"role": "tool", "content": _result(calls[-1])}, False
+        try:
+            result = str(calculate(calls[-1]))
+        except ValueError as e:
+            result = f"error: {e}"
+        return (f" = {result}\n" if self.inline else {"role": "tool", "content": result}), False
 
 
 class ReactCalculator(Calculator):
     """--env calculator_react: the calculator in the ReAct style. A turn stops at `</calc>` (its stop); step
     answers it with " = result" appended to the turn (episodes.EpisodeRunner), and the model goes on in the
     same message; a turn that does not end with a call ends the episode."""
-    stop = ["</calc>"]
+    stop, inline = ["</calc>"], True
 
     def reset(self, sample):
         return opening(sample, REACT_SYSTEM, lambda x, y: [
             {"role": "assistant", "content": f"<calc>{x} * {y}</calc> = {x * y}\n<answer>{x * y}</answer>"}])
-
-    def step(self, state, text):
-        if not text.rstrip().endswith("</calc>"):
-            return None, True, 0.0, {"calls": state.data.get("calls", 0)}
-        state.data["calls"] = state.data.get("calls", 0) + 1
-        return f" = {_result(CALL.findall(text)[-1])}\n", False
-
-
-def _result(expression):
-    try:
-        return str(calculate(expression))
-    except ValueError as e:
-        return f"error: {e}"
