@@ -136,12 +136,15 @@ def parse_step(out):
         raise ValueError(f"observation is {type(observation).__name__}, not a string or "
                          "{'role', 'content'} message(s)")
     messages = [_message(m, ROLES) for m in observation]
-    done = _bool(done)
+    # done: a bool, 0 or 1, or a numpy / torch bool scalar ("no" is not)
+    if not (isinstance(done, bool) or type(done) is int and done in (0, 1) or type(_plain(done)) is bool):
+        raise ValueError(f"done {done!r:.80} is not a bool")
     if not done and not messages:
         raise ValueError("no observation for an episode that goes on (done is false)")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"info is {type(info).__name__}, not a dict")
-    return messages, done, 0.0 if reward is None else _number(reward, "reward"), _data(info or {}, "info")
+    reward = 0.0 if reward is None else _number(reward, "reward")
+    return messages, bool(done), reward, _data(info or {}, "info")
 
 
 def _message(m, roles):
@@ -152,13 +155,6 @@ def _message(m, roles):
 
 def _text(s):
     return str.__str__(s)  # a plain str, also of a str subclass (whose own __str__ may say anything)
-
-
-def _bool(done):
-    """done as a bool: a bool, 0 or 1, or a numpy / torch bool scalar; ValueError for anything else ("no")."""
-    if isinstance(done, bool) or type(done) is int and done in (0, 1) or type(_plain(done)) is bool:
-        return bool(done)
-    raise ValueError(f"done {done!r:.80} is not a bool")
 
 
 def _number(value, what, kind="a finite number (one a float holds)"):

@@ -86,7 +86,11 @@ class EpisodeRunner:
                 raise ConfigError("--env: the tokenizer's chat template renders a conversation "
                                   "differently once it goes on, so turns cannot be appended: use "
                                   "--apply_chat_template false")
-            if not self._renders_tool():
+            try:
+                renders = SLOT % 0 in self._template(BASE + [{"role": "tool", "content": SLOT % 0}], True)
+            except Exception:  # whatever the template raised ("unknown role"...)
+                renders = False
+            if not renders:
                 self.tool_role = "user"
                 log(f"[env] the chat template cannot render a `tool` message (it raises or leaves its "
                     f"content out): {name}'s tool messages are rendered as `user` messages")
@@ -96,12 +100,6 @@ class EpisodeRunner:
             messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
-
-    def _renders_tool(self):
-        try:
-            return SLOT % 0 in self._template(BASE + [{"role": "tool", "content": SLOT % 0}], True)
-        except Exception:  # whatever the template raised ("unknown role"...)
-            return False
 
     def _slots(self, messages):
         return [{"role": self.tool_role if m["role"] == "tool" else m["role"], "content": SLOT % k}
