@@ -123,19 +123,21 @@ def parse_opening(opening):
 
 
 def parse_step(out):
-    """(messages, done, reward, info) as built-in types from what step returned (in the worker:
-    HostedEnv.step); ValueError naming what is wrong."""
+    """(observation, done, reward, info) as built-in types from what step returned (in the worker:
+    HostedEnv.step): the observation a string (text: inline after a stop, else a user message) or a list of
+    messages; ValueError naming what is wrong."""
     if not isinstance(out, tuple) or not 2 <= len(out) <= 4:
         raise ValueError(f"step returned {type(out).__name__}, not (observation, done[, reward[, info]])")
     observation, done, reward, info = (*out, None, None)[:4]
-    if observation is None or isinstance(observation, str):
-        observation = [{"role": "user", "content": observation}] if observation else []
-    elif isinstance(observation, dict):
+    if isinstance(observation, dict):
         observation = [observation]
-    if not isinstance(observation, list):
+    if observation is not None and not isinstance(observation, (str, list)):
         raise ValueError(f"observation is {type(observation).__name__}, not a string or "
                          "{'role', 'content'} message(s)")
-    messages = [_message(m, ROLES) for m in observation]
+    if isinstance(observation, list):
+        messages = [_message(m, ROLES) for m in observation]
+    else:  # text, or None: no answer
+        messages = _text(observation) if observation else []
     # done: a bool, 0 or 1, or a numpy / torch bool scalar ("no" is not)
     if not (isinstance(done, bool) or type(done) is int and done in (0, 1) or type(_plain(done)) is bool):
         raise ValueError(f"done {done!r:.80} is not a bool")

@@ -80,7 +80,7 @@ class EpisodeRunner:
             tail = self.base[self.base.rindex("y") + 1:]
             end = tail.find(tokenizer.eos_token) if tokenizer.eos_token else -1
             self.after_eos = tail[end + len(tokenizer.eos_token):] if end >= 0 else tail
-            self.end = tail.strip()
+            self.end, self.tail = tail.strip(), tail
             self.after_end = tail[tail.find(self.end) + len(self.end):]
             if not self._template(BASE * 2, True).startswith(self.base):
                 raise ConfigError("--env: the tokenizer's chat template renders a conversation "
@@ -107,13 +107,14 @@ class EpisodeRunner:
 
     def render(self, messages, ended="eos", limit=math.inf):
         """(token ids, contents, cut) of an environment turn (messages) after an assistant turn that `ended`
-        ("eos", "end": under the chat template the rest of that turn's markup, the messages, and the next
-        assistant header; "inline", or no template: their text), cut to `limit` ids (_ids)."""
+        ("eos", "end", "close": under the chat template the rest of that turn's markup, all of it after
+        "close", the messages, and the next assistant header; "inline", or no template: their text), cut to
+        `limit` ids (_ids)."""
         contents = [m["content"] for m in messages]
         if not self.templated or ended == "inline":
             return self._ids("".join(SLOT % k for k in range(len(messages))), contents, limit)
         full = self._template(BASE + self._slots(messages), True)
-        after = self.after_eos if ended == "eos" else self.after_end
+        after = {"eos": self.after_eos, "end": self.after_end}.get(ended, self.tail)  # "close": all of it
         return self._ids(after + full[len(self.base):], contents, limit)
 
     def _ids(self, text, contents, limit):
@@ -155,8 +156,9 @@ class EpisodeRunner:
 
     def _ended(self, gen):
         """How an assistant turn ended: "eos", "end" (a stop that is the template's end-of-turn markup): the
-        environment answers in chat messages; "inline" (another stop): its answer is appended as is, and the
-        assistant goes on in the same turn; "cut": its token limit."""
+        environment answers in chat messages; "inline" (another stop): an answer in text is appended as
+        is and the assistant goes on in the same turn, one in messages closes the turn first; "cut": the
+        limit."""
         ids = gen.token_ids
         if ids and ids[-1] == self.tokenizer.eos_token_id:
             return "eos"
@@ -214,6 +216,10 @@ class EpisodeRunner:
             if done or turn == cfg.max_turns:
                 episode.cut = None if done else "turns"
                 return False
+            if isinstance(messages, str):  # text: inline after a stop, else a user message
+                messages = [{"role": "user", "content": messages}]
+            elif ended == "inline":  # messages after a stop: the turn is closed by the template's markup
+                ended = "close"
             room = cfg.max_tokens - len(out.token_ids) - 1  # the next turn's first token at least
             env_ids, contents, cut = self.render(messages, ended, min(room, cfg.max_env_tokens or room))
         except Exception as e:  # _Failed, or the template or tokenizer on its answer: the episode's failure

@@ -275,24 +275,28 @@ def test_a_template_that_cannot_render_tool_is_found_at_start_up(tokenizer):
 def test_turns_after_a_stop(tokenizer):
     """A turn that ended at EOS, or at a stop that is the template's end-of-turn markup (<|im_end|> where EOS
     is <|endoftext|>), gets the answer as chat messages and a new assistant header; one that ended at another
-    stop (</calc>) gets the answer's text appended as is, and the assistant goes on in the same turn; one
-    the limit cut ends the episode."""
+    stop (</calc>) gets an answer in text appended as is, and the assistant goes on in the same turn, while an
+    answer in messages closes the turn first (the template's whole end markup); one the limit cut ends it."""
     tok = with_template(tokenizer, tokenizer.chat_template, eos="<|endoftext|>")
     calc = tok("2*3</calc>", add_special_tokens=False)["input_ids"]
     im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
     said = tok(" = 6", add_special_tokens=False)["input_ids"]
-    engine = Turns([(calc, "stop"), ([1005, im_end], "stop"), ([1007, eos], "stop"),
+    engine = Turns([(calc, "stop"), ([1005, im_end], "stop"), ([1007, eos], "stop"), (calc, "stop"),
                     ([1008, 1009], "length")])
-    env = Scripted([({"role": "tool", "content": " = 6"}, False), ("a", False), ("b", False), ("c", False)])
-    out, _ = episode(tok, env, engine, max_turns=5)
+    env = Scripted([(" = 6", False), ("a", False), ("b", False), ({"role": "tool", "content": "c"}, False),
+                    ("d", False)])
+    out, _ = episode(tok, env, engine, max_turns=6)
     header = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     a = header("\n<|im_start|>user\n") + header("a") + header("<|im_end|>\n<|im_start|>assistant\n")
     b = header("<|im_end|>\n<|im_start|>user\n") + header("b") + header("<|im_end|>\n<|im_start|>assistant\n")
-    assert out.generation.token_ids == calc + said + [1005, im_end] + a + [1007, eos] + b + [1008, 1009]
-    mask = [1] * len(calc) + [0] * len(said) + [1, 1] + [0] * len(a) + [1, 1] + [0] * len(b) + [1, 1]
+    c = header("<|im_end|>\n<|im_start|>tool\n") + header("c") + header("<|im_end|>\n<|im_start|>assistant\n")
+    ids = calc + said + [1005, im_end] + a + [1007, eos] + b + calc + c + [1008, 1009]
+    assert out.generation.token_ids == ids
+    mask = ([1] * len(calc) + [0] * len(said) + [1, 1] + [0] * len(a) + [1, 1] + [0] * len(b)
+            + [1] * len(calc) + [0] * len(c) + [1, 1])
     assert out.generation.mask == mask
-    assert [t["role"] for t in out.episode.turns] == ["assistant", "tool", "assistant", "user", "assistant",
-                                                      "user", "assistant"]
+    assert [t["role"] for t in out.episode.turns] == ["assistant", "user", "assistant", "user", "assistant",
+                                                      "user", "assistant", "tool", "assistant"]
     assert out.episode.turns[0]["content"] == "2*3</calc>" and out.episode.cut == "tokens"
     assert env.texts[0] == "2*3</calc>" and out.episode.completion == tok.decode([1008, 1009])
 

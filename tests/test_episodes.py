@@ -288,7 +288,7 @@ def test_a_reset_that_fails_or_returns_an_opening(tokenizer):
 def test_malformed_steps_are_named(bad, why):
     with pytest.raises(ValueError, match=why.replace("(", r"\(")):
         parse_step(bad)
-    assert parse_step(("x", 0)) == ([{"role": "user", "content": "x"}], False, 0.0, {})
+    assert parse_step(("x", 0)) == ("x", False, 0.0, {})
 
 
 def test_scoring_episodes():

@@ -83,7 +83,7 @@ def tools_env(tmp_path):
 
 def step(env, text, state=None):
     (messages, done, _, info), state = env.step(state or State({"prompt": "p"}, turn=1), text)
-    return [m["content"] for m in messages], done, info, state
+    return [messages] if isinstance(messages, str) else [m["content"] for m in messages], done, info, state
 
 
 def test_a_files_functions_become_tools_with_schemas(tools_env, tmp_path):
@@ -250,6 +250,16 @@ def test_the_react_calculator_answers_inline():
     texts, done, _, state = step(env, "Let me see. <calc>12 * 34</calc>")
     assert texts == [" = 408\n"] and not done
     assert step(env, "<answer>408</answer>", state)[1:3] == (True, {"calls": 1})
+
+
+def test_the_built_in_tools_task_stops_at_its_call():
+    """--env tools: calculate is its one tool, a turn stops at </tool_call>, and the call is answered by a
+    tool message (which closes the turn: episodes.EpisodeRunner)."""
+    env = load_env("tools")
+    assert [t["function"]["name"] for t in env.about()["tools"]] == ["calculate"]
+    assert env.about()["stop"] == ["</tool_call>"]
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+    assert step(env, call)[:2] == (["408"], False)
 
 
 @pytest.mark.slow

@@ -128,7 +128,10 @@ def _text(name, result):
         return False, f"error: {name}'s result is not JSON ({e})"
 
 
-# ---- the built-in task's tool and opening ----
+# ---- the built-in task's tool, stop and opening ----
+
+stop = ["</tool_call>"]  # a turn ends at its call (one a turn), else the model may go on and invent a result
+
 
 def calculate(expression: str):
     """Evaluate an arithmetic expression.
