@@ -20,9 +20,7 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
                      log=None):
     """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a directory
     of them, or a `save_to_disk` directory; errors name `flag`, the file, the line or column. extra_keys:
-    {column: its flag}, columns that must exist, copied into the rows. log(message): told the rows skipped,
-    the labels that are not text or numbers (null read as "", a list or an object as Python writes it), a
-    directory's files of other kinds; each counted, the first named."""
+    {column: its flag}, required columns copied into the rows. log(message): told what was skipped."""
     if not os.path.exists(path):
         raise MissingPath(f"{flag} {path!r}: no such file or directory (built-in tasks: "
                           "train_ppo.py: arithmetic, multiply; train_ppo_vl.py: shapes)")
@@ -58,9 +56,8 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
 
 
 def _load_dataset(path, flag, log=None):
-    """The rows of a data file or directory through `datasets`; a bad file is one error naming it (and for
-    JSON, the first line that is not UTF-8, or does not parse, or repeats a key). log(message): told the
-    entries of a directory that are skipped for their kind (directories too, whatever their name)."""
+    """The rows of a data file or directory through `datasets`; a bad file is one error naming it (for JSON,
+    the first line that is not UTF-8, does not parse, or repeats a key)."""
     import datasets  # heavy; only needed for files
 
     if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
@@ -95,8 +92,7 @@ def _load_dataset(path, flag, log=None):
 
 
 def _load_saved(path, flag, log=None):
-    """A `save_to_disk` directory's rows: a Dataset, or a DatasetDict's "train" split (said, log; without one,
-    its splits are named); a damaged Arrow file in it is one error naming it."""
+    """A `save_to_disk` Dataset, or a DatasetDict's "train" split; a damaged Arrow file is one error."""
     import datasets
 
     try:
@@ -143,8 +139,7 @@ def _table_problem(path, kind):
 
 
 def _json_problem(path):
-    """What makes a JSON / JSON lines file unreadable: not UTF-8 (the line and byte), or for JSON lines, the
-    first line that does not parse or whose object repeats a key; None if none of these."""
+    """Why a JSON / JSON lines file is unreadable (not UTF-8, a line that does not parse...), or None."""
     stem, ext = os.path.splitext(path)
     with open(path, "rb") as f:
         head = f.read(4)
@@ -189,8 +184,7 @@ def batches(rows, rollout_batch_size, seed):
 
 
 def text_batches(path, key, batch_size, rank=0, world=1):
-    """Endless batches of this rank's texts from the column `key` of a data file (the ptx loss's data). The
-    file is read now, so a bad one is an error before training starts."""
+    """Endless batches of this rank's texts of column `key` (the ptx loss's), read now: errors come early."""
     texts = [r["prompt"] for r in load_prompt_rows(path, key, None, "--pretrain_data")[0]
              if isinstance(r["prompt"], str)]
     if not texts:
@@ -208,8 +202,7 @@ def _usable(prompt):
 
 
 def encode_rows(tokenizer, rows, max_len, apply_chat_template=True, system_prompt=None):
-    """([Sample] of the rows' prompts encoded, number skipped for being longer than max_len tokens). The texts
-    are tokenized in one batch: a call per prompt took 2 s of every run's start on the built-in task."""
+    """([Sample], number longer than max_len skipped), tokenized in one batch (a call each took 2 s)."""
     texts = [prompt_text(tokenizer, r["prompt"], apply_chat_template, system_prompt) for r in rows]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     samples = [Sample(list(i), r["label"], r["prompt"]) for i, r in zip(ids, rows)]
@@ -234,9 +227,8 @@ XML tags:
 
 
 def prompt_text(tokenizer, prompt, apply_chat_template=True, system_prompt=None, tools=None):
-    """The text the model reads for a prompt given as a string (as is, without the chat template) or a list of
-    chat messages (through the tokenizer's chat template, with the generation prompt). tools: JSON schemas,
-    rendered by the template where it takes them (it writes them), else as TOOLS_TEXT in a system message."""
+    """The text the model reads for a prompt: a string (as is without the chat template) or chat messages.
+    tools: JSON schemas, rendered by the template where it takes them, else as TOOLS_TEXT in a system one."""
     tools_text = TOOLS_TEXT.format("\n".join(json.dumps(t) for t in tools)) if tools else None
     if isinstance(prompt, str):
         if not apply_chat_template:
@@ -257,7 +249,6 @@ def prompt_text(tokenizer, prompt, apply_chat_template=True, system_prompt=None,
 
 
 def encode_prompt(tokenizer, prompt, apply_chat_template=True, system_prompt=None):
-    """Token ids of a prompt given as a string or a list of chat messages (the template holds the special
-    tokens, so none are added)."""
+    """Token ids of prompt_text (the template holds the special tokens, so none are added)."""
     return tokenizer(prompt_text(tokenizer, prompt, apply_chat_template, system_prompt),
                      add_special_tokens=False)["input_ids"]

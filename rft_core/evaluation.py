@@ -10,8 +10,7 @@ from rft_core.episodes import score as score_episodes
 
 
 def is_correct(sample, threshold=None):
-    """1.0 if a scored sample is right (by its reward's "correct" component, or its reward at least
-    threshold), else 0.0: a failed reward is not a right answer."""
+    """1.0 if right by its "correct" component (or reward >= threshold); a failed reward is 0.0."""
     if threshold is not None:
         return float(sample.reward >= threshold)
     value = sample.components.get("correct", math.nan)
@@ -20,12 +19,9 @@ def is_correct(sample, threshold=None):
 
 def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_samples=1, temperature=1.0,
              reward_threshold=None, episodes=None):
-    """eval/reward_mean of greedy responses to `prompts` (Samples), and where correctness is defined,
-    eval/accuracy and, with n_samples > 1, pass@1 / pass@n of n samples at `temperature`. Each rank generates
-    for its shard and the sums are reduced. Correct: by is_correct (no accuracy without a "correct" component
-    or reward_threshold). score_fn(samples): a rewards.RewardScorer (sets each sample's reward and
-    components). episodes: an episodes.EpisodeRunner (--env): each response an episode, scored as in
-    training."""
+    """eval/reward_mean of greedy responses, and where is_correct is defined eval/accuracy and, for
+    n_samples > 1, pass@1 / pass@n at `temperature`, over every rank's shard. score_fn: a
+    rewards.RewardScorer; episodes: an episodes.EpisodeRunner (--env)."""
     rank, world, n = accelerator.process_index, accelerator.num_processes, n_samples
     # every rank generates as many rows (sharded weights: a forward is a collective); the padding not counted
     local = prompts[rank::world]
@@ -81,7 +77,6 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
 
 
 def eval_line(step, metrics, n):
-    """The console line of one evaluation."""
     line = f"[eval] step {step} | greedy reward {metrics['eval/reward_mean']:.3f}"
     if "eval/accuracy" in metrics:
         line += f" | accuracy {metrics['eval/accuracy']:.3f}"

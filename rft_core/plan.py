@@ -1,18 +1,12 @@
-"""The run's plan: what a training script derives from its flags alone and every automatic choice, resolved
-in one place into a frozen record that the loop reads (the step count and warm-up need the data: main()
-computes them). The flags (`args`) are never written after parsing;
-config.json keeps the flags as typed and this plan, and the start-up prints what auto chose and why.
+"""The run's plan: what a script derives from its flags and every automatic choice, in one frozen record the
+loop reads (`args` is never written after parsing); config.json keeps both, and the start-up prints why.
 
     plan = resolve(args, accelerator)          # right after the Accelerator exists; runs the flag checks
     plan = with_stops(plan, stops, tokenizer)  # once the tokenizer loads: --stop and the environment's
     plan = with_memory_plan(plan, args, ...)   # once the trained nets are prepared: the update's memory
 
-Two choices cannot be made from the flags alone. The update's micro-batch budget and gradient checkpointing
-come from activations measured on the loaded model (`with_memory_plan`, on a GPU). Whether the optimizer
-state leaves the GPU between updates (`--optimizer_offload` left to auto, `optimizer_offload` None here) is
-decided after the first update, by whether the engine could wake beside it: the loop keeps that decision in
-its own variable, `offload` (rft_core/optim.py: offload_after_update).
-"""
+Auto --optimizer_offload is decided after the first update, in the loop's `offload` (optim.py's
+offload_after_update)."""
 
 import math
 from dataclasses import asdict, dataclass, replace
@@ -60,14 +54,12 @@ class Plan:
     why: tuple = ()  # what auto chose and why, a line each
 
     def record(self):
-        """The plan as config.json keeps it (JSON-ready)."""
         out = asdict(self)
         out["loss"] = {k: v for k, v in out["loss"].items() if k != "sample_sum"}
         out["why"] = list(self.why)
         return out
 
     def describe(self):
-        """The start-up's `[plan]` lines."""
         budget = self.max_tokens_per_micro_batch
         lines = [f"{self.samples_per_step} samples a step, {self.train_batch_size} an optimizer step, over "
                  f"{self.world} process(es); engine {self.engine.type}, bf16 {self.bf16}, compile "
@@ -83,9 +75,8 @@ def default_bf16(args):
 
 
 def resolve(args, accelerator, default_lr=None):
-    """The plan of a run from its flags, the Accelerator (processes, DeepSpeed / FSDP2, parallelism) and the
-    machine; checks the flags first (rft_core/runs/checks.py). default_lr: the actor's learning rate where the
-    flag is unset (the VL script's default depends on the model)."""
+    """The plan from the flags (checked first: rft_core/runs/checks.py), the Accelerator and the machine.
+    default_lr: the actor's where the flag is unset (the VL script's depends on the model)."""
     world, parallelism = accelerator.num_processes, accelerator.parallelism_config
     deepspeed = accelerator.state.deepspeed_plugin
     sharded = accelerator.distributed_type.name == "FSDP" or bool(deepspeed and deepspeed.zero_stage == 3)
@@ -129,15 +120,13 @@ def resolve(args, accelerator, default_lr=None):
 
 
 def importance_weights(args):
-    """(cap, level) of the TIS weights pi_old / pi_engine: --tis_cap, or 2 under partial rollout (tokens
-    sampled by older weights), None: none; --tis_level, or "sequence" under partial rollout (no late lag in
-    six GPU seed pairs, where per-token weights left one: docs/partial_rollout.md), else "token"."""
+    """(cap, level) of the TIS weights pi_old / pi_engine. Partial rollout's defaults, 2 per "sequence": no
+    late lag in six GPU seed pairs, where per-token weights left one (docs/partial_rollout.md)."""
     cap = 2.0 if args.tis_cap is None and args.partial_rollout else args.tis_cap
     return cap, args.tis_level or ("sequence" if args.partial_rollout else "token")
 
 
 def loss_settings(args, train_batch_size, tis_cap, tis_level):
-    """actor_loss's settings from the loss flags; cpgd's defaults."""
     cpgd = args.advantage_estimator == "cpgd"
     drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -155,7 +144,7 @@ def response_limit(args):
 
 
 def rollout_settings(args, tis_cap):
-    """The rollout's settings from its flags (the EOS token is the tokenizer's: set once it loads)."""
+    """The rollout's settings (the EOS token is set once the tokenizer loads)."""
     default = max(1, args.generate_max_len // 4)  # the budget per round
     # TIS and partial rollout weight every token by its engine logprob; otherwise they feed only the
     # engine-vs-trainer metric, which one sample in 8 estimates for an eighth of their cost
@@ -168,10 +157,8 @@ def rollout_settings(args, tis_cap):
 
 
 def engine_settings(args, engine_type, bf16, requests, sp_size=1):
-    """The EngineSettings of the engine flags; requests: one generate call's, per rank. sp_size > 1 (sequence
-    or context parallelism: Accelerate drops the prepared models' attention masks): the transformers engine
-    generates one prompt at a time, without padding. The VL script's flags give the images per prompt and
-    the parameters synced once (a frozen vision tower)."""
+    """requests: one generate call's, per rank. sp_size > 1 (Accelerate drops the prepared models'
+    attention masks): the transformers engine generates one prompt at a time, unpadded."""
     micro_batch_size = 1 if sp_size > 1 else args.micro_rollout_batch_size
     if args.partial_rollout:  # a generation round holds --inflight_ratio steps' worth of groups
         requests = math.ceil(requests * args.inflight_ratio)
@@ -186,9 +173,8 @@ def engine_settings(args, engine_type, bf16, requests, sp_size=1):
 
 
 def with_stops(plan, stops, tokenizer):
-    """The plan with its stops (--stop, then the environment's) read against the tokenizer into the engine's
-    settings (every generate call stops at them) and the rollout's: an item that is a special token's text
-    (`<|im_end|>`) or `id:N` stops at that token id, any other at its text."""
+    """The plan with its stops (--stop, the environment's) in the engine's and rollout's settings: a special
+    token's text (`<|im_end|>`) or `id:N` stops at that token id, any other at its text."""
     texts, ids, special, size = [], [], set(tokenizer.all_special_tokens), len(tokenizer)
     for item in stops:
         if not isinstance(item, str) or not item:
@@ -207,14 +193,10 @@ def with_stops(plan, stops, tokenizer):
 
 
 def with_memory_plan(plan, args, accelerator, model, nets):
-    """The plan with the update's micro-batch budget and gradient checkpointing decided, and checkpointing
-    turned on in the prepared nets where it is. Left to auto with micro-batches by tokens, they come from the
-    activations measured on the GPU (rft_core/memory.py: plan_update_memory; collective under ZeRO-3 /
-    FSDP2): the largest budget that fits beside the awake engine, else beside the sleeping one, else
-    checkpointing. A --gradient_checkpointing or --max_tokens_per_micro_batch given is kept."""
+    """The plan with the update's micro-batch budget and gradient checkpointing decided (the latter turned on
+    in nets): flags given are kept, auto from activations measured (memory.plan_update_memory; collective)."""
     checkpointing, budget = plan.gradient_checkpointing, plan.max_tokens_per_micro_batch
     if budget and checkpointing is None:
-        # of the GPU, an awake engine's
         share = 0.0 if args.engine_sleep == "always" else args.engine_mem_util
         checkpointing, budget = plan_update_memory(
             model, budget, plan.chunk_size, accelerator.autocast, share, args.engine_sleep != "never",

@@ -1,15 +1,8 @@
-"""The rollout of one step: this rank's prompts drawn from the data stream, each sampled n times by the
-engine, decoded, scored, shaped (DAPO's overlong penalty), and kept by whole groups (DAPO's dynamic sampling
-drops the groups whose rewards are all equal and draws fresh prompts, for at most `max_rounds` rounds).
-With an environment (`--env`) each sample is a multi-turn episode (rft_core/episodes.py), scored on its last
-assistant turn plus the environment's rewards; a GRPO group is the episodes of one prompt.
-
-Partial rollout (`--partial_rollout`; Kimi k1.5's partial rollouts, AReaL's staleness bound): a sample that
-reaches a round's `token_budget` unfinished keeps its token ids, logprobs and each token's policy version,
-and continues in a later round or step. Each step trains k groups whose samples all finished, the oldest
-first; no trained token is older than `max_staleness` versions. docs/partial_rollout.md tells how a sample
-moves, round by round (`_collect_partial`).
-"""
+"""The rollout of one step: this rank's prompts, each sampled n times, scored, shaped (DAPO's overlong
+penalty) and kept by whole groups (DAPO's dynamic sampling redraws groups of equal rewards). With `--env` a
+sample is a multi-turn episode (rft_core/episodes.py). Partial rollout (Kimi k1.5, AReaL's staleness bound):
+a sample cut at a round's `token_budget` continues later; each step trains the oldest finished groups, no
+token older than `max_staleness` versions (docs/partial_rollout.md, `_collect_partial`)."""
 
 import math
 import time
@@ -48,7 +41,6 @@ class RolloutSettings:
 
 @dataclass(eq=False)  # a group is itself: membership tests compare identity, not samples (and their images)
 class Group:
-    """A prompt's n samples in the partial-rollout buffer; each generation holds its tokens so far."""
     samples: list
     version: int  # the policy version that sampled its first tokens
     done: list  # per sample: finished
@@ -56,8 +48,7 @@ class Group:
 
 
 class Rollouts:
-    """Each step's samples for this rank: rollout_batch_size // world prompts (whole groups) from the prompt
-    stream (the same on every rank); its state (partial rollout: its buffer and queue too) is saved."""
+    """Each step's samples for this rank: rollout_batch_size // world prompts (whole groups) a step."""
 
     def __init__(self, prompts, rollout_batch_size, seed, rank, world, settings, device, episodes=None):
         self.data = batches(prompts, rollout_batch_size, seed)
@@ -95,7 +86,7 @@ class Rollouts:
         return [p for p in batch for _ in range(self.settings.group_size)]
 
     def collect(self, engine, tokenizer, score_all, reduce_sum, step):
-        """(samples, metrics) of one step (RewardError if too many failed); reduce_sum: a collective sum."""
+        """(samples, metrics) of one step; RewardError if too many failed."""
         self.generated = self.slots = 0  # counted by _generate
         self.score_s = 0.0  # the seconds of it spent scoring (by _score)
         env_s = self.episodes.env_s if self.episodes else 0.0
@@ -138,7 +129,6 @@ class Rollouts:
         return samples
 
     def _score(self, groups, tokenizer, score_all, kept, dropped, counts):
-        """Decode, score and shape whole groups: each to kept or (all rewards equal) to dropped."""
         cfg = self.settings
         samples = [s for group in groups for s in group]
         if not samples:
@@ -177,8 +167,7 @@ class Rollouts:
         return samples, metrics
 
     def _generate(self, engine, prompts, limits, mm, logprob_every=None):
-        """engine.generate, counting the tokens generated and the decode slots the call held (its requests x
-        its longest output): their ratio is the share of the batch still generating, the tail's idle rest."""
+        """engine.generate, counting tokens and decode slots held (requests x longest): the batch's use."""
         cfg = self.settings
         every = cfg.logprob_every if logprob_every is None else logprob_every
         outputs = engine.generate(prompts, limits, cfg.temperature, cfg.top_p, mm=mm, logprob_every=every)
@@ -198,8 +187,7 @@ class Rollouts:
         ready = [g for g in self.buffer if g.ready and g not in stale]
         pending = [g for g in self.buffer if not g.ready and g not in stale]
         resumed = sum(not d for g in pending for d in g.done)
-        # groups to hold per round; where nothing is cut off (a budget of the whole length, or K = 0) only
-        # what the step needs is drawn: the synchronous loop
+        # where nothing is cut off (a budget of the whole length, or K = 0): the synchronous loop
         can_cut = cfg.token_budget < cfg.max_new_tokens and cfg.max_staleness > 0
         in_hand = math.ceil(self.k * cfg.inflight_ratio) if can_cut else self.k
         for rounds in range(1, cfg.max_rounds + 1):
@@ -220,11 +208,10 @@ class Rollouts:
             for (g, i), limit, new in zip(requests, limits, outputs):
                 gen, ids = g.samples[i].generation, g.samples[i].generation.token_ids + new.token_ids
                 # a stop text may span two rounds' chunks, where the engine (which sees the first as prompt)
-                # cannot find it: the first stop in the whole response's text ends it (None: no stop)
+                # cannot find it
                 end = stop_end(ids, tokenizer, cfg.stop)
                 gen.token_ids, gen.logprobs = ids[:end], (gen.logprobs + new.logprobs)[:end]
                 gen.versions = (gen.versions + [version] * len(new.token_ids))[:end]
-                # finished: it stopped (EOS or a stop), stopped short of the limit, or it reached the length
                 ended = end is not None or new.finish == "stop" or new.token_ids[-1:] == [cfg.eos_token_id]
                 g.done[i] = ended or len(new.token_ids) < limit or len(gen.token_ids) >= cfg.max_new_tokens
             finished = [g for g in pending if all(g.done)]

@@ -1,9 +1,6 @@
-"""Rollout engines, one per `--engine_type`: hf (transformers `generate`: engines/hf.py), vllm and sglang
-(colocated in every training process: engines/vllm.py, engines/sglang.py, sharing engines/sync.py: the
-weight sync, and engines/colocation.py: TP groups and memory checks). Each offers the calls written down in
-`engines.base.Engine` (generate, sleep, wake_up, can_wake, update_weights), so the scripts never branch on it.
-This module picks and builds one (`resolve_engine_type`, `create_engine` from the plan's EngineSettings:
-engines/base.py); vllm and sglang are imported only when asked for."""
+"""Rollout engines, one per `--engine_type`: hf (engines/hf.py), vllm and sglang (colocated in every training
+process: engines/vllm.py, engines/sglang.py). Each offers `engines.base.Engine`'s calls, so the scripts never
+branch on it; vllm and sglang are imported only when asked for."""
 
 import hashlib
 import importlib.util
@@ -23,17 +20,14 @@ from rft_core.multimodal import video_processor_like, vision_token_ids
 
 
 def hf_architecture(model):
-    """The transformers class name vLLM looks the model up by: a LoRA model's base, and under FSDP2 the
-    class it swapped out (fully_shard subclasses it as FSDP<class>)."""
+    """The class name vLLM looks the model up by: a LoRA model's base's, not FSDP2's FSDP<class>."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
 
 
 def engine_dir(config, tokenizer, processor=None):
-    """The directory vLLM and SGLang read the architecture, tokenizer and (a vision-language model's) image
-    and video processing settings from: written aside, then kept under cache_root()/engine by a hash of its
-    files, so that a later run with the same files finds the same path. vLLM keys its torch.compile cache by
-    the model's path: a new directory every run would compile again (~20 s at 135M on an H100)."""
+    """The config, tokenizer and processor directory the engine reads, kept under cache_root()/engine by a
+    hash of its files: vLLM keys its compile cache by the path (a new one recompiles: ~20 s at 135M)."""
     root = cache_root()
     try:
         parent = os.path.join(root, "engine") if root else None
@@ -62,8 +56,7 @@ def engine_dir(config, tokenizer, processor=None):
 
 
 def resolve_engine_type(engine_type):
-    """"hf", "vllm" or "sglang" for --engine_type ("auto": with a GPU, vllm where installed, else sglang where
-    installed; else hf); raises naming the fix when vllm or sglang is asked for and cannot run here."""
+    """hf, vllm or sglang for --engine_type; raises naming the fix when the one asked for cannot run."""
     if engine_type == "auto":
         installed = [e for e in ("vllm", "sglang") if importlib.util.find_spec(e) is not None]
         return installed[0] if installed and torch.cuda.is_available() else "hf"
@@ -79,13 +72,9 @@ def resolve_engine_type(engine_type):
 
 
 def create_engine(settings, model, tokenizer, processor=None):
-    """The engine that settings (an EngineSettings: the plan's `engine`) describe, with the model's current
-    weights; each stops at settings.stop and settings.stop_token_ids besides EOS (engines.base.cut_at_stop).
-    processor: a vision-language model's image processor. vLLM processes the images itself, with
-    this processor's settings (so its image grids are the trainer's), at most settings.limit_mm_per_prompt
-    images per prompt; SGLang takes the trainer's pixels. Both never sample the vision placeholders (the
-    trainer's model blocks them at its LM head: vision.py) and sync the parameters under
-    settings.static_prefix (a frozen vision tower) once."""
+    """The engine of settings (the plan's `engine`), with the model's current weights. processor (a VL
+    model's): vLLM processes images with its settings, SGLang takes the trainer's pixels; neither samples the
+    vision placeholders (the trainer's LM head blocks them too: vision.py)."""
     kind = resolve_engine_type(settings.type)  # (the plan's is resolved already; a direct call's may not be)
     if kind == "hf":
         dtype = torch.bfloat16 if settings.bf16 else None

@@ -1,8 +1,5 @@
-"""The rollout engine's interface: the `Engine` protocol (every call the loop and rft_core make on an
-engine, so the scripts never branch on which one runs), the `Generation` record it returns,
-`wants_logprobs`, which requests of a generate call return their logprobs, `EngineSettings`, the
-record an engine is built from (the plan's `engine`), and `stop_end` / `cut_at_stop`, where a response's
-first stop ends it (every engine cuts its output there after its own stopping)."""
+"""The rollout engine's interface: the `Engine` protocol, the `Generation` it returns, the `EngineSettings` it
+is built from, and `cut_at_stop`, which every engine's output passes (a response ends at its first stop)."""
 
 import bisect
 from dataclasses import dataclass
@@ -17,15 +14,13 @@ class Generation:
     logprobs: list  # the engine's sampling logprob of each token (None: not asked for)
     versions: list = None  # partial rollout: the policy version (weight syncs so far) that sampled each token
     mask: list = None  # multi-turn: 1 on the tokens the engine sampled, 0 on the environment's (None: all 1)
-    # "stop": EOS, a stop token or a stop text ended it; "length": the limit did; None: unknown (then it
-    # ended where its last token is EOS)
+    # "stop": EOS or a stop ended it; "length": the limit did; None: unknown (then: its last token is EOS)
     finish: Optional[str] = None
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """How the rollout engine is built: the plan's `engine` (rft_core/plan.py: engine_settings, from the
-    --engine_* flags), read by create_engine and the engines."""
+    """How the rollout engine is built: the plan's `engine` (rft_core/plan.py: engine_settings)."""
     type: str = "hf"  # hf, vllm or sglang
     micro_batch_size: int = 32  # the transformers engine's prompts per generate batch
     bf16: bool = False  # the transformers engine's autocast
@@ -50,9 +45,8 @@ def wants_logprobs(index: int, every: int) -> bool:
 
 
 def stop_end(ids, tokenizer, stop=(), stop_token_ids=()):
-    """The length of `ids` up to and including the token that completes its first stop (a token of
-    stop_token_ids, or a text of stop in the decoded prefix), or None where no stop occurs. Which prefix first
-    holds a stop text is found by binary search on its length: O(log n) decodes."""
+    """The length of `ids` through the token completing its first stop, or None; the first prefix holding a
+    stop text is found by binary search: O(log n) decodes."""
     end = next((i + 1 for i, t in enumerate(ids) if t in stop_token_ids), None)
     if not stop:
         return end
@@ -67,8 +61,7 @@ def stop_end(ids, tokenizer, stop=(), stop_token_ids=()):
 
 
 def cut_at_stop(ids, logprobs, tokenizer, stop=(), stop_token_ids=()):
-    """A Generation of the engine's sampled ids (and logprobs) up to its first stop (stop_end), finish "stop";
-    without a stop all of them, finish "length". The stop text stays in the response as sampled."""
+    """A Generation cut at its first stop (stop_end), finish "stop", else whole, "length"; the stop stays."""
     end = stop_end(ids, tokenizer, stop, stop_token_ids)
     if end is None:
         return Generation(ids, logprobs, finish="length")
@@ -76,26 +69,20 @@ def cut_at_stop(ids, logprobs, tokenizer, stop=(), stop_token_ids=()):
 
 
 class Engine(Protocol):
-    """What the loop (the scripts, rollout.py, evaluation.py, offload_after_update) calls on an engine:
-    HFEngine (engines/hf.py), VLLMEngine (engines/vllm.py) and SGLangEngine (engines/sglang.py) all offer
-    exactly these (tests/test_engine_protocol.py checks both sides). Step lifecycle: generate -> sleep ->
-    train -> update_weights -> wake_up -> generate."""
+    """What the loop calls on an engine; every engine offers exactly these (tests/test_engine_protocol.py).
+    Step lifecycle: generate -> sleep -> train -> update_weights -> wake_up -> generate."""
 
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: Union[int, list[int]],
                  temperature: float = 1.0, top_p: float = 1.0, mm: Optional[list] = None,
                  logprob_every: int = 1) -> list[Generation]:
-        """One Generation per prompt, in order: the response token ids, ending at its first stop (EOS, or a
-        stop of the engine's settings: cut_at_stop) unless the length limit cut it, its finish, and the
-        logprob of each under the sampling distribution (temperature applied; temperature 0 means greedy,
-        logprobs then at temperature 1), for every logprob_every-th prompt (0: none; the others' logprobs
-        are None: returning them costs vLLM host work per token, up to 30% of a small model's generation).
-        max_new_tokens: one for all, or a list (one per prompt). mm: per-prompt image inputs of a
-        vision-language model (Experience.mm's form) or None."""
+        """One Generation per prompt, in order, with each token's sampling logprob (temperature applied;
+        greedy: at 1) for every logprob_every-th prompt (0: none), else None: they cost vLLM host work per
+        token, up to 30% of a small model's generation. max_new_tokens: one, or one per prompt; mm:
+        per-prompt VL inputs (Experience.mm's form) or None."""
         ...
 
     def sleep(self, needed_bytes: Optional[int] = None) -> bool:
-        """Free the engine's GPU memory for training; returns whether it slept. needed_bytes: the update's
-        measured transient memory (None: unknown), by which the "auto" sleep mode decides."""
+        """Free the engine's GPU memory; returns whether it slept. needed_bytes (None: unknown): for auto."""
         ...
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
@@ -103,11 +90,9 @@ class Engine(Protocol):
         ...
 
     def can_wake(self) -> bool:
-        """Whether what sleeps would fit on the GPU now (offload_after_update asks it after the first update,
-        to decide whether the optimizer state must leave the GPU between updates)."""
+        """Whether what sleeps would fit on the GPU now (offload_after_update decides by it)."""
         ...
 
     def update_weights(self, model: "torch.nn.Module") -> None:
-        """Load the trainer's current weights (the unwrapped model); collective under ZeRO-3 / FSDP2 and in a
-        tensor-parallel engine group."""
+        """Load the unwrapped model's weights; collective under ZeRO-3 / FSDP2 and in a TP engine group."""
         ...

@@ -1,7 +1,5 @@
-"""What the colocated engines (vLLM, SGLang) share besides their weights: tensor-parallel groups of
-consecutive ranks (`engine_group`; a group's requests gathered with `flatten_group` and handed back with
-`slice_for_rank`), the GPU memory checks around sleep and wake (`short_for_training`, `wake_error`,
-`memory_error`), the KV cache size of a small model (`kv_cache_bytes`) and a `free_port` to start on."""
+"""What the colocated engines (vLLM, SGLang) share: tensor-parallel groups of consecutive ranks, the GPU
+memory checks around sleep and wake, and the KV cache size of a small model (`kv_cache_bytes`)."""
 
 import socket
 
@@ -18,8 +16,7 @@ def tp_groups(world_size, tp_size):
 
 
 def engine_group(tp_size):
-    """(the ranks of this rank's engine group, its index in them, their torch.distributed subgroup or None):
-    groups of tp_size consecutive ranks, as vLLM forms them. Collective: every rank calls it."""
+    """(this rank's group's ranks, its index in them, their subgroup or None). Collective."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     groups = tp_groups(world, tp_size)
@@ -28,8 +25,7 @@ def engine_group(tp_size):
 
 
 def short_for_training(needed_bytes):
-    """Whether what training can allocate on this GPU (the free memory and the blocks PyTorch has cached) is
-    short of needed_bytes, the update's measured transient memory (None, the first step: unknown, so yes)."""
+    """Whether free and PyTorch-cached memory is short of needed_bytes (None, the first step: yes)."""
     if needed_bytes is None:
         return True
     free, _ = torch.cuda.mem_get_info()
@@ -38,15 +34,13 @@ def short_for_training(needed_bytes):
 
 
 def wake_error(engine, need, tags):
-    """The OutOfMemory to raise if `need` bytes (the engine's slept `tags`) do not fit in this GPU's free
-    memory now, else None. The trainer's cached blocks are released first: the engine maps physical memory of
-    its own, which PyTorch's cache would hold on to (the 0.4B crash of issue 15)."""
+    """memory_error for waking `tags`; the trainer's cached blocks are released first: the engine maps memory
+    of its own, which PyTorch's cache would hold on to (the 0.4B crash of issue 15)."""
     return memory_error(engine, need, f"wake its {' and '.join(tags)}")
 
 
 def memory_error(engine, need, what):
-    """The OutOfMemory to raise if `need` bytes, for `what` the engine does, do not fit in this GPU's free
-    memory (after releasing PyTorch's cached blocks), else None."""
+    """The OutOfMemory to raise if `need` bytes (for `what`) do not fit in free GPU memory, else None."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()  # (PyTorch's own counters include the engine's unmapped memory)
     if need + (256 << 20) <= free:
@@ -59,7 +53,7 @@ def memory_error(engine, need, what):
 
 
 def flatten_group(per_rank):
-    """Concatenate the ranks' lists in rank order; returns (flat, sizes)."""
+    """(the ranks' lists concatenated, their sizes)."""
     return [x for items in per_rank for x in items], [len(items) for items in per_rank]
 
 
@@ -77,11 +71,9 @@ def free_port():
 
 
 def kv_cache_bytes(config, requests, max_len, budget_bytes):
-    """The KV cache that `requests` sequences of max_len tokens take (bf16 K and V of every layer), twice
-    over, if that is under a quarter of budget_bytes; else None (vLLM's default: the whole --engine_mem_util
-    share). A small model would otherwise get millions of cache blocks, and vLLM's prefix-cache reset after
-    every weight sync walks them all (0.28 s per step for the tiny Qwen2-VL, measured on an H100); it also
-    leaves training the memory the engine does not need."""
+    """Twice the bf16 KV cache of `requests` sequences of max_len if under a quarter of budget_bytes, else
+    None (the whole --engine_mem_util share): else a small model gets millions of blocks, which vLLM's
+    prefix-cache reset walks after every sync (0.28 s a step, tiny Qwen2-VL, H100)."""
     c = config.get_text_config()
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads

@@ -1,6 +1,5 @@
-"""The transformers engine (`--engine_type hf`): `generate` on the training model itself. Weights are shared,
-so sleep / wake_up / update_weights have nothing to do. It is the engine on a CPU, or where neither vLLM nor
-SGLang is installed."""
+"""The transformers engine (`--engine_type hf`): `generate` on the training model itself, weights shared.
+The engine on a CPU, or where neither vLLM nor SGLang is installed."""
 
 from contextlib import nullcontext
 from dataclasses import replace
@@ -13,9 +12,8 @@ from rft_core.multimodal import mm_inputs
 
 
 class StopTexts(StoppingCriteria):
-    """Ends a row of `generate` once the tail of its response (never its prompt) holds a stop text: the
-    response's last tokens, as many as the longest stop has UTF-8 bytes and 2 more (a token is a byte at
-    least). A text found there is in the response's whole text too, where cut_at_stop finds it."""
+    """Ends a row once its response's last tokens (the longest stop's UTF-8 bytes + 2: a token is a byte at
+    least) hold a stop text; cut_at_stop then cuts the response there."""
 
     def __init__(self, tokenizer, stop, prompt_len):
         self.tokenizer, self.stop, self.prompt_len = tokenizer, stop, prompt_len
@@ -83,7 +81,6 @@ class HFEngine:
                     else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0})
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else nullcontext())
-        # a row stops at any of the token ids and its stop texts; cut_at_stop cuts it there below
         stops = StoppingCriteriaList([StopTexts(self.tokenizer, self.stop, width)] if self.stop else [])
         with autocast:
             res = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,

@@ -1,21 +1,10 @@
-"""SGLang rollout engine, colocated (`--engine_type sglang`): the vLLM engine's interface and behaviour.
+"""SGLang rollout engine, colocated (`--engine_type sglang`): the vLLM engine's interface and lifecycle.
 Design: docs/engines.md; images and videos: docs/vision_language.md.
 
-SGLang's offline `sglang.Engine` keeps its tokenizer manager in the calling process and runs the model in
-one scheduler subprocess per GPU (its own CUDA context, on the trainer's GPU). The first rank of each group
-of `--engine_tp_size` consecutive ranks owns the engine; every rank of the group sends it its prompts
-(gathered) and gets back its own outputs, in order (broadcast). Token ids in, token ids out.
-
-Step lifecycle, as vLLM's: generate -> sleep (release_memory_occupation: KV cache and weights) -> train ->
-update_weights (resume the weights, load the new ones bucket by bucket with update_weights_from_tensor: CUDA
-tensors travel as IPC handles; each scheduler loads its shard) -> wake_up (KV cache). The engine starts
-from random weights (load_format dummy); the first sync, before step 0, gives it the trained model.
-
-Sampling logprobs come from the temperature-scaled distribution before top-p (vLLM's are after it: equal at
-the default top_p 1). SGLang runs without a tokenizer (it refuses stop texts then): it stops at EOS and the
-stop token ids, and a response's stop texts are found after it returns (cut_at_stop, with the trainer's
-tokenizer), so a turn that ends at a stop text still generates on to its limit.
-"""
+`sglang.Engine` runs the model in one scheduler subprocess per GPU. The first rank of each group of
+`--engine_tp_size` consecutive ranks owns the engine and generates the group's prompts. Sampling logprobs are
+taken before top-p (vLLM's after: equal at top_p 1). Without a tokenizer SGLang refuses stop texts: they are
+cut after it returns (cut_at_stop), so a turn ending at one still generates on to its limit."""
 
 import asyncio
 import os
@@ -37,18 +26,14 @@ from rft_core.errors import ConfigError, OutOfMemory
 
 
 def sampling_params(limits, temperature, top_p, stop_token_ids, blocked_token_ids=()):
-    """One SGLang sampling-params dict per request (its own max_new_tokens); temperature 0 is greedy;
-    stop_token_ids (EOS among them) end a response; blocked_token_ids are never sampled (-100 on their
-    logits, vLLM's largest bias)."""
+    """One SGLang sampling-params dict per request; blocked_token_ids get -100 (vLLM's largest bias)."""
     bias = {"logit_bias": {str(t): -100.0 for t in blocked_token_ids}} if blocked_token_ids else {}
     return [{"max_new_tokens": limit, "temperature": temperature, "top_p": top_p if temperature else 1.0,
              "stop_token_ids": list(stop_token_ids), **bias} for limit in limits]
 
 
 def processor_output(mm):
-    """One prompt's images and videos as SGLang's pre-processed input (a list of one dict), or [None] for a
-    text prompt: the trainer's pixel values and grids, so SGLang keeps the prompt's ids and runs no
-    processor."""
+    """A prompt's images as the trainer's pixels and grids, so SGLang keeps its ids and runs no processor."""
     if mm is None:
         return [None]
     keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -56,8 +41,7 @@ def processor_output(mm):
 
 
 def sglang_param_name(name):
-    """A trainer parameter name as SGLang's load_weights expects it: a vision-language model's language model
-    and vision tower sit at the top level there (transformers 5 nests both under `model.`)."""
+    """A parameter name as SGLang's load_weights expects it (transformers 5 nests a VL model's parts)."""
     for old, new in (("model.language_model.", "model."), ("model.visual.", "visual.")):
         if name.startswith(old):
             return new + name[len(old):]
@@ -65,8 +49,7 @@ def sglang_param_name(name):
 
 
 def generation_of(out, with_logprobs=True):
-    """A Generation from one SGLang output dict: its token ids and (with_logprobs) each one's sampling logprob
-    (meta_info["output_token_logprobs"] holds (logprob, token id, text) per generated token)."""
+    """A Generation from one SGLang output dict (output_token_logprobs: (logprob, id, text) per token)."""
     ids = list(out["output_ids"])
     if not with_logprobs:
         return Generation(ids, None)
@@ -80,9 +63,7 @@ def generation_of(out, with_logprobs=True):
 class SGLangEngine:
     def __init__(self, model_dir, eos_token_id, settings, max_total_tokens=None, weight_bytes=0,
                  blocked_token_ids=(), multimodal=False, dtype=torch.bfloat16, bucket_mb=256, tokenizer=None):
-        """settings: an EngineSettings (engines/base.py); max_total_tokens: the KV cache's size in tokens
-        (None: SGLang's share of mem_util); weight_bytes: the model's, all GPUs of the group together;
-        tokenizer: the trainer's, which finds settings.stop's texts in a response (cut_at_stop)."""
+        """max_total_tokens: the KV cache's (None: mem_util's share); weight_bytes: the whole group's."""
         tp_size, static_prefix = settings.tp_size, settings.static_prefix
         self.group_ranks, self.group_index, self.tp_group = engine_group(tp_size)
         rank = self.group_ranks[self.group_index]
@@ -113,10 +94,8 @@ class SGLangEngine:
         free, total = torch.cuda.mem_get_info()
         fraction = min(0.95, settings.mem_util * total / free)  # of the free memory: mem_util of the GPU
         extra = {"max_total_tokens": max_total_tokens} if max_total_tokens else {}
-        # the schedulers start without torchrun's (accelerate launch's) TORCHELASTIC_USE_AGENT_STORE: one
-        # inheriting it makes every rank of its own process group a client of a store on SGLang's port that
-        # nobody serves, and hangs for NCCL's ten-minute timeout, silently (pytorch/pytorch#192113). The
-        # trainer's own group is already made; the variable comes back after.
+        # a scheduler inheriting torchrun's TORCHELASTIC_USE_AGENT_STORE waits on a store nobody serves and
+        # hangs for NCCL's ten-minute timeout, silently (pytorch/pytorch#192113)
         agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         try:
             return sglang.Engine(
@@ -135,7 +114,6 @@ class SGLangEngine:
             torch.distributed.barrier(group=self.tp_group)
 
     def _any(self, flag):
-        """Whether flag holds on any rank of the group (they act together)."""
         if self.tp_group is None:
             return bool(flag)
         t = torch.tensor(float(flag), device="cuda")
@@ -144,7 +122,6 @@ class SGLangEngine:
 
     def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None,
                  logprob_every=1):
-        """max_new_tokens: one for all, or a list (one per prompt)."""
         n = len(prompt_token_ids)
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
         mm = mm or [None] * n
@@ -179,9 +156,7 @@ class SGLangEngine:
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def _generate_each(self, rows, params):
-        """Image prompts: one request each, all in flight together. (SGLang 0.5.17 processes a batch's image
-        requests one after another and loses the result of one that finishes before the last is sent: a
-        KeyError in its tokenizer manager.)"""
+        """A request per image prompt, all in flight: SGLang 0.5.17 loses batched ones that finish early."""
         async def each():
             return await asyncio.gather(*(
                 self.llm.async_generate(input_ids=ids, sampling_params=p, return_logprob=want,
@@ -191,8 +166,7 @@ class SGLangEngine:
         return self.llm.loop.run_until_complete(each())
 
     def sleep(self, needed_bytes=None):
-        """Free the engine's memory for training; auto: only when training is short of needed_bytes on some
-        GPU of the group."""
+        """auto: only when training is short of needed_bytes on some GPU of the group."""
         if self.sleep_mode == "never" or self.sleeping:
             return False
         short = self.sleep_mode == "always" or short_for_training(needed_bytes)
@@ -212,12 +186,10 @@ class SGLangEngine:
         return sum(need[t] for t in tags)
 
     def can_wake(self):
-        """Whether what sleeps would fit on this GPU now (the trainer's cached blocks released)."""
         return wake_error("SGLang", self._wake_bytes(self.sleeping), self.sleeping) is None
 
     def wake_up(self, tags=None):
-        """Map the slept memory back (tags: "weights", "kv_cache"; default both), once wake_error finds that
-        it fits on every GPU of the group."""
+        """Raises unless the slept memory fits on every GPU of the group."""
         tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
         if not tags:
             return
@@ -232,10 +204,8 @@ class SGLangEngine:
 
     @torch.no_grad()
     def update_weights(self, model):
-        """Load the trainer's weights into the engine, bucket by bucket, cast to the engine's dtype. Every
-        rank takes part in the gather (ZeRO-3 / FSDP2); the group's first rank sends."""
+        """Every rank takes part in the gather (ZeRO-3 / FSDP2); the group's first rank sends."""
         self.wake_up(["weights"])  # the KV cache stays asleep until wake_up()
-        # after the first sync, only what trains
         weights = iter_weights(model, self.dtype, self.static_prefix if self.synced else None)
         weights = ((sglang_param_name(name), t) for name, t in weights)
         for bucket in buckets(weights, self.bucket_bytes):
@@ -249,8 +219,8 @@ class SGLangEngine:
         self._barrier()
 
     def _flush(self, timeout_s=60.0):
-        """Empty the prefix cache once the scheduler is idle: with overlap scheduling it may hold the last
-        batch a moment after generate returned, and then SGLang declines the flush (its release asserts)."""
+        """Empty the prefix cache once the scheduler is idle: overlap scheduling may hold the last batch a
+        moment after generate returned, and SGLang declines the flush then."""
         deadline = time.monotonic() + timeout_s
         while not self.llm.flush_cache().success:
             if time.monotonic() > deadline:

@@ -1,7 +1,5 @@
-"""The weight sync from the trainer to a colocated engine (vLLM, SGLang): every weight gathered whole one
-unit at a time (`full_weights`: a transformer layer, or one other module's own parameters, never the whole
-model on one rank; a LoRA model's adapters merged unit by unit), under the engine's load names
-(`iter_weights`), in `buckets` of about the engine's load size."""
+"""The weight sync from the trainer to a colocated engine (vLLM, SGLang): weights gathered whole one unit (a
+layer) at a time, never the whole model on one rank, LoRA adapters merged, sent in `buckets`."""
 
 import contextlib
 
@@ -15,9 +13,7 @@ WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_mo
 
 @contextlib.contextmanager
 def gathered(tensors):
-    """Full copies of `tensors` for the duration of the block: ZeRO-3 parameters are all-gathered in
-    place (and released after), FSDP2 DTensors all-gathered into new tensors, plain tensors passed through.
-    Collective: every rank must enter with the same tensors in the same order."""
+    """Full copies of `tensors` within the block. Collective: every rank enters with the same tensors."""
     from torch.distributed.tensor import DTensor
 
     zero3 = [t for t in tensors if hasattr(t, "ds_id")]
@@ -33,9 +29,8 @@ def gathered(tensors):
 
 
 def units(model):
-    """(prefix, module, recurse): the model cut into the pieces gathered one at a time. An element of
-    a ModuleList (a transformer layer) and a LoRA layer (base weight + adapters, merged together) are
-    whole units; any other module contributes its own parameters and buffers."""
+    """(prefix, module, recurse) of the units gathered one at a time: a ModuleList's element (a layer) or a
+    LoRA layer whole; any other module its own parameters and buffers."""
     whole = {id(child) for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m}
     whole |= {id(m) for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
     inside = None  # prefix of the whole unit being skipped over
@@ -48,9 +43,8 @@ def units(model):
 
 
 def full_weights(model, dtype):
-    """(name, full tensor cast to dtype) for every parameter and persistent buffer, under the names of
-    model.state_dict() (a LoRA model: merged, under the base model's names). Collective under ZeRO-3 and
-    FSDP2; the tensors are copies, valid after the gather is released."""
+    """(name, full tensor cast to dtype) of model.state_dict() (LoRA merged, under the base's names); copies,
+    valid after the gather. Collective under ZeRO-3 and FSDP2."""
     served = set(model.state_dict().keys())  # parameters and persistent buffers; no communication
     for prefix, module, recurse in units(model):
         named = [(f"{prefix}.{n}" if prefix else n, t) for n, t in
@@ -66,9 +60,7 @@ def full_weights(model, dtype):
 
 
 def vllm_param_name(name):
-    """HF parameter name as vLLM's load_weights expects it: wrapper prefixes removed. vLLM maps HF names
-    itself (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and skips lm_head when embeddings are tied, so
-    nothing else changes here."""
+    """HF parameter name, wrapper prefixes removed: vLLM maps the rest itself (q/k/v -> qkv_proj...)."""
     parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
     while parts and parts[0] == "module":  # DDP / DeepSpeed wrap the whole model once (or twice)
         parts.pop(0)
@@ -76,9 +68,7 @@ def vllm_param_name(name):
 
 
 def iter_weights(model, dtype, skip_prefix=None):
-    """(vLLM name, tensor) for every parameter and persistent buffer of the unwrapped model, a LoRA
-    model's adapters merged in, those whose name starts with skip_prefix left out (a frozen vision tower
-    after the first sync). Under ZeRO-3 / FSDP2 one unit (a layer) is gathered at a time."""
+    """full_weights under vLLM's names, less those under skip_prefix (a frozen vision tower, synced once)."""
     for name, tensor in full_weights(model, dtype):
         name = vllm_param_name(name)
         if not (skip_prefix and name.startswith(skip_prefix)):
@@ -86,7 +76,6 @@ def iter_weights(model, dtype, skip_prefix=None):
 
 
 def buckets(weights, bucket_bytes):
-    """Group (name, tensor) pairs into lists of about bucket_bytes each."""
     bucket, size = [], 0
     for name, tensor in weights:
         bucket.append((name, tensor))

@@ -1,18 +1,9 @@
-"""vLLM rollout engine, colocated: one `vllm.LLM` inside every training process (SPMD), joined to the
-trainer's torch.distributed world (`distributed_executor_backend="external_launcher"`); groups of
-`--engine_tp_size` consecutive ranks share one engine, and each rank gets back its own outputs in order.
-Design and measurements: docs/engines.md.
+"""vLLM rollout engine, colocated: one `vllm.LLM` in every training process, joined to the trainer's world
+(`external_launcher`); groups of `--engine_tp_size` consecutive ranks share one. Design: docs/engines.md.
 
-Step lifecycle (the script drives it):
-    generate -> sleep (frees weights and KV cache) -> train -> update_weights (wakes the weights,
-    loads the new ones in buckets) -> wake_up (KV cache) -> generate
-so old weights, new weights and the KV cache are never resident together. Sleep costs time (0.6 s on an
-H100), so in "auto" mode the engine sleeps only when the free memory is short of what the trainer needs.
-
-The engine starts from `load_format="dummy"` (random weights): the first `update_weights`, before step 0,
-gives it the trained model. Images: the prompt vLLM expands from a request's placeholders must be the
-trainer's, token for token, or generate raises naming the prompt.
-"""
+Lifecycle: generate -> sleep -> train -> update_weights (wakes the weights alone) -> wake_up (KV cache), so
+old weights, new weights and the KV cache are never resident together. Sleep costs 0.6 s (H100): "auto"
+sleeps only when memory is short. The engine starts from random weights; the first sync loads the model."""
 
 import gc
 import os
@@ -37,10 +28,8 @@ from rft_core.multimodal import vllm_prompt
 
 
 def cuda_graph_config(max_batch, enforce_eager=False):
-    """LLM's compilation_config for generate calls of up to max_batch sequences: vLLM captures CUDA graphs
-    for decode batches up to 512 by default and decodes larger ones eagerly (partial rollout's fuller rounds,
-    --inflight_ratio > 1); above that, graphs up to max_batch (rounded up to vLLM's steps of 16, at most its
-    default 1024 sequences)."""
+    """CUDA graphs up to max_batch sequences: vLLM's default stops at 512 and decodes larger batches eagerly
+    (partial rollout's rounds, --inflight_ratio > 1)."""
     if enforce_eager or max_batch <= 512:
         return {}
     return {"compilation_config": {"max_cudagraph_capture_size": min(-(-int(max_batch) // 16) * 16, 1024)}}
@@ -58,8 +47,7 @@ def _ensure_dist_env():
 
 @dataclass
 class Request:
-    """One vLLM request: n samples of one prompt (a group's samples share their settings: one request of n
-    costs vLLM's host a fraction of n requests of one)."""
+    """n samples of one prompt: one request of n costs vLLM's host a fraction of n requests of one."""
     ids: list  # the trainer's prompt token ids
     prompt: dict  # the request vLLM takes (vllm_prompt)
     limit: int  # new tokens at most
@@ -68,9 +56,8 @@ class Request:
 
 
 def engine_requests(prompt_token_ids, limits, mm, logprob_every, group=True):
-    """The requests of a generate call: a run of consecutive prompts with the same token ids, images (the
-    same objects), limit and want of logprobs (wants_logprobs: by the sample's index) becomes one request of
-    n samples, in order, so the samples come back in the order of the prompts (group=False: one each)."""
+    """A generate call's requests: consecutive prompts alike in ids, images, limit and want of logprobs are
+    one request of n samples, which come back in the prompts' order (group=False: one each)."""
     requests = []
     for i, (p, m, limit) in enumerate(zip(prompt_token_ids, mm, limits)):
         ids, want, last = list(p), wants_logprobs(i, logprob_every), requests[-1] if requests else None
@@ -84,9 +71,7 @@ def engine_requests(prompt_token_ids, limits, mm, logprob_every, group=True):
 class VLLMEngine:
     def __init__(self, model_dir, eos_token_id, settings, kv_bytes=None, max_batch=256, blocked_token_ids=(),
                  dtype=torch.bfloat16, bucket_mb=256, tokenizer=None):
-        """settings: an EngineSettings (engines/base.py); kv_bytes: the KV cache's size (None: vLLM's share
-        of mem_util); max_batch: sequences per generate call, for the CUDA graphs' sizes; tokenizer: the
-        trainer's, which finds settings.stop's texts in a response (cut_at_stop)."""
+        """kv_bytes: the KV cache's (None: mem_util's share); max_batch: sequences per generate call."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
         pin_triton_cache()  # its Triton kernels: the same cache on every run
@@ -99,7 +84,6 @@ class VLLMEngine:
         self.bucket_bytes = bucket_mb << 20
         self.seed, self.calls, self.sleeping = s.seed + rank // s.tp_size, 0, set()  # sleeping: tags asleep
         self.slept_bytes = 0  # what the last sleep freed (weights and KV cache), measured
-        # the trainer's EOS, so both engines stop on the same token, and the settings' stops
         self.stop, self.stop_token_ids, self.tokenizer = s.stop, (eos_token_id, *s.stop_token_ids), tokenizer
         # never sampled; -100 is vLLM's largest bias, e^-100 is as good as 0 (processed logprobs renormalise)
         self.logit_bias = {int(t): -100.0 for t in blocked_token_ids} or None
@@ -124,7 +108,6 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids, max_new_tokens, temperature=1.0, top_p=1.0, mm=None,
                  logprob_every=1):
-        """max_new_tokens: one for all, or a list (one per prompt)."""
         from vllm import SamplingParams
 
         mm = mm or [None] * len(prompt_token_ids)
@@ -140,9 +123,8 @@ class VLLMEngine:
         self.calls += 1
         if not requests:  # (partial rollout: a rank may have nothing left to generate in a round)
             return []
-        # flat_logprobs: a request's logprobs as flat lists of floats, not a dict and an object per token.
-        # Stop texts need detokenizing; vLLM returns every token sampled up to the one that completed the
-        # text (and a step's later ones: cut_at_stop drops them), matched with the special tokens kept
+        # flat_logprobs: flat float lists, not an object per token; vLLM returns a step's tokens past a stop
+        # text too (cut_at_stop drops them)
         common = dict(temperature=temperature, top_p=top_p if temperature else 1.0, top_k=-1,
                       detokenize=bool(self.stop), stop=list(self.stop), include_stop_str_in_output=True,
                       skip_special_tokens=False, stop_token_ids=list(self.stop_token_ids),
@@ -158,8 +140,8 @@ class VLLMEngine:
                                              seed=key[3], **common)
             params.append(shared[key])
             first += r.n
-        # no garbage collection in the call: vLLM's decode loop allocates per token and sequence, and each
-        # collection would walk the trainer's heap; what the call leaves cyclic is collected after it
+        # no garbage collection in the call: vLLM's decode loop allocates per token, and each collection
+        # would walk the trainer's heap
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -174,13 +156,11 @@ class VLLMEngine:
                                  f"tokens, the trainer's has {len(r.ids)}: "
                                  "is the engine's image processor (min / max pixels) the trainer's?")
             for c in out.outputs:  # the n samples, in order
-                # logprobs=0: one entry per position, the sampled token's
                 gens.append(cut_at_stop(list(c.token_ids), list(c.logprobs.logprobs) if r.want else None,
                                         self.tokenizer, self.stop, self.stop_token_ids))
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
     def sleep(self, needed_bytes=None):
-        """Free the engine's memory for training. auto: only when training is short of needed_bytes."""
         if self.sleep_mode == "never" or self.sleeping:
             return False
         if self.sleep_mode == "auto" and not short_for_training(needed_bytes):
@@ -192,7 +172,6 @@ class VLLMEngine:
         return True
 
     def can_wake(self):
-        """Whether what sleeps would fit on the GPU now (the trainer's cached blocks released)."""
         return wake_error("vLLM", self._wake_bytes(self.sleeping), self.sleeping) is None
 
     def _wake_bytes(self, tags):
@@ -201,8 +180,6 @@ class VLLMEngine:
         return sum(need[t] for t in tags)
 
     def wake_up(self, tags=None):
-        """Map the slept memory back (tags: "weights", "kv_cache"; default both), once wake_error finds that
-        it fits."""
         tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
         if not tags:
             return
@@ -213,10 +190,8 @@ class VLLMEngine:
 
     @torch.no_grad()
     def update_weights(self, model):
-        """Load the trainer's weights into the engine, bucket by bucket, cast to the engine's dtype."""
         self.wake_up(["weights"])  # the KV cache stays asleep until wake_up()
         target = self._runner_model()
-        # after the first sync, only what trains
         weights = iter_weights(model, self.dtype, self.static_prefix if self.synced else None)
         for bucket in buckets(weights, self.bucket_bytes):
             target.load_weights(bucket)
