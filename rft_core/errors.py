@@ -1,10 +1,5 @@
-"""Errors a user causes: a flag, a path, a data row, a reward function, a damaged checkpoint, a diverging run.
-
-Each is a UserError and also the built-in type code would expect (a missing file is a FileNotFoundError...).
-The scripts' entry point (run.run_main) prints a UserError as one line, `error: <message>`, and exits with
-status 2, without a traceback (RFT_DEBUG=1 shows it); any other exception is a bug of ours and
-keeps its traceback. The message names the flag or file, the value, and the fix.
-"""
+"""Errors a user causes, each a UserError and the built-in type code would expect (FileNotFoundError...).
+runs.run.run_main prints one as `error: <message>` (naming the flag or file, the value, the fix), status 2."""
 
 
 class UserError(Exception):
@@ -35,8 +30,7 @@ class MissingDependency(UserError, ImportError):
 
 
 class RewardError(UserError, RuntimeError):
-    """Rewards that failed: a reward function that raises, times out or returns garbage, an unreachable
-    reward server."""
+    """A reward function that raises, times out or returns garbage; an unreachable reward server."""
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -44,8 +38,7 @@ class CheckpointError(UserError, RuntimeError):
 
 
 class TrainingDiverged(UserError, FloatingPointError):
-    """Non-finite gradients, an exploding gradient norm or a collapsed policy: the run stops before the bad
-    update is applied or saved; the message names the intact checkpoint and the flags to change."""
+    """Non-finite or exploding gradients, a collapsed policy: stopped before the bad update is saved."""
 
 
 class Stopped(UserError):
@@ -57,8 +50,7 @@ class Stopped(UserError):
 
 
 class OutOfMemory(UserError, MemoryError):
-    """The trainer and the rollout engine do not fit on the GPU together: found before the allocation that
-    would crash, with the flags that make room."""
+    """The trainer and the engine do not fit on the GPU together: found before the crash, naming the fix."""
 
 
 class MissingName(UserError, AttributeError):

@@ -1,19 +1,9 @@
-"""Checkpoints that are never half-written: save, find the latest, prune, resume.
-
-A checkpoint is `accelerator.save_state` (models, optimizers, schedulers, every rank's RNG states) plus
-`trainer_state.json` (LoopState: the step, data position, KL controller, reward statistics...) and tensors.pt
-(the EMA weights, partial rollout's buffer). It is written to `checkpoint-N.tmp`, renamed to `checkpoint-N`
-once every rank has finished, and only then named in `latest`, itself replaced atomically; so a run killed
-at any moment resumes from the last complete checkpoint. Resuming verifies its manifest
-(rft_core/runs/integrity.py): a damaged or missing checkpoint is named and the newest intact one before it
-is used instead. A save that fails (a full disk) is one line and leaves the previous checkpoint as it was;
-pruning never deletes the one just written.
-
-The trainer state records the settings its contents depend on (`run_identity`): a run that would resume it
-with others is refused in one line before anything loads; the other flags (learning rate, lengths...) may
-change on resume, and config.json records each segment's values. More steps keep the checkpoint's
-learning-rate schedule (`schedule_length`); fewer than it has done are refused.
-"""
+"""Checkpoints never half-written: `accelerator.save_state` plus trainer_state.json (LoopState) and
+tensors.pt, written to checkpoint-N.tmp, renamed once every rank is done, only then named in `latest`: a run
+killed at any moment resumes from the last complete one. Resuming verifies its manifest
+(rft_core/runs/integrity.py) and falls back to the newest intact one; a failed save (a full disk) is one line
+and keeps the previous one. Resuming with other settings (`run_identity`) is refused; other flags may change
+(config.json records them). More steps keep the checkpoint's learning-rate schedule (`schedule_length`)."""
 
 import contextlib
 import json
@@ -41,11 +31,9 @@ DATA_FLAGS = ("prompt_data", "eval_data", "pretrain_data")
 
 
 def run_identity(args, accelerator, model=None):
-    """What a run resuming a checkpoint must share with the run that wrote it (JSON-ready): RESUME_FLAGS, the
-    model it started from (model: its path; the frozen reference is loaded from it again) and the DATA_FLAGS'
-    files by their content (models.content_digest: moved, they still resume; a built-in task by its name),
-    LoRA's target modules, the critic, the EMA, the processes and the saved states' format (ZeRO stage,
-    FSDP, or plain: DDP and one process save alike)."""
+    """What a resume must share with the run that wrote the checkpoint (JSON-ready): RESUME_FLAGS, the model
+    (model: its path; the reference loads from it again) and DATA_FLAGS' files by content
+    (models.content_digest: moved, they still resume), the processes and the states' format (ZeRO, FSDP)."""
     def digest(path, **how):  # (a built-in task's name, or None, as it is)
         return content_digest(path, **how) if path and os.path.exists(path) else path
 
@@ -62,10 +50,8 @@ def run_identity(args, accelerator, model=None):
 
 
 def resume_point(args, accelerator, model=None):
-    """(the checkpoint to resume: the newest intact one in --output_dir, or None with --no_resume or none
-    there, refused if written with other settings; run_identity, which the run's checkpoints record; model:
-    the path the run loads its model from). The main process looks (and refuses a directory another live
-    run holds), the others take its answer."""
+    """(the newest intact checkpoint in --output_dir, or None: --no_resume or none; run_identity). The main
+    process looks (refusing a directory another live run holds), the others take its answer."""
     identity = run_identity(args, accelerator, model)
 
     def find():
@@ -75,7 +61,6 @@ def resume_point(args, accelerator, model=None):
 
 
 def checkpoint_step(ckpt):
-    """The step a checkpoint-N directory was written after: N."""
     return int(ckpt.rsplit("-", 1)[1])
 
 
@@ -95,8 +80,7 @@ def finished_run(ckpt, num_steps, log):
 
 
 def check_identity(ckpt, identity):
-    """Refuse to resume ckpt with settings other than those it was written with (its trainer state's "run";
-    the entries a checkpoint from before them lacks pass)."""
+    """Refuse to resume ckpt with other settings than its trainer state's "run" (entries it lacks pass)."""
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         saved = json.load(f).get("run") or {}
     changed = [f"{name} {saved[name]!r} then, {value!r} now" for name, value in identity.items()
@@ -112,9 +96,8 @@ def check_identity(ckpt, identity):
 
 
 def schedule_length(ckpt, num_steps, num_updates, warmup_ratio, log):
-    """The optimizer steps the learning-rate schedule spans: this run's num_updates, or resuming ckpt, the
-    length it was written with, so that a higher --max_steps trains on at the rate reached instead of
-    stretching the warm-up (said where it would differ). A run ending before ckpt's step is refused."""
+    """The optimizer steps the LR schedule spans: num_updates, or ckpt's (a higher --max_steps goes on at the
+    rate reached instead of stretching the warm-up). A run ending before ckpt's step is refused."""
     if ckpt is None:
         return num_updates
     if num_steps < checkpoint_step(ckpt):
@@ -133,13 +116,11 @@ def schedule_length(ckpt, num_steps, num_updates, warmup_ratio, log):
 
 @dataclass
 class LoopState:
-    """What the loop carries from step to step beside the models, optimizers and schedulers (accelerate saves
-    those). `save` and `load` go through every field, so a field added here is saved and resumed by being
-    declared: an object through its state_dict / load_state_dict (and buffer_state, into tensors.pt), a field
-    marked tensors into tensors.pt, any other, plain data, into trainer_state.json."""
+    """What the loop carries from step to step beside what accelerate saves. A field declared here is saved
+    and resumed: an object by state_dict / load_state_dict (buffer_state into tensors.pt), a field marked
+    tensors into tensors.pt, plain data into trainer_state.json."""
     rollouts: Any  # rollout.Rollouts: the prompt stream's position, partial rollout's buffer
-    # what a resume must share (run_identity; check_identity compared them): loaded under this run's, so
-    # entries new since the checkpoint (its files' digests) are written to the next one
+    # run_identity's; merged under this run's, so entries new since the checkpoint reach the next one
     run: Optional[dict] = field(default=None, metadata={"merged": True})
     kl_coef: float = 0.0  # the KL coefficient, adaptive with --kl_target
     first_eval: Optional[dict] = None  # the step-0 held-out eval, for the run's summary
@@ -163,8 +144,7 @@ class LoopState:
         return state, tensors
 
     def load(self, state, tensors):
-        """Every field from what load_checkpoint returned (a tensor field this run leaves off stays None; a
-        plain field an older checkpoint lacks keeps its value). Returns the checkpoint's step."""
+        """Every field from load_checkpoint's (state, tensors); returns the checkpoint's step."""
         tensors = tensors or {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -182,9 +162,8 @@ class LoopState:
 
 
 def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt_num=None):
-    """Write checkpoint-{step} (collective: every rank calls it); keep the newest max_ckpt_num of the steps up
-    to it. A failure on any rank (a full disk) removes the partial checkpoint and is one line on every rank;
-    `latest` still names the previous one."""
+    """Collective. Write checkpoint-{step}, keeping the newest max_ckpt_num up to it; a failure on any rank (a
+    full disk) removes the partial one and is one line on every rank (`latest` names the previous one)."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"  # (one a killed save left was removed at the start: run_dir.clean_leftovers)
     error = None
@@ -209,8 +188,7 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
             error = e
             if not os.path.isdir(tmp):  # renamed, but `latest` names the previous one: not kept either
                 shutil.rmtree(final, ignore_errors=True)
-        # the newest max_ckpt_num up to this step; newer ones (skipped as damaged by a resume) wait to be
-        # replaced by this run's save of their step
+        # (newer ones, skipped as damaged by a resume, wait to be replaced by this run's save of their step)
         older = [c for c in list_checkpoints(output_dir) if checkpoint_step(c) < step] if not error else []
         for old in older[:max(0, len(older) - max_ckpt_num + 1)] if max_ckpt_num else []:
             shutil.rmtree(old)
@@ -232,9 +210,8 @@ def _size(path):
 
 
 def _save_failed(accelerator, output_dir, step, tmp, error, tensor_bytes):
-    """The one-line error of a save that failed on some rank (error: this rank's, None if another's), once
-    the partial checkpoint is removed; with a full disk, how much it needs (the previous checkpoint's size,
-    or more) and what is free. Other errors on this rank keep their traceback."""
+    """The one-line error of a save that failed on some rank (error: this rank's, or None), the partial one
+    removed; a full disk says what it needs and what is free. Other errors keep their traceback."""
     previous = [c for c in list_checkpoints(output_dir) if checkpoint_step(c) < step]
     written = (_size(tmp) if os.path.isdir(tmp) else 0) + tensor_bytes
     needed = max(_size(previous[-1]) if previous else 0, written)
@@ -267,9 +244,8 @@ def list_checkpoints(output_dir):
 
 
 def latest_checkpoint(output_dir, log=None, identity=None):
-    """The newest intact checkpoint: the one `latest` names if it verifies, else the newest older one that
-    does, saying why (log); without `latest`, the newest that verifies, said too. None if there is none; an
-    error naming the fix if none is intact, or (identity: run_identity's) if it was written with others."""
+    """The newest intact checkpoint (`latest`'s, else the newest older one, said), or None if there is none;
+    a CheckpointError if none is intact, or if it was written with another identity (run_identity's)."""
     path, named, checkpoints = os.path.join(output_dir, LATEST), None, list_checkpoints(output_dir)
     log = log or (lambda message: None)
     with contextlib.suppress(FileNotFoundError), open(path) as f:
@@ -298,8 +274,7 @@ def latest_checkpoint(output_dir, log=None, identity=None):
 
 
 def load_checkpoint(accelerator, ckpt):
-    """Restore what save_checkpoint wrote (the RNG states checked); returns (trainer state dict, extra
-    tensors or None)."""
+    """Restore save_checkpoint's (RNG states checked); returns (trainer state dict, tensors or None)."""
     try:
         accelerator.load_state(ckpt)
     except Exception as e:  # a checkpoint from before manifests can still be damaged

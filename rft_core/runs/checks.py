@@ -1,6 +1,5 @@
-"""The checks of the training scripts' flags: every value or combination that cannot work is refused with one
-line naming the flag, the value and the fix, before anything loads. `check_args` runs them all in a fixed
-order (the same error every run); the plan (rft_core/plan.py) calls it once the values it needs are known."""
+"""The flags' checks: what cannot work is refused before anything loads, in one line naming the flag, value
+and fix. `check_args` runs them in a fixed order (the same error every run); rft_core/plan.py calls it."""
 
 import dataclasses
 import json
@@ -13,8 +12,7 @@ from rft_core.distributed import zero_offloads_optimizer
 from rft_core.errors import ConfigError
 from rft_core.losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_TYPES, TIS_LEVELS
 
-# flag -> (is the value valid?, what it must be); checked on every flag the script has
-RANGES = {
+RANGES = {  # flag -> (is the value valid?, what it must be)
     "actor_learning_rate": (lambda v: v is None or 0 < v < 1, "in (0, 1); typical: 1e-6 to 1e-4"),
     "critic_learning_rate": (lambda v: 0 < v < 1, "in (0, 1)"),
     "temperature": (lambda v: v > 0, "> 0 (0 would sample greedily: a group's samples alike, no signal)"),
@@ -53,8 +51,7 @@ AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log
 # flags that name a file, directory, URL or column: an empty string is a mistake, not "none"
 PATHS = ("pretrain", "prompt_data", "eval_data", "reward_fn", "reward_pretrain", "critic_pretrain",
          "pretrain_data", "env", "output_dir", "images_key", "freeze_prefix", "remote_rm_url")
-# flags that name what the run reads: a path, paths joined by commas (reward_pretrain), or path.py:NAME
-# (reward_fn, env; without ":" a built-in's name); output_dir must neither hold nor be held by them
+# what the run reads (paths, comma-joined paths, path.py:NAME): --output_dir must neither hold nor be in them
 INPUTS = ("pretrain", "critic_pretrain", "reward_pretrain", "prompt_data", "eval_data", "pretrain_data",
           "reward_fn", "env")
 # numbers any finite value of suits (every numeric flag is in one of these tables: tests/test_user_errors.py)
@@ -62,8 +59,7 @@ ANY_FINITE = ("entropy_coef", "reward_fallback", "reward_weights", "eval_reward_
 
 
 def kl_in_reward(args):
-    """Whether the per-token reward carries a k1 KL penalty: a token-level estimator (gae, reinforce,
-    reinforce_baseline), --init_kl_coef > 0 and no --use_kl_loss (the plan and the inert-flag check ask)."""
+    """Whether the per-token reward carries a k1 KL penalty (TOKEN_LEVEL, --init_kl_coef > 0, no KL loss)."""
     return args.advantage_estimator in TOKEN_LEVEL and not args.use_kl_loss and args.init_kl_coef > 0
 
 
@@ -73,8 +69,7 @@ def check(ok, message):
 
 
 def check_parallelism(args, world, deepspeed, sharded, parallelism, bf16):
-    """Sequence parallelism (Ulysses, sp_size, under DeepSpeed; context parallelism, cp_size, under FSDP2;
-    rft_core/sequence_parallel.py), what it cannot split; tensor parallelism (whole layers fed to shards)."""
+    """What sequence parallelism (rft_core/sequence_parallel.py) cannot split; tensor parallelism refused."""
     tp = getattr(parallelism, "tp_size", None) or 1
     check(tp == 1, f"the accelerate config's parallelism_config_tp_size is {tp}: tensor parallelism is not "
           "supported by the training scripts yet; remove it (sequence parallelism is: "
@@ -131,7 +126,6 @@ def check_values(args):
 
 
 def check_algorithm(args):
-    """Combinations of the algorithm's flags that cannot train."""
     estimator, n = args.advantage_estimator, args.n_samples_per_prompt
     check(n > 1 or estimator in ("reinforce", "gae"), f"--n_samples_per_prompt 1 with {estimator}: the group "
           "baseline is the sample itself, so every advantage is 0; use >= 2, or reinforce / gae")
@@ -150,7 +144,6 @@ def check_algorithm(args):
 
 
 def check_batches(args, world, train_batch_size):
-    """Batch sizes that must divide: over the processes, and into optimizer steps and micro-batches."""
     samples_per_step = args.rollout_batch_size * args.n_samples_per_prompt
     check(args.rollout_batch_size % world == 0,
           f"--rollout_batch_size {args.rollout_batch_size} must divide over {world} processes")
@@ -195,7 +188,6 @@ def check_setup(args, world, deepspeed, sharded, engine_type):
 
 
 def check_env(args):
-    """What multi-turn episodes (--env) cannot be combined with."""
     if args.env is None:
         return
     check(not args.partial_rollout, "--partial_rollout with --env: an episode's turns wait for the "
@@ -208,9 +200,8 @@ def check_env(args):
 
 
 def check_paths(args):
-    """Every path flag fits the filesystem's limits (else an OSError traceback once the run reaches it), and
-    --output_dir can be written and neither holds nor is held by anything the run reads (INPUTS; real paths
-    compared): its config.json once overwrote a --pretrain model's."""
+    """Path flags within NAME_MAX / PATH_MAX; --output_dir writable and apart from INPUTS (real paths): its
+    config.json once overwrote a --pretrain model's."""
     inputs = []  # (flag, path)
     for name in (name for name in INPUTS if getattr(args, name, None)):
         for path in getattr(args, name).split(",") if name == "reward_pretrain" else [getattr(args, name)]:
@@ -235,8 +226,7 @@ def check_paths(args):
 
 
 def model_positions(pretrain):
-    """max_position_embeddings in a --pretrain directory's config.json (a VL one's text model's), read before
-    the model loads; None where there is no config.json."""
+    """max_position_embeddings in --pretrain's config.json (a VL one's text_config), or None without one."""
     path = os.path.join(pretrain or "", "config.json")
     if not pretrain or not os.path.isfile(path):
         return None
@@ -252,8 +242,7 @@ def model_positions(pretrain):
 
 def prompt_limit(args, positions):
     """(the longest prompt in tokens, what sets it): --prompt_max_len, or less where the model's positions
-    (None: not known) cannot hold such a prompt and a whole response (--generate_max_len; with --env,
-    --max_episode_tokens): longer prompts are skipped and counted. A response alone past them is refused."""
+    (None: unknown) cannot also hold a whole response; a response alone past them is refused."""
     flag = "max_episode_tokens" if args.env else "generate_max_len"
     response = getattr(args, flag)
     check(positions is None or response < positions, f"--{flag} {response}: past the model's {positions} "
@@ -265,8 +254,7 @@ def prompt_limit(args, positions):
 
 
 def check_output_dir(path):
-    """--output_dir is, or can be made, a folder files can be written to: the nearest existing folder takes a
-    probe file (permissions miss /proc, read-only mounts, root's access); no link on the way dangles."""
+    """--output_dir can be made and written: a probe file (mode bits miss read-only mounts), no dead link."""
     existing = os.path.abspath(path)  # it, or the nearest folder above it that exists
     while not os.path.exists(existing):
         check(not os.path.islink(existing), f"--output_dir {path!r}: {existing} is a symbolic link to "
@@ -283,7 +271,6 @@ def check_output_dir(path):
 
 
 def check_vl_flags(args):
-    """train_ppo_vl.py: the text script's flags that cannot apply to images."""
     check(not args.critic_pretrain, "--critic_pretrain: the VL critic is the policy's backbone with a "
           "new value head, not a separate checkpoint; drop the flag")
     check(args.apply_chat_template, "--apply_chat_template false: image prompts need the chat template "
@@ -336,9 +323,8 @@ def check_inert(args, engine_type):
 
 def check_args(args, world, deepspeed=None, sharded=False, engine_type="hf", parallelism=None,
                train_batch_size=None, bf16=None):
-    """Every check on a training script's Args. world: processes; deepspeed: accelerate's DeepSpeed plugin or
-    None; sharded: ZeRO-3 or FSDP2; engine_type: the resolved engine (hf, vllm, sglang); parallelism:
-    accelerate's ParallelismConfig or None; train_batch_size, bf16: resolved values (default: the flags')."""
+    """Every check on a script's Args. world: processes; deepspeed: accelerate's plugin or None; sharded:
+    ZeRO-3 / FSDP2; parallelism: a ParallelismConfig or None; the rest: resolved values (default: flags')."""
     train_batch_size = train_batch_size or args.train_batch_size
     bf16 = args.bf16 if bf16 is None else bf16
     check_parallelism(args, world, deepspeed, sharded, parallelism, bf16)

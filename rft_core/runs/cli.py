@@ -17,8 +17,7 @@ REPLACED = {"--use_wandb": "--report_to wandb", "--use_tensorboard": "--report_t
 
 
 def _field_docs(cls):
-    """{field: (its section, its documentation)}: the string literal under each field of a dataclass body, and
-    the `# ---- section ----` comment above it ("the task" before the first)."""
+    """{field: (section, the string literal under it)}; sections from `# ---- section ----` comments."""
     source = textwrap.dedent(inspect.getsource(cls))
     body, docs = ast.parse(source).body[0].body, {}
     lines, section = source.splitlines(), "the task"
@@ -41,8 +40,7 @@ def _bool(text):
 
 
 def parse_args(cls, argv=None):
-    """Parse argv into an instance of the dataclass `cls`: `--name value`, bools as `--name [true|false]`,
-    Tuple[float, float] as `--name A B`, Literal["a", "b"] as a choice of a or b."""
+    """argv as a `cls`: bools as `--name [true|false]`, tuples as `--name A B`, Literals as choices."""
     parser = argparse.ArgumentParser(description=inspect.getdoc(inspect.getmodule(cls)),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     docs, hints, groups = _field_docs(cls), typing.get_type_hints(cls), {}

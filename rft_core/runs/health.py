@@ -1,13 +1,8 @@
-"""Training health: stop a diverging run before its bad update is applied or saved.
-
-- Gradients, before every optimizer step: non-finite (a finite loss can have NaN gradients), or a norm
-  `explode_factor` times the median of the run's earlier ones (orders of magnitude, not a clipped spike).
-- The policy, every step and on the new weights before a checkpoint or the final model is written: a mean
-  entropy that reached the uniform bound log(V) from well below it (the policy collapsed), non-finite weights,
-  or (before a save) an update that moved the policy by more than `max_update_kl` nats per token.
-The stop (errors.TrainingDiverged) says which checkpoint is intact and how to resume from it with other flags.
-- A resumed checkpoint's weights, once loaded: finite (`check_resumed_weights`; errors.CheckpointError).
-"""
+"""Training health: stop a diverging run before its bad update is applied or saved (errors.TrainingDiverged
+names the intact checkpoint and the fix). Before each optimizer step: non-finite gradients, or a norm
+`explode_factor` times the run's median; every step and before a save: an entropy that reached log(V) from
+well below (a collapse), non-finite weights, an update beyond `max_update_kl` nats per token. A resumed
+checkpoint's weights must be finite (`check_resumed_weights`)."""
 
 import math
 import os
@@ -21,8 +16,7 @@ from rft_core.runs.checkpoint import checkpoint_step, latest_checkpoint, list_ch
 
 
 def nonfinite_inputs(exp):
-    """The loss inputs of Experience `exp` that are not finite on response tokens, as "old_logprobs 3 tokens,
-    ..." ("" if none). Rows whose engine logprobs are all NaN are the rows the engine returned none for."""
+    """The loss inputs of `exp` not finite on response tokens: "old_logprobs 3 tokens, ..." ("" if none)."""
     mask = exp.action_mask.bool()  # (B, T)
     found = []
     for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns",
@@ -41,9 +35,8 @@ def nonfinite_inputs(exp):
 
 @torch.no_grad()
 def check_resumed_weights(models, ckpt, accelerator):
-    """Collective. The weights of `models` just loaded from checkpoint ckpt are finite on every rank, or one
-    line names it: a NaN weight (damage the manifest did not catch) would otherwise surface later as a
-    sampling error far from its cause."""
+    """Collective. The weights just loaded from ckpt are finite, or a CheckpointError: a NaN weight would
+    otherwise surface later as a sampling error far from its cause."""
     bad = [name for model in models for name, p in model.named_parameters()
            if not torch.isfinite(getattr(p, "ds_tensor", p)).all()]  # (ZeRO-3: this rank's shard)
     if not accelerator.reduce(torch.tensor(float(len(bad)), device=accelerator.device), "sum").item():
@@ -63,8 +56,7 @@ class HealthGuard:
         self.norms, self.first_entropy = {}, None  # earlier gradient norms by key; the run's first entropy
 
     def grad_norm(self, key, norm, step, experience=None):
-        """Before the optimizer step: `norm` (pre-clip) of `key` ("grad_norm", "critic_grad_norm") is sane. A
-        non-finite one names what of the step's `experience` is not finite."""
+        """Before the optimizer step: `norm` (pre-clip) of `key` is finite and has not exploded."""
         if not math.isfinite(norm):
             found = nonfinite_inputs(experience) if experience is not None else ""
             where = f"; not finite in the step's inputs: {found}" if found else ""
@@ -82,8 +74,7 @@ class HealthGuard:
         self.norms[key].append(norm)
 
     def entropy(self, entropy, step, what="the policy"):
-        """The mean entropy of the sampled tokens under the policy; a collapse to uniform stops the run (a
-        model that starts near uniform, a random one, is left alone). None: a step without a policy token."""
+        """A collapse of the mean entropy to uniform stops the run (one that starts near it is left alone)."""
         if entropy is None:
             return
         if not math.isfinite(entropy):
@@ -95,15 +86,13 @@ class HealthGuard:
 
     @torch.no_grad()
     def before_checkpoint(self, model, experience, split, fwd, accelerator, step):
-        """Collective. The weights about to be saved: finite on every rank; on the step's first micro-batch,
-        their policy's entropy not collapsed and its distance from the policy that sampled the batch (k1 KL,
-        nats per token) not beyond `max_update_kl`: a sane update moves it by a few thousandths."""
+        """Collective. The weights about to be saved are finite; on the first micro-batch, the entropy not
+        collapsed, the k1 KL to the sampling policy within `max_update_kl` nats per token (sane: ~0.001)."""
         bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters())
         if accelerator.reduce(torch.tensor(float(bad), device=accelerator.device), "sum").item():
             self.stop("the updated weights are not finite", step)
         mb = experience.split(**split, fwd=fwd)[0]  # split: Experience.split's sizes; fwd: a Forward
-        # eager: compiled layers would otherwise compile once more, for forwards without gradients (~7 s at
-        # 135M on an H100, more for larger models), for this one check
+        # eager: compiled layers would compile again for no-grad forwards (~7 s at 135M on an H100)
         with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
             logprobs, entropy = micro_batch_logprobs(model, mb, fwd, with_entropy=True)
         mask = mb.action_mask
@@ -118,8 +107,7 @@ class HealthGuard:
                       f"sampled the step; a sane update: about 0.001)", step)
 
     def stop(self, what, step, advice=None):
-        """Raise TrainingDiverged: what, at which step, the newest intact checkpoint, and the fix (`advice`,
-        else a lower learning rate)."""
+        """Raise TrainingDiverged naming the newest intact checkpoint and the fix (advice, or a lower LR)."""
         ckpt = latest_checkpoint(self.output_dir)
         fix = advice or f"rerun with a lower --actor_learning_rate{' (or other flags)' if ckpt else ''}"
         where = f"no checkpoint was written before it: {fix}"

@@ -1,13 +1,7 @@
-"""Files of the output directory written whole and read back checked.
-
-- A checkpoint's `manifest.json` holds the size and SHA-256 of every file (weights included; hashed in
-  parallel at about 750 MB/s a core): `verify_checkpoint` finds a truncated, missing or bit-flipped file. The
-  hashes are integrity, not authenticity: whoever can write a checkpoint can rewrite its manifest.
-- Pickles from the output directory are read as plain data only (`load_plain`), whatever
-  TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says; after a resume the RNG states are checked to be the saved ones.
-- metrics.jsonl rows are appended whole or cut back (`append`); a line cut all the same (a kill mid-write) is
-  dropped and said when read (`read_rows`); a full disk is said as such (`write_error`).
-"""
+"""Files of the output directory written whole and read back checked. A checkpoint's `manifest.json` holds
+every file's size and SHA-256 (~750 MB/s a core, in parallel; integrity, not authenticity) for
+`verify_checkpoint`; pickles load as plain data only (`load_plain`); metrics.jsonl rows are appended whole
+(`append`) and a cut one dropped when read (`read_rows`); a full disk is said as such (`write_error`)."""
 
 import contextlib
 import errno
@@ -61,8 +55,7 @@ def write_error(error, directory):
 
 
 def write_whole(path, data, mode=None):
-    """Replace path by data (text or bytes): written to path.tmp, synced, then renamed over it (a kill leaves
-    one or the other, never half of one); mode: its permissions (0o600: the user's alone)."""
+    """Replace path by data (text or bytes) via a synced path.tmp renamed over it: never half-written."""
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     with open(fd, "wb") as f:
         if mode is not None:
@@ -74,8 +67,7 @@ def write_whole(path, data, mode=None):
 
 
 def replace_dir(tmp, final):
-    """Put the directory tmp, written whole, at final: its files synced, then renamed (an older final moved to
-    final.old first, deleted after), so a kill leaves final old, new or absent, never half of one."""
+    """Rename the synced directory tmp to final (an older one via final.old): a kill never leaves half."""
     for root, _, names in os.walk(tmp):
         for name in names:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
@@ -115,8 +107,7 @@ def append(path, text, what):
 
 
 def read_rows(path, log=None):
-    """(rows, their lines as bytes) of a metrics.jsonl (none if absent). A line that does not parse, such as
-    a last one cut by a full disk or a kill mid-write, is dropped and said (log)."""
+    """(rows, their lines as bytes) of a metrics.jsonl; a line that does not parse is dropped, said (log)."""
     rows, lines, bad = [], [], []
     if not os.path.exists(path):
         return rows, lines
@@ -148,7 +139,6 @@ def _sha256_all(paths):
 
 
 def mark_written(ckpt):
-    """ckpt was just written whole by this run: it is not hashed again."""
     path = os.path.join(ckpt, MANIFEST)
     if os.path.exists(path):  # (a rank on another node may not see it)
         _written[ckpt] = os.stat(path).st_mtime_ns
@@ -164,9 +154,8 @@ def manifest(ckpt):
 
 
 def verify_checkpoint(ckpt):
-    """None if the checkpoint is whole, else what is wrong: it or a file missing, or a file of another size
-    or SHA-256 than when written (older manifests: the size alone; no manifest: trainer_state.json must
-    read). One this process wrote is not hashed again."""
+    """None if the checkpoint is whole, else what is wrong: a file missing, or of another size or SHA-256
+    (no manifest: trainer_state.json must read). One this process wrote is not hashed again."""
     if not os.path.isdir(ckpt):
         return "missing"
     path = os.path.join(ckpt, MANIFEST)
@@ -198,9 +187,8 @@ def verify_checkpoint(ckpt):
 
 
 def load_plain(path, **kwargs):
-    """torch.load(path, weights_only=True): tensors and plain containers only, whatever
-    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says (accelerate's load adds the numpy types of an RNG state). A file
-    holding anything else, or that does not read, is one line naming it."""
+    """torch.load(path, weights_only=True) whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says (accelerate's load
+    adds an RNG state's numpy types); a file holding more, or unreadable, is a CheckpointError."""
     from accelerate.utils import load
 
     try:

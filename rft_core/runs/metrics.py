@@ -17,19 +17,15 @@ from rft_core.runs.plots import write_plots
 
 
 class StepTimer:
-    """Wall time and peak GPU memory of each phase of a step: `phase(name)` ends the running phase and starts
-    `name`; `metrics()` ends the last one and returns perf/<name>_s, perf/step_time_s and, with CUDA,
-    perf/mem_<name>_gb (the phase's peak) and perf/mem_<name>_extra_gb (its transient memory: how far the
-    peak rose above what was allocated at its start); the first step's, perf/startup_s (since the process
-    started)."""
+    """Phase times and GPU peaks: `phase(name)` starts one; `metrics()` returns perf/<name>_s, step_time_s,
+    mem_<name>_gb (peak), mem_<name>_extra_gb (peak above the phase's start), once startup_s."""
 
     def __init__(self):
         import psutil
 
         self.process_start = psutil.Process().create_time()
         self.cuda = torch.cuda.is_available()
-        # phase -> bytes its last run's peak rose above what was allocated at its start: what its next run
-        # needs free (absent: not run yet, or no CUDA)
+        # phase -> bytes its last peak rose above its start: what its next run needs free
         self.extra = {}
         self._reset()
 
@@ -62,8 +58,7 @@ class StepTimer:
 
 
 class Means:
-    """Running means of metric dicts, each key over the dicts that hold it; a (total, weight) pair makes a
-    weighted mean (weights summing to 0: left out); a name ending in _max is the largest value of weight > 0.
+    """Running means of metric dicts; a (total, weight) pair is weighted, a _max name the largest value.
     Values may be 0-d device tensors, read once in `result()` (an .item() per micro-batch stalls the GPU)."""
 
     def __init__(self):
@@ -92,9 +87,8 @@ def update_metrics(means):
 
 
 def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=None):
-    """rollout/ metrics of this rank's samples, and with reward shaping (normalisation, clipping) the shaped
-    rewards' (B,) mean and the share clipped. The lengths count the tokens the policy sampled (not a
-    multi-turn environment's); an episode is truncated when a turn reached its token limit."""
+    """rollout/ metrics of this rank's samples (shaped_rewards: (B,)). Lengths count the policy's tokens, not
+    an environment's; an episode is truncated when a turn reached its token limit."""
     rewards = torch.tensor([s.reward for s in samples])  # as scored, before normalisation and clipping
     generations = [s.generation for s in samples]  # (a multi-turn one's mask: the policy's tokens)
     lengths = torch.tensor([float(len(g.token_ids) if g.mask is None else sum(g.mask)) for g in generations])
@@ -118,8 +112,6 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
     return metrics
 
 
-# how a metric merges over the ranks, by its name after the prefix: counts are summed, maxima (names ending
-# in _max) are maxima; the rest are means
 SUMMED = ("reward_errors", "filled_groups", "tokens", "buffered", "resumed", "finished_from_buffer",
           "dropped_stale", "tokens_generated", "env_calls", "env_errors", "env_tokens", "env_truncated",
           "cut_turns", "cut_tokens")
@@ -139,7 +131,6 @@ def gather_metrics(local):
     return merged
 
 
-# the step line's (label, metric)
 STEP_LINE = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"),
              ("acc", "rollout/reward/correct"), ("errors", "rollout/reward_errors"),
              ("len", "rollout/response_length"), ("turns", "rollout/turns_mean"),
@@ -154,19 +145,13 @@ STEP_LINE = [("reward", "rollout/reward_mean"), ("±", "rollout/reward_std"),
 
 
 class MetricsLog:
-    """The run's record in its output directory: config.json, one JSON object per step in metrics.jsonl (and
-    the accelerate trackers, wandb and TensorBoard), samples.jsonl; and the console line."""
+    """The run's record: config.json, metrics.jsonl (and the trackers), samples.jsonl, the console line."""
 
     def __init__(self, output_dir, config=None, accelerator=None, trackers=False, keep_until=None,
                  samples_every=0, max_len=None):
-        """Starts the record where that is safe (rft_core/runs/run_dir.py): the main process takes
-        output_dir's lock; a new run (keep_until None) over a previous run's steps is refused unless
-        config["no_resume"], which moves that run into previous-N/ first. A resumed run (keep_until: its
-        checkpoint's step) keeps the metrics.jsonl rows up to that step, and its config.json, under
-        "resumed", what changed at each resume. With trackers, the accelerator's start first (project:
-        $WANDB_PROJECT, else rft), with the config's scalars and strings (TensorBoard's hparams refuse
-        anything else). Credentials are hidden (run_dir.redact); config.json is the user's alone (mode
-        0600). samples_every, max_len: samples_and_plots below. Only the main process writes."""
+        """Takes output_dir's lock (rft_core/runs/run_dir.py); a new run (keep_until None) over a previous one
+        is refused unless config["no_resume"], a resumed one keeps the rows up to keep_until. Trackers start
+        first (scalars only: TensorBoard's hparams refuse more); only the main process writes."""
         self.enabled = accelerator is None or accelerator.is_main_process
         self.said = set()  # the notices given (each once): "idle", "cut"
         self.accelerator = accelerator  # with trackers (wandb, TensorBoard): rows go to them too
@@ -241,8 +226,7 @@ class MetricsLog:
             self.accelerator.log(metrics, step=step)
 
     def finished(self, step):
-        """The run's exports are whole: FINISHED names its last step, written after them (a rerun of the same
-        command then has nothing to do: checkpoint.finished_run)."""
+        """The exports are whole: FINISHED names the last step (a rerun stops: checkpoint.finished_run)."""
         if self.enabled:
             path = os.path.join(os.path.dirname(self.path), run_dir.FINISHED)
             write_whole(path, json.dumps({"step": step}))
@@ -253,9 +237,8 @@ class MetricsLog:
             tqdm.write(message)
 
     def samples_and_plots(self, step, samples, tokenizer, lengths, last=False):
-        """Every samples_every steps, the first 4 samples to samples.jsonl (a multi-turn episode whole: its
-        turns, how it ended), two of them printed, a wandb table if wandb is on, and the plots (also at the
-        last step; lengths: this step's response lengths)."""
+        """Every samples_every steps: 4 samples to samples.jsonl (2 printed; a wandb table with wandb) and
+        the plots (also at the last step; lengths: this step's response lengths)."""
         if self.enabled and self.samples_every and step % self.samples_every == 0 and samples:
             rows = []
             for s in samples[:4]:
@@ -278,7 +261,6 @@ class MetricsLog:
             self.plots(lengths)
 
     def plots(self, lengths):
-        """curves.png and gen_len.png (with samples_every; lengths: the latest rollout's response lengths)."""
         if self.enabled and self.samples_every:
             write_plots(os.path.dirname(self.path), lengths, self.max_len)
 

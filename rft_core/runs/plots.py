@@ -1,5 +1,4 @@
-"""PNG plots of a run: reward / accuracy curves from metrics.jsonl, and the distribution of
-generation lengths of the latest rollout (what the seed's GenLenAnalyser shows)."""
+"""PNG plots: reward / accuracy curves, the latest rollout's lengths (the seed's GenLenAnalyser's)."""
 
 import json
 import os

@@ -1,6 +1,5 @@
-"""How a training script's process ends: `run_main` turns a user's error into one line and an exit status,
-`StopSignals` lets SIGINT / SIGTERM stop the start-up at once and the loop at a step's end, and `stop_error`
-says where that left the run."""
+"""How a script's process ends: `run_main` turns a user's error into one line and a status, `StopSignals`
+stops the start-up at once and the loop at a step's end, `stop_error` says where that left the run."""
 
 import faulthandler
 import os
@@ -15,11 +14,8 @@ from rft_core.runs.run_dir import redact_output
 
 
 def run_main(main):
-    """The scripts' entry point. A UserError (what the user can fix, or a diverging run) ends the process
-    with its one line, `error: ...`, and status 2; a stop on SIGINT / SIGTERM with its line and 130 / 143; a
-    CUDA out-of-memory error with one line naming the flags that make room, and 2 (RFT_DEBUG=1: the
-    traceback instead). Anything else is a bug and keeps its traceback. What is printed has its credentials
-    hidden (run_dir.redact)."""
+    """The scripts' entry point: a UserError or CUDA OOM ends with one line and status 2, a signal with 130 /
+    143 (RFT_DEBUG=1: the traceback); anything else is a bug and keeps its traceback."""
     redact_output()
     try:
         main()
@@ -34,7 +30,6 @@ def run_main(main):
             print("interrupted: checkpoints are written atomically: rerun the same command to resume from "
                   "the last complete one, if there is one", file=sys.stderr, flush=True)
             sys.exit(130)
-        # what the memory plan did not foresee: the flags that make room
         said = ". ".join(str(e).split(". ")[:3])  # out of memory, how much it tried, how much was free
         print(f"error: {said}: make room with --optimizer_offload, a smaller --max_tokens_per_micro_batch or "
               "--engine_mem_util, --gradient_checkpointing or --lora_rank, or shard further (fsdp2.yaml, an "
@@ -44,8 +39,7 @@ def run_main(main):
 
 
 class StopNow(KeyboardInterrupt):
-    """A signal that stops the run at once: during start-up (the step-0 eval included), or Ctrl-C twice. A
-    KeyboardInterrupt, so that no `except Exception` on its way reports it as another error."""
+    """A stop at once (start-up, Ctrl-C twice): a KeyboardInterrupt, so no `except Exception` reports it."""
 
     def __init__(self, message, exit_code):
         super().__init__(message)
@@ -53,11 +47,9 @@ class StopNow(KeyboardInterrupt):
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (a cluster's pre-emption). With at_once (as main starts) they stop the
-    start-up at once; then (before the loop) they stop the loop after the current step and its checkpoint (if
-    one is due; after SIGTERM, always); a second SIGINT stops at once. Every rank calls `requested` at the
-    same point, so that they stop together. SIGUSR1 prints every thread's stack (where a stuck run waits).
-    args: the flags."""
+    """SIGINT and SIGTERM stop the start-up at once (at_once), then the loop after the step and its checkpoint
+    (after SIGTERM, always); a second SIGINT stops at once. Every rank calls `requested` at the same point, to
+    stop together. SIGUSR1 prints every thread's stack (where a stuck run waits)."""
 
     def __init__(self, args, at_once=False):
         self.args, self.at_once = args, at_once
@@ -83,15 +75,13 @@ class StopSignals:
 
 
 def stop_error(signal_name, step, args):
-    """The Stopped error that ends a run on signal_name ("SIGINT" / "SIGTERM") after `step`, naming the
-    newest intact checkpoint in --output_dir (if there is one; SIGTERM wrote one of that step first)."""
+    """The Stopped error of a run ended by signal_name after `step`, naming the newest intact checkpoint."""
     where = _resumes_from(args, step)
     return Stopped(f"{signal_name} after step {step}: {where}", 130 if signal_name == "SIGINT" else 143)
 
 
 def _resumes_from(args, step):
-    """Where a rerun of the same command starts: the newest intact checkpoint, or afresh, and why (step: the
-    last step done; None: unknown)."""
+    """Where a rerun starts: the newest intact checkpoint, or afresh and why (step: the last done or None)."""
     try:
         checkpoint = latest_checkpoint(args.output_dir)
     except (CheckpointError, OSError, ValueError):  # none intact, or unreadable: said at the next start

@@ -1,13 +1,8 @@
-"""The output directory: one run writes there at a time, a killed run's leftovers are cleaned up, a new run
-never overwrites a previous one, and no credential is written there.
-
-The lock, `run.lock` (mode 0600), names its holder (pid, host, start, command) and refuses a second live
-run in one line. A dead holder's (SIGKILL, a lost node) is said and taken over: on this host once its pid
-is gone, from another host once its heartbeat (a touch every HEARTBEAT_S) stays still for WATCH_S on this
-host's monotonic clock; two hosts' clocks are never compared (one running ahead took a live lock for an old
-one). A new run over a previous run's steps is refused naming --no_resume, which moves that run into
-previous-N/ first, so `latest`, checkpoint pruning and metrics.jsonl cannot mix two runs.
-"""
+"""The output directory: one run at a time (`run.lock` names its holder), a killed run's leftovers cleaned up,
+no credential written. A dead holder's lock is taken over: on this host once its pid is gone, from another
+once its heartbeat stays still for WATCH_S on this host's monotonic clock (two hosts' clocks are never
+compared: one running ahead took a live lock). A new run over a previous run's steps is refused unless
+--no_resume, which moves it into previous-N/ (so `latest`, pruning and metrics.jsonl never mix two runs)."""
 
 import atexit
 import contextlib
@@ -35,8 +30,7 @@ _dead = {}  # lock path -> its beat when watched and found still: not watched ag
 
 
 def redact(value):
-    """value with the credentials of every URL in it hidden: user:password@ and query values as ***. A string,
-    or a dict, list or tuple of them (nested); other values as they are."""
+    """value (a string, or nested dicts, lists, tuples of them) with URLs' passwords and queries as ***."""
     if isinstance(value, dict):
         return {key: redact(v) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -50,7 +44,6 @@ def _hide(match):
 
 
 class Redacting:
-    """A text stream (sys.stdout, sys.stderr) that hides URL credentials (redact) in what is written to it."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -63,14 +56,12 @@ class Redacting:
 
 
 def redact_output():
-    """From now on, sys.stdout and sys.stderr hide credentials: as the run starts (run.run_main), and again
-    once the trackers started (wandb copies what is printed on its way to the stream it found there)."""
+    """Hide credentials on sys.stdout / stderr; again once wandb started (it copies the stream it found)."""
     sys.stdout, sys.stderr = Redacting(sys.stdout), Redacting(sys.stderr)
 
 
 def on_main(accelerator, fn):
-    """fn() on the main process alone, its result shared with every rank (the others wait for it); a UserError
-    it raises is raised on every rank."""
+    """fn() on the main process alone, its result (or the UserError it raised) shared with every rank."""
     error, result = None, None
     if accelerator is None or accelerator.is_main_process:
         try:
@@ -99,8 +90,7 @@ def _start_ticks(pid):
 
 
 def _read_lock(path):
-    """(the holder's record, the lock's beat: what its heartbeat changes), or None where there is no lock. A
-    lock being written, damaged or another user's (unreadable) reads as an empty record."""
+    """(holder's record, beat), or None without a lock; one being written or unreadable reads as {}."""
     holder = {}
     try:
         with contextlib.suppress(PermissionError, ValueError), open(path) as f:  # (revalidates NFS's mtime)
@@ -116,8 +106,7 @@ def _mine(holder):
 
 
 def _alive(path, holder, beat, log):
-    """Whether the lock's holder may still run. On this host, at once: its pid lives and started when the lock
-    says. Elsewhere (or unreadable): whether the lock's beat changes while watched for WATCH_S (once)."""
+    """Whether the holder may run: on this host, its pid and start time; elsewhere, its beat over WATCH_S."""
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
         try:
             os.kill(holder["pid"], 0)
@@ -147,7 +136,6 @@ def _who(holder):
 
 
 def _refuse_busy(output_dir, found, log):
-    """Refuse this run in one line if `found` (_read_lock's) is a live process other than this one."""
     path = os.path.join(output_dir, LOCK)
     if found is None or _mine(found[0]) or not _alive(path, *found, log):
         return
@@ -156,15 +144,13 @@ def _refuse_busy(output_dir, found, log):
 
 
 def check_free(output_dir, log=print):
-    """Refuse in one line an output directory that another live run holds; else clean up what a killed run
-    left there (clean_leftovers), so that the checkpoints are looked for in a whole directory."""
+    """Refuse a directory another live run holds; else clean_leftovers (checkpoints are then whole)."""
     _refuse_busy(output_dir, _read_lock(os.path.join(output_dir, LOCK)), log)
     clean_leftovers(output_dir, log)
 
 
 def take_lock(output_dir, log=print):
-    """Hold output_dir's lock until this process exits (again: nothing to do), and clean up what a killed run
-    left there. A second live run is refused in one line; a dead one's lock is said (log) and taken over."""
+    """Hold output_dir's lock until exit (a live holder refused, a dead one's taken over); clean_leftovers."""
     path = os.path.join(output_dir, LOCK)
     os.makedirs(output_dir, exist_ok=True)
     if not any(_acquire(path, output_dir, log) for _ in range(5)):  # (any stops at the first that holds it)
@@ -178,7 +164,6 @@ def take_lock(output_dir, log=print):
 
 
 def _acquire(path, output_dir, log):
-    """One try at the lock: True if this process holds it now, False to try again; a live holder: refused."""
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
@@ -212,7 +197,6 @@ def _heartbeat():
 
 
 def release_lock(output_dir):
-    """Remove output_dir's lock if this process holds it."""
     _held.discard(os.path.abspath(output_dir))
     path = os.path.join(output_dir, LOCK)
     found = _read_lock(path)
@@ -222,9 +206,7 @@ def release_lock(output_dir):
 
 
 def clean_leftovers(output_dir, log=print):
-    """Remove what a killed writer left aside at the top of output_dir (LEFTOVER: checkpoint-N.tmp/,
-    model.tmp/, model.old/, config.json.tmp...), said in one line; a cut --no_resume's previous-N.tmp/ is
-    moved back."""
+    """Remove what a killed writer left aside (LEFTOVER), said; a cut --no_resume's is moved back."""
     if not os.path.isdir(output_dir):
         return
     removed = []
@@ -243,8 +225,7 @@ def clean_leftovers(output_dir, log=print):
 
 
 def _move_back(output_dir, aside, log):
-    """Undo move_previous's first half: aside's entries back at the top (those whose name was taken since
-    stay together, in the next previous-N/)."""
+    """Undo move_previous's first half (entries whose name was taken since go to the next previous-N/)."""
     for name in os.listdir(aside):
         if not os.path.exists(os.path.join(output_dir, name)):
             os.rename(os.path.join(aside, name), os.path.join(output_dir, name))
@@ -267,8 +248,7 @@ def finished_step(output_dir):
 
 
 def previous_run(output_dir, rows):
-    """(what a previous run left at the top of output_dir, in words; its entries; whether it finished), or
-    None where it trained no step (config.json, a step-0 eval are written again). rows: metrics.jsonl's."""
+    """(a previous run's leftovers in words, its entries, whether it finished); None if it trained no step."""
     if not os.path.isdir(output_dir):
         return None
     names = sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or RUN_DIRS.fullmatch(n))
@@ -288,7 +268,6 @@ def _previous_dir(output_dir):
 
 
 def refuse_overwrite(output_dir, found):
-    """The one line refusing a new run over previous_run's find (without --no_resume)."""
     what = "a finished run" if found[2] else "a run that left no checkpoint to resume"
     raise ConfigError(f"--output_dir {output_dir} holds {what} ({found[0]}): pass --no_resume to start a "
                       f"new run there (that one moves to {_previous_dir(output_dir)}/), or use another "
@@ -296,8 +275,7 @@ def refuse_overwrite(output_dir, found):
 
 
 def move_previous(output_dir, found, log=print):
-    """Move previous_run's entries into output_dir/previous-N/ (--no_resume) in one step: into
-    previous-N.tmp/, then renamed (a kill in between is undone at the next start: clean_leftovers)."""
+    """previous_run's entries into previous-N/ via previous-N.tmp/ (a kill between: clean_leftovers)."""
     target = _previous_dir(output_dir)
     os.makedirs(target + ".tmp")
     for name in found[1]:
@@ -316,9 +294,8 @@ def _flat(config, prefix=""):
 
 
 def with_segments(path, config, step, log):
-    """config, resumed after `step`, with "resumed": config.json's list (at path, before it is rewritten) and
-    this resume's {"step", "changed": {flag or plan field: [before, now]}}; the flags that changed are said
-    (log). An attempt that trained nothing (the last entry at the same step) gives way to this one."""
+    """config with "resumed": config.json's list plus {"step", "changed": {key: [before, now]}}, the changed
+    flags said; an attempt that trained nothing (an entry at the same step) gives way to this one."""
     old = None
     with contextlib.suppress(OSError, ValueError), open(path) as f:
         old = json.load(f)
