@@ -1,9 +1,8 @@
-"""Advantage estimators: per-sequence (group baselines) and per-token (returns, GAE), and whitening; the
+"""Advantage estimators: per-sequence (group baselines) and per-token (returns, GAE), whitening, and the
 rewards' running normalisation before them (`RunningMoments`, `shape_rewards`).
 
-rewards: (B,) with B = num_prompts * n and the n samples of a prompt contiguous.
-`outcome_scores` turns outcome rewards into per-sequence scores (B,): the advantage itself for the group
-estimators, the reward (or its baseline-subtracted form) that the token-level estimators start from:
+rewards: (B,), B = num_prompts * n, a prompt's n samples contiguous. `outcome_scores` gives per-sequence
+scores (B,): the advantage of a group estimator, the reward a token-level estimator starts from:
 
     group_norm          (r - mean_g) / (std_g + eps)          GRPO (Shao et al. 2024)
     dr_grpo             r - mean_g                            Dr.GRPO (Liu et al. 2025): no std division
@@ -13,14 +12,10 @@ estimators, the reward (or its baseline-subtracted form) that the token-level es
     reinforce_baseline  r - mean_g                            REINFORCE++-baseline
     gae                 r                                     PPO (Schulman et al. 2017), with a critic
 
-std_g is the unbiased standard deviation of the group (torch.std, as GRPO implementations use). A group whose
-rewards are all equal scores exactly 0 under every baseline (its mean is not always exact in floating point,
-and dividing a one-ulp residue by a one-ulp std would give it a large advantage).
-The last three are TOKEN_LEVEL: the score becomes the reward of the last response token, a
-per-token KL penalty can join it (`token_rewards`), and the advantages are discounted returns
-(REINFORCE++) or GAE, whitened over the whole global batch at token level (`whiten`). A multi-turn response
-has the environment's tokens between the policy's (action_mask 0): returns and GAE pass over them, so each
-policy token is followed by the next policy token, as if they were absent (the discount counts actions).
+std_g: unbiased (torch.std, as GRPO implementations use). Equal rewards score exactly 0 (a one-ulp residue of
+the mean over a one-ulp std would be large). TOKEN_LEVEL (the last three): the score is the last response
+token's reward (`token_rewards`), returns (REINFORCE++) or GAE whitened over the global batch (`whiten`),
+skipping environment tokens (action_mask 0): the discount counts actions.
 """
 
 import math
@@ -61,8 +56,7 @@ def outcome_scores(rewards: Tensor, n_samples_per_prompt: int, estimator: str = 
 
 def token_rewards(scores: Tensor, action_mask: Tensor, kl: Optional[Tensor] = None,
                   kl_coef: float = 0.0) -> Tensor:
-    """Per-token rewards (B, T): -kl_coef * kl_t on every response token, plus the sequence score on
-    its last token (the InstructGPT / PPO-RLHF reward shaping)."""
+    """Per-token rewards (B, T): -kl_coef * kl_t per response token, the score on the last (InstructGPT's)."""
     mask = action_mask.to(torch.float32)
     rewards = torch.zeros_like(mask)  # (B, T)
     columns = torch.arange(mask.shape[1], device=mask.device)
@@ -74,8 +68,7 @@ def token_rewards(scores: Tensor, action_mask: Tensor, kl: Optional[Tensor] = No
 
 
 def discounted_returns(rewards: Tensor, action_mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """G_t = r_t + gamma * G_{t'} over the response tokens (B, T), t' the next one in action_mask; 0 off
-    the mask."""
+    """G_t = r_t + gamma * G_{t'} (B, T), t' the next response token in action_mask; 0 off the mask."""
     mask = action_mask.bool()
     returns = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # (B, T)
     running = torch.zeros_like(returns[:, 0])  # (B,)
@@ -87,11 +80,8 @@ def discounted_returns(rewards: Tensor, action_mask: Tensor, gamma: float = 1.0)
 
 def gae(rewards: Tensor, values: Tensor, action_mask: Tensor, gamma: float = 1.0,
         lambd: float = 0.95) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016): (advantages, returns), each (B, T).
-
-    delta_t = r_t + gamma V_{t'} - V_t, t' the next response token in action_mask (V = 0 past the last);
-    A_t = delta_t + gamma lambd A_{t'};  returns_t = A_t + V_t (the critic's regression target).
-    """
+    """GAE (Schulman et al. 2016): (advantages, returns) (B, T). delta_t = r_t + gamma V_{t'} - V_t, t' the
+    next response token (V = 0 past the last); A_t = delta_t + gamma lambd A_{t'}; returns_t = A_t + V_t."""
     mask = action_mask.bool()
     values = values.float() * mask  # (B, T)
     advantages = torch.zeros_like(values)
@@ -105,11 +95,8 @@ def gae(rewards: Tensor, values: Tensor, action_mask: Tensor, gamma: float = 1.0
 
 
 def whiten(x: Tensor, action_mask: Tensor, reduce: Optional[Callable] = None, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over every response token of the global batch; 0 on padding.
-
-    reduce: sums a tensor over data-parallel ranks (accelerator.reduce(t, "sum")); None for one
-    process. Population statistics, so splitting a batch over ranks changes nothing.
-    """
+    """(x - mean) / std over the global batch's response tokens, 0 on padding. reduce: a sum over ranks
+    (accelerator.reduce(t, "sum")), None for one process; population statistics: any split gives the same."""
     reduce = reduce or (lambda t: t)
     mask = action_mask.to(torch.float32)
     total = reduce(torch.stack([(x * mask).sum(), mask.sum()]))  # (2,)
@@ -121,9 +108,8 @@ def whiten(x: Tensor, action_mask: Tensor, reduce: Optional[Callable] = None, ep
 def token_level_advantages(scores: Tensor, action_mask: Tensor, kl: Optional[Tensor] = None,
                            kl_coef: float = 0.0, values: Optional[Tensor] = None, gamma: float = 1.0,
                            lambd: float = 0.95, reduce: Optional[Callable] = None) -> tuple[Tensor, Tensor]:
-    """(advantages, returns) (B, T) of the token-level estimators: per-token rewards, then GAE with the
-    critic's values (returns: its targets) or discounted returns (REINFORCE++; returns None), the
-    advantages whitened over the global batch."""
+    """(advantages, returns) (B, T): GAE with the critic's values (returns: its targets), else discounted
+    returns (REINFORCE++; returns None), over token_rewards; the advantages whitened over the global batch."""
     rewards = token_rewards(scores, action_mask, kl, kl_coef)  # (B, T)
     if values is not None:
         advantages, returns = gae(rewards, values, action_mask, gamma, lambd)
@@ -134,15 +120,13 @@ def token_level_advantages(scores: Tensor, action_mask: Tensor, kl: Optional[Ten
 
 def adaptive_kl_coef(kl_coef: float, current_kl: float, kl_target: float, kl_horizon: float,
                      n_steps: int) -> float:
-    """The adaptive KL controller of Ziegler et al. 2019: move kl_coef by at most +-20% x n_steps /
-    kl_horizon towards the value that makes the measured KL equal kl_target."""
+    """Adaptive KL (Ziegler et al. 2019): kl_coef towards kl_target by <= +-20% x n_steps / kl_horizon."""
     error = min(max(current_kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * n_steps / kl_horizon)
 
 
 class RunningMoments:
-    """Mean and standard deviation of every reward seen so far, merged batch by batch (Chan et al.'s
-    parallel update), for running reward normalisation."""
+    """Mean and std of every reward seen so far, merged batch by batch (Chan et al.'s parallel update)."""
 
     def __init__(self):
         self.count, self.mean, self.m2 = 0, 0.0, 0.0
@@ -169,8 +153,7 @@ class RunningMoments:
 
 def shape_rewards(rewards: Tensor, moments: Optional["RunningMoments"], clip: Optional[float],
                   gather: Callable) -> Tensor:
-    """rewards (B,) normalised by the running moments of every rank's rewards (gather: all ranks' values),
-    when moments is given, then clipped to [-clip, clip], when clip is given."""
+    """rewards (B,) normalised by all ranks' running moments (if moments), clipped to +-clip (if clip)."""
     if moments is not None:
         moments.update(gather(rewards).tolist())
         rewards = (rewards - moments.mean) / (moments.std + 1e-8)

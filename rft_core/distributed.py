@@ -1,7 +1,6 @@
-"""The processes and their shards: Accelerate does the sharding (DeepSpeed ZeRO-3, FSDP2); this module sets
-up the process groups and DeepSpeed's config from our flags, tells how a model is sharded, and places the
-frozen reference model like the actor. The optimizer (AdamW, accumulation, its state's offload) is
-rft_core/optim.py's."""
+"""Processes and shards: Accelerate shards (DeepSpeed ZeRO-3, FSDP2); here, the process groups, DeepSpeed's
+config from our flags, how a model is sharded, and the frozen reference placed like the actor. The optimizer
+(AdamW, accumulation, offload) is rft_core/optim.py's."""
 
 import copy
 import os
@@ -10,8 +9,7 @@ import torch
 
 
 def process_group_kwargs():
-    """Accelerator kwargs_handlers: DeepSpeed without a GPU (the CPU tests) needs its backend named, or
-    accelerate sees one process."""
+    """kwargs_handlers: DeepSpeed without a GPU (CPU tests) needs gloo, else accelerate sees one rank."""
     from accelerate.utils import InitProcessGroupKwargs
 
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available():
@@ -20,9 +18,8 @@ def process_group_kwargs():
 
 
 def end_run(accelerator):
-    """Every rank's last call: wait for the others (the main one writes the model), then end the trackers and
-    tear down the process groups together. (A rank that exited alone while the other still wrote aborted once
-    at exit: gloo, ZeRO-3 + Ulysses on CPU, `terminate called without an active exception`.)"""
+    """Every rank's last call: wait (the main one writes the model), then end together (one exiting alone
+    aborted once: gloo, ZeRO-3 + Ulysses on CPU, `terminate called without an active exception`)."""
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
@@ -38,11 +35,9 @@ def sharding(model):
 
 
 def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm):
-    """Fill what DeepSpeed's config needs and cannot infer without a dataloader (call before prepare).
-    rows_per_update: a rank's samples per optimizer step; micro_batch_size: per forward, or None when the
-    micro-batches go by tokens (then DeepSpeed's nominal accumulation count is one per sample: it only sets
-    the loss scale, which optim.accumulation_divisor reads back, and optim.accumulate_over decides the
-    boundaries)."""
+    """Fill what DeepSpeed's config cannot infer without a dataloader (before prepare). micro_batch_size None:
+    by tokens (nominal accumulation one per sample: only the loss scale, which optim.accumulation_divisor
+    reads back; optim.accumulate_over decides the boundaries)."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
@@ -54,28 +49,23 @@ def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm
                                    gradient_accumulation_steps=grad_accum,
                                    train_batch_size=micro_batch_size * grad_accum * accelerator.num_processes,
                                    gradient_clipping=max_norm,
-                                   # with optimizer offload, keep our AdamW (stepping on the CPU):
-                                   # accelerate would swap in DeepSpeedCPUAdam with only lr and weight
-                                   # decay carried over, not betas
+                                   # keep our AdamW: DeepSpeedCPUAdam would drop its betas
                                    zero_force_ds_cpu_optimizer=False)
-    # ZeRO-3 steps AdamW over sub-groups of sub_group_size fp32 parameters, and each step's temporaries are a
-    # sub-group's size: DeepSpeed's default, 1e9, asks for 3.7 GiB at once, which crashed the 3B shape on one
-    # H100 beside the sleeping engine; 1e8 asks for 0.37 (a config file's own value stays)
+    # ZeRO-3's AdamW temporaries are a sub-group's size: DeepSpeed's default 1e9 asks 3.7 GiB at once, which
+    # crashed the 3B shape on one H100 beside the sleeping engine; 1e8 asks 0.37 (a config file's value stays)
     plugin.deepspeed_config.setdefault("zero_optimization", {}).setdefault("sub_group_size", 10**8)
     if plugin.zero_stage == 3 and not plugin.zero3_init_flag:
-        # accelerate registers its config with transformers all the same, which then builds every model
-        # partitioned (zero.Init): a GGUF rebuild or a model made from a config breaks. Load them whole, as
-        # the flag says; prepare() partitions them.
+        # else transformers builds every model partitioned (zero.Init; accelerate registers the config all the
+        # same): a GGUF rebuild or a model from a config breaks. Load whole; prepare() partitions them.
         from transformers.integrations import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
 
 
 def prepare_frozen(accelerator, model):
-    """Place a frozen model (the reference) where it costs least: sharded like the actor under ZeRO-3
-    (an inference-only DeepSpeed engine, parameters offloaded too if the actor's are) and FSDP2
-    (per layer, with the actor's mixed precision and offload policy), a replica on the device otherwise
-    (DDP, ZeRO-1/2: it is small next to the optimizer state they shard)."""
+    """Place a frozen model (the reference) where it costs least: sharded like the actor under ZeRO-3 (an
+    inference-only engine, offloaded if the actor is) and FSDP2 (the actor's mixed precision and offload),
+    else a replica on the device (DDP, ZeRO-1/2: small next to the optimizer state they shard)."""
     model.requires_grad_(False).eval()
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and plugin.zero_stage == 3:

@@ -1,10 +1,9 @@
 """The rollout as records (`Sample`, one per response) and as one padded batch (`Experience`), its logprobs,
 and micro-batches of it.
 
-Layout of one Experience row: [pad ... prompt | response ... pad], prompts left-padded to P and responses
-right-padded to T, so the response always occupies the last T columns. A multi-turn response holds the
-environment's tokens too: attention_mask covers them, action_mask (what every loss and statistic reads) does
-not, so a response's length in the layout is its attention over the last T columns (`response_lengths`).
+A row: [pad ... prompt | response ... pad], prompts left-padded to P, responses right-padded to T (the last T
+columns). A multi-turn response holds environment tokens: in attention_mask (`response_lengths` counts them),
+not in action_mask, which every loss and statistic reads.
 """
 
 import math
@@ -22,8 +21,7 @@ from rft_core.multimodal import mm_inputs
 
 @dataclass(frozen=True)
 class Forward:
-    """How the trainer's forwards over micro-batches run, the same in every pass (old, reference, values, the
-    update, the checkpoint's check)."""
+    """How the trainer's forwards over micro-batches run, alike in every pass (old, ref, values, update)."""
     temperature: float = 1.0  # logprobs of softmax(logits / temperature), the sampling distribution
     chunk_size: Optional[int] = None  # the fused LM head's tokens per chunk (None: the model's own logits)
     packed: bool = False  # a micro-batch's rows as one row without padding (text only)
@@ -56,10 +54,8 @@ class Experience:
     returns: torch.Tensor = None  # (B, T): the critic's regression targets (gae)
     rewards: torch.Tensor = None  # (B,)
     mm: list = None  # per row, for vision-language models: image inputs (multimodal.py) or None
-    # (B,) per sequence, broadcast over tokens by the loss, or (B, T) per token
-    advantages: torch.Tensor = None
-    # (B,) each row's whole count of action tokens, where action_mask holds only a sequence-parallel slice's
-    response_lens: torch.Tensor = None
+    advantages: torch.Tensor = None  # (B,) per sequence (broadcast over tokens), or (B, T) per token
+    response_lens: torch.Tensor = None  # (B,) whole action-token counts, where action_mask holds an SP slice
 
     def __len__(self):
         return self.input_ids.shape[0]
@@ -82,23 +78,19 @@ class Experience:
         return self.attention_mask[:, -self.action_mask.shape[1]:].sum(-1)
 
     def mm_inputs(self):
-        """The model's image inputs for these rows (None for a text-only batch)."""
         return mm_inputs(self.mm, self.input_ids)
 
     def split(self, micro_batch_size=None, max_tokens=None, sync_count=None, fwd=Forward()):
-        """Micro-batches, each trimmed to its own longest prompt and response: micro_batch_size rows each, in
-        order, or by token budget (see micro_batch_rows: fwd.packed counts packed tokens); with fwd.sp, each
+        """Micro-batches (micro_batch_rows), each trimmed to its longest prompt and response; with fwd.sp,
         narrowed to this rank's tokens (SequenceParallel.shard)."""
         batches = [self.select(rows)._trim()
                    for rows in self.micro_batch_rows(micro_batch_size, max_tokens, sync_count, fwd.packed)]
         return [fwd.sp.shard(mb) for mb in batches] if fwd.sp is not None else batches
 
     def micro_batch_rows(self, micro_batch_size=None, max_tokens=None, sync_count=None, packed=False):
-        """Row index lists of the micro-batches: micro_batch_size consecutive rows each, or, with max_tokens,
-        rows of similar length grouped so each micro-batch's size stays within max_tokens (a longer row
-        alone): padded, rows x (longest prompt + longest response, up to a multiple of 8); packed, the sum of
-        the rows' lengths. sync_count(n) -> the count every rank uses (the max over ranks: under ZeRO-3 /
-        FSDP2 each forward is a collective); the costliest micro-batches are halved to make up the count."""
+        """Row lists of the micro-batches: micro_batch_size consecutive rows, or rows of similar length within
+        max_tokens each (cost below; a longer row alone). sync_count(n) -> the count every rank uses (under
+        ZeRO-3 / FSDP2 each forward is a collective); the costliest micro-batches are halved to make it up."""
         if not max_tokens:
             return [list(range(i, min(i + micro_batch_size, len(self))))
                     for i in range(0, len(self), micro_batch_size)]
@@ -106,7 +98,7 @@ class Experience:
         prompt_lens = self.attention_mask[:, :-num_actions].sum(-1).tolist()
         response_lens = self.response_lengths().tolist()
 
-        def cost(rows):  # padded: rows x the longest prompt + response, up to a multiple of 8 (_trim)
+        def cost(rows):  # packed: the rows' lengths; padded: rows x (longest prompt + response, to 8s: _trim)
             if packed:
                 return sum(prompt_lens[i] + response_lens[i] for i in rows)
             width = max(prompt_lens[i] for i in rows) + max(response_lens[i] for i in rows)
@@ -128,9 +120,8 @@ class Experience:
         return groups
 
     def pack(self):
-        """These rows as one packed row: (input_ids, position_ids) (1, N), the rows' tokens concatenated
-        without padding, positions restarting at 0 for each row; keep (K,), the positions that predict the
-        response tokens, and (rows, cols) (K,) each, where those tokens sit in the (B, T) layout."""
+        """One packed row: (input_ids, position_ids) (1, N), no padding, positions restarting at 0 per row;
+        keep (K,), the positions predicting response tokens; (rows, cols) (K,), those tokens in (B, T)."""
         num_actions = self.action_mask.shape[1]
         lengths = self.attention_mask.sum(-1).tolist()
         response_lens = self.response_lengths().tolist()
@@ -167,9 +158,8 @@ class Experience:
 
 def build_experience(prompt_ids: list[list[int]], generations: list[Generation], pad_token_id: int,
                      device: Union[str, torch.device] = "cpu", mm: Optional[list] = None) -> "Experience":
-    """Pad prompts (left) and generations (right) into an Experience, P + T columns (a multiple of 8: a
-    compiled model then sees one shape class); one generation per prompt. mm: per-prompt image inputs of a
-    vision-language model (see Experience.mm)."""
+    """Pad prompts (left) and generations (right, one per prompt) into an Experience of P + T columns, a
+    multiple of 8 (one shape class for a compiled model). mm: per-prompt image inputs (Experience.mm)."""
     if len(prompt_ids) != len(generations):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(generations)} generations")
     P = max(len(p) for p in prompt_ids)
@@ -196,10 +186,9 @@ def build_experience(prompt_ids: list[list[int]], generations: list[Generation],
 def micro_batch_logprobs(model: torch.nn.Module, mb: "Experience", fwd: Forward = Forward(),
                          with_entropy: Union[bool, str] = False
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Response logprobs (and entropy, as response_logprobs) (B, T) of the micro-batch mb (an Experience):
-    from its padded rows or, fwd.packed, from one row without padding (logprobs.packed_logprobs; text rows
-    only); with fwd.sp (sequence_parallel.SequenceParallel), those this rank's slice predicts, zeros
-    elsewhere."""
+    """Response logprobs (and entropy, as response_logprobs) (B, T) of mb: from its padded rows, or packed
+    (fwd.packed: logprobs.packed_logprobs, text only); with fwd.sp (sequence_parallel.SequenceParallel),
+    those this rank's slice predicts, zeros elsewhere."""
     temperature, chunk_size = fwd.temperature, fwd.chunk_size
     if fwd.sp is not None:
         return fwd.sp.logprobs(model, mb, temperature, with_entropy, chunk_size)
@@ -230,9 +219,8 @@ def micro_batch_values(critic: torch.nn.Module, mb: "Experience", fwd: Forward =
 
 @torch.no_grad()
 def batched_forward(experience, fn, fwd=Forward(), micro_batch_size=None, max_tokens=None, sync_count=None):
-    """fn(micro_batch) -> (b, t) per response token, over the whole experience in micro-batches (rows or a
-    token budget, as Experience.split): (B, T). With fwd.sp, fn gives this rank's slice's tokens, summed over
-    the group."""
+    """fn(micro_batch) -> (b, t) over the whole experience in micro-batches (as Experience.split): (B, T).
+    With fwd.sp, fn gives this rank's slice's tokens, summed over the group."""
     out = torch.zeros_like(experience.rollout_logprobs)  # (B, T)
     for rows in experience.micro_batch_rows(micro_batch_size, max_tokens, sync_count, fwd.packed):
         mb = experience.select(rows)._trim()
@@ -244,21 +232,18 @@ def batched_forward(experience, fn, fwd=Forward(), micro_batch_size=None, max_to
 
 def batched_logprobs(model: torch.nn.Module, experience: "Experience", fwd: Forward = Forward(),
                      **split) -> torch.Tensor:
-    """Response logprobs (B, T) of `model` over the whole experience, in micro-batches (split: the sizes,
-    batched_forward's keywords)."""
+    """Response logprobs (B, T) of `model` over the experience (split: batched_forward's sizes)."""
     return batched_forward(experience, lambda mb: micro_batch_logprobs(model, mb, fwd)[0], fwd, **split)
 
 
 def batched_values(critic: torch.nn.Module, experience: "Experience", fwd: Forward = Forward(),
                    **split) -> torch.Tensor:
-    """The critic's values (B, T) over the whole experience, in micro-batches (as batched_logprobs)."""
     return batched_forward(experience, lambda mb: micro_batch_values(critic, mb, fwd), fwd, **split)
 
 
 def logprob_passes(experience, policy, reference, critic, fwd, split, old=True, ref=False, lora=False):
-    """The passes before the update, (B, T) each or None where not asked for: the policy's logprobs (old), the
-    reference's (ref; with lora the policy with its adapters switched off: the base model) and the critic's
-    values (critic: a model or None). fwd: a Forward; split: batched_forward's sizes."""
+    """(old, ref logprobs, critic values) before the update, (B, T) each or None where not asked for; with
+    lora, ref is the policy with its adapters off. split: batched_forward's sizes."""
     base = unwrap(policy).disable_adapter() if lora and ref else nullcontext()
     with base:
         ref_logprobs = batched_logprobs(reference or policy, experience, fwd, **split) if ref else None
@@ -267,8 +252,7 @@ def logprob_passes(experience, policy, reference, critic, fwd, split, old=True, 
 
 
 def optimizer_chunks(experience: "Experience", rows_per_step: int, max_epochs: int, seed: int):
-    """The rows of each optimizer step: every epoch a new permutation of the batch (seeded: a resumed run
-    draws the same), cut into chunks of rows_per_step."""
+    """Each optimizer step's rows: per epoch a seeded permutation (a resumed run draws the same), cut."""
     for epoch in range(max_epochs):
         order = torch.randperm(len(experience), generator=torch.Generator().manual_seed(seed + epoch))
         for first in range(0, len(experience), rows_per_step):

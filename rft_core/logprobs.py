@@ -9,10 +9,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rft_core.losses import entropy_from_logits
 
-# The SDPA kernels a forward with gradients may use: any but cuDNN's. A left pad is a query row with nothing
-# to attend to, and cuDNN's backward turns such a row into NaN gradients for every weight below it (the
-# forward stays finite; torch picks cuDNN for some batch shapes only, so runs stopped at random). The
-# efficient and math kernels give such rows zero gradients (replayed on a 1.5B batch that stopped a run).
+# SDPA kernels for a forward with gradients: any but cuDNN's, whose backward turns a left pad (a query row
+# with nothing to attend to) into NaN gradients for every weight below it, for some batch shapes only (runs
+# stopped at random); efficient and math give it zero gradients (replayed on a 1.5B batch that stopped a run).
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -23,19 +22,11 @@ def positions(attention_mask):
 
 def response_logprobs(model, input_ids, attention_mask, num_actions, temperature=1.0, with_entropy=False,
                       mm_inputs=None, chunk_size=None):
-    """Log-probabilities of the last `num_actions` tokens of each row under `model`.
-
-    input_ids, attention_mask: (B, P + T), prompts left-padded, responses right-padded, T =
-    num_actions. Logits are divided by the sampling temperature so these are the logprobs of the
-    distribution the rollout sampled from. Returns logprobs (B, T) and, with_entropy "grad" (for an
-    entropy bonus) or True (detached, for logging), the entropy (B, T); else None.
-    mm_inputs: a vision-language model's image inputs (pixel_values, image_grid_thw, mm_token_type_ids);
-    the model then computes its own (multimodal RoPE) positions.
-    chunk_size: compute the LM head with the logprobs chunk_size tokens at a time (LinearLogprobs): the
-    (B, T, vocab) logits never exist whole.
-    """
-    # logits_to_keep: the LM head runs on the last T + 1 positions only, not on the prompt's; position t
-    # predicts t + 1, so the last has no target (a 0 stands in; its output is dropped)
+    """(logprobs, entropy or None) (B, T) of the last T = num_actions tokens of input_ids (B, P + T), under
+    softmax(logits / temperature), the rollout's sampling distribution. with_entropy: "grad" (entropy bonus)
+    or True (detached, for logging). mm_inputs: a VL model's image inputs (it then computes its own mRoPE
+    positions). chunk_size: the LM head chunked (LinearLogprobs): (B, T, vocab) logits never exist whole."""
+    # logits_to_keep: the LM head on the last T + 1 positions only; the last has no target (a 0, dropped)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_actions + 1,
                   position_ids=None if mm_inputs else positions(attention_mask), **(mm_inputs or {}))
     targets = torch.nn.functional.pad(input_ids[:, -num_actions:], (0, 1))  # (B, T + 1)
@@ -45,22 +36,19 @@ def response_logprobs(model, input_ids, attention_mask, num_actions, temperature
 
 def packed_logprobs(model, input_ids, position_ids, keep, temperature=1.0, with_entropy=False,
                     chunk_size=None):
-    """Logprobs (and entropy, as response_logprobs) (1, K) of the tokens that follow the positions `keep` (K,)
-    of one packed row: input_ids, position_ids (1, N), samples concatenated without padding, positions
-    restarting at 0 for each. Without an attention mask, transformers reads the restarts as sample boundaries
-    (flash-attention varlen; sdpa / eager: a block-diagonal causal mask): no token attends across samples."""
+    """Logprobs (and entropy, as response_logprobs) (1, K) of the tokens after positions `keep` (K,) of one
+    packed row (1, N) whose positions restart at 0 per sample: without an attention mask transformers reads
+    the restarts as boundaries (flash varlen; sdpa / eager: block-diagonal causal): none attends across."""
     inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None, logits_to_keep=keep)
     targets = input_ids[:, keep + 1]  # (1, K)
     return token_logprobs(model, inputs, targets, temperature, with_entropy, chunk_size)
 
 
 def token_logprobs(model, inputs, targets, temperature=1.0, with_entropy=False, chunk_size=None):
-    """The forward `model(**inputs, use_cache=False)`, whose logits_to_keep selects the positions predicting
-    targets (b, t), and the logprobs of targets (and entropy) there, (b, t) each, by LinearLogprobs with
-    chunk_size, else from the model's logits. Attention runs on any SDPA kernel but cuDNN's (NOT_CUDNN)."""
+    """(logprobs, entropy) (b, t) of targets (b, t) at the positions inputs' logits_to_keep selects: by
+    LinearLogprobs with chunk_size, else from the logits. Any SDPA kernel but cuDNN's (NOT_CUDNN)."""
     if chunk_size:
-        # the head runs inside the model's forward (where DDP, ZeRO-3 and FSDP2 expect it, weights gathered)
-        # and returns (b, t, 2): the logprob and entropy of each position's target
+        # the head runs inside the forward (where DDP, ZeRO-3, FSDP2 expect it) -> (b, t, 2): logprob, entropy
         head = unwrap(model).get_output_embeddings()
         logprob_head = _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy)
         with logprob_head, sdpa_kernel(NOT_CUDNN):
@@ -75,13 +63,10 @@ def token_logprobs(model, inputs, targets, temperature=1.0, with_entropy=False, 
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """(log softmax(logits / temperature) at targets, its entropy or None), both (B, T), computed in fp32.
-
-    Each pass over the (B, T, vocab) logits is the update's main cost after the matmuls (H100 profile);
-    autograd would keep an fp32 copy of them and take about seven passes in backward. This keeps the
-    logits as given, recomputes z = logits / T once and writes the gradient (onehot - softmax(z)) g / T
-    in place. The entropy (lse - sum softmax(z) z) is for logging: no gradient.
-    """
+    """(log softmax(logits / temperature) at targets, entropy or None), (B, T) each, in fp32. A pass over the
+    (B, T, vocab) logits is the update's main cost after the matmuls (H100 profile); autograd would keep an
+    fp32 copy and take ~7 passes in backward. This recomputes z = logits / T once and writes the gradient
+    (onehot - softmax(z)) g / T in place. The entropy is for logging: no gradient."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, with_entropy):
@@ -114,9 +99,8 @@ def unwrap(model):
 
 @contextmanager
 def _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy):
-    """Within the block, the LM head `head` maps hidden states (b, t, H) to (b, t, 2): each position's logprob
-    of its target (targets (b, t)) and entropy, by LinearLogprobs. A vision-language model's blocked tokens
-    (vision.block_tokens) are applied here, its hook stood down."""
+    """Within the block, `head` maps hidden (b, t, H) to (b, t, 2): logprob of targets (b, t) and entropy, by
+    LinearLogprobs, with vision.block_tokens' blocked ids (its hook stood down)."""
     def forward(hidden):
         b, t, h = hidden.shape
         device = hidden.device.type
@@ -137,13 +121,9 @@ def _head_computes_logprobs(head, targets, temperature, chunk_size, with_entropy
 
 
 class LinearLogprobs(torch.autograd.Function):
-    """The LM head, temperature, log-softmax, target gather and entropy, chunk_size rows at a time, forward
-    and backward: hidden (N, H) and the head's weight (V, H) -> logprobs (N,) and, with_entropy, entropy (N,)
-    (with a gradient when with_entropy is "grad"), in fp32 from the input dtype's logits. Peak memory: one
-    chunk's (chunk_size, V) logits instead of all N rows'. The backward recomputes each chunk's logits (one
-    more matmul, as activation checkpointing would) and writes dh = dz W, dW += dz^T h with
-    dz = (onehot - p) g_logprob - p (log p + H) g_entropy, divided by the temperature. blocked: token ids
-    whose logits are -1e4 (never emitted; no gradient)."""
+    """LM head to logprobs and entropy, chunk_size rows at a time (peak memory: one chunk's logits): hidden
+    (N, H), weight (V, H) -> (N,) each, fp32. Backward recomputes each chunk's logits and writes dh = dz W,
+    dW += dz^T h (dz: _chunk_grad). blocked: token ids at -1e4 (never emitted; no gradient)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, blocked):
@@ -206,8 +186,7 @@ def _chunk_forward(logits, targets, temperature, blocked, with_entropy):
 
 
 def _chunk_grad(logits, targets, lse, grad_logprobs, entropy, grad_entropy, temperature, blocked):
-    """The gradient to a chunk's logits (c, V), in their dtype: dz = (onehot - p) g_logprob
-    - p (log p + H) g_entropy (entropy None: no entropy term), divided by the temperature."""
+    """dz (c, V) in the logits' dtype: ((onehot - p) g_logprob - p (log p + H) g_entropy) / temperature."""
     logp = _scaled(logits, temperature, blocked) - lse[:, None]  # log softmax
     p = logp.exp()
     grad_z = (p * -grad_logprobs[:, None]).scatter_add(-1, targets[:, None], grad_logprobs[:, None])

@@ -8,9 +8,8 @@ action mask, |o_i| = sum_t m_it the response length, N the number of sequences a
     seq-mean-token-mean      (1/N) sum_i (sum_t m_it l_it / |o_i|)             (GRPO paper)
     seq-mean-token-sum-norm  (1/N) sum_i sum_t m_it l_it / L                   (Dr.GRPO, L = max length)
 
-The denominators are those of the whole optimizer step: `num_tokens` and `num_seqs` are the
-totals over every micro-batch and data-parallel rank, so the per-micro-batch values returned here
-*sum* to the full-batch loss, whatever the split (tests/test_losses.py checks this).
+`num_tokens` / `num_seqs` are the optimizer step's totals over micro-batches and ranks, so the
+per-micro-batch losses *sum* to the full-batch loss, whatever the split (tests/test_losses.py).
 """
 
 import math
@@ -21,8 +20,7 @@ import torch
 from torch import Tensor
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# the importance weight pi_old / pi_rollout: per token; per sample, the product of its tokens' ratios
-# (sequence) or their geometric mean (geometric)
+# pi_old / pi_rollout per token, or per sample: its tokens' product (sequence) or geometric mean
 TIS_LEVELS = ("token", "sequence", "geometric")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 POLICY_LOSS_TYPES = ("ppo", "gspo", "cpg")  # --policy_loss_type: policy_loss's use_gspo, use_cpg_loss
@@ -37,20 +35,16 @@ def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
 
 
 def token_mean(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """A metric's (sum, count) over the tokens where mask is 1: Means weighs it by its tokens, so a
-    micro-batch (or, under sequence parallelism, a rank's slice) without tokens adds nothing, not a 0."""
+    """(sum, count) of x over mask: Means weighs by tokens, so an empty micro-batch or SP slice adds no 0."""
     mask = mask.to(x.dtype)
     return (x * mask).sum(), mask.sum()
 
 
 def aggregate_loss(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, num_tokens=None, num_seqs=None,
                    max_len: Optional[int] = None, seq_lens: Optional[Tensor] = None) -> Tensor:
-    """Reduce a (B, T) per-token loss to a scalar; see the module docstring for the formulas.
-
-    num_tokens / num_seqs: the optimizer step's totals (default: this batch's own). max_len: the
-    Dr.GRPO constant L (default: T). seq_lens (B,): |o_i| (default: the mask's; sequence parallelism's
-    mask holds a slice of each sequence).
-    """
+    """(B, T) per-token loss -> scalar, by the module docstring's formulas. num_tokens / num_seqs: the step's
+    totals (default: this batch's); max_len: Dr.GRPO's L (default: T); seq_lens (B,): |o_i| (default: the
+    mask's; under SP the mask holds a slice of each sequence)."""
     mask = mask.to(loss_mat.dtype)
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
@@ -68,12 +62,9 @@ def aggregate_loss(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, num_token
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kl_estimator: str = "k3") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, 'Approximating KL').
-
-    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r  with  log r = logprobs - ref_logprobs.
-    k3 is unbiased and non-negative; the log-ratio is clamped to [-10, 10] as OpenRLHF/verl do,
-    so one wild token cannot overflow exp.
-    """
+    """Per-token KL(pi || pi_ref) from samples of pi (Schulman, 'Approximating KL'), log r = logprobs -
+    ref_logprobs: k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r (unbiased, non-negative).
+    log r is clamped to [-10, 10] as OpenRLHF/verl do, so one wild token cannot overflow exp."""
     log_ratio = (logprobs - ref_logprobs).clamp(-10.0, 10.0)  # (B, T)
     if kl_estimator == "k1":
         return log_ratio
@@ -90,21 +81,16 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, acti
                 dual_clip: Optional[float] = None, use_gspo: bool = False,
                 is_weights: Optional[Tensor] = None, use_cpg_loss: bool = False,
                 seq_lens: Optional[Tensor] = None) -> tuple[Tensor, dict]:
-    """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with
-    variants:
-
-    eps_clip_high  clip-higher (DAPO): the upper bound's own range (default: eps_clip_low, the symmetric clip)
+    """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and:
+    eps_clip_high  clip-higher (DAPO); default eps_clip_low, the symmetric clip
     dual_clip      dual-clip (Ye et al. 2020): for A < 0 the loss is capped at -dual_clip * A (dual_clip > 1)
-    use_gspo       GSPO (Zheng et al. 2025): the sequence-level ratio exp(mean_t log r_t) replaces r_t, with
-                   the gradient of GSPO-token, sg(s_i) * grad log pi(y_t), so each token gets s_i's weight
-    is_weights     per-token importance weights (detached), e.g. truncated IS against the rollout engine (TIS)
-    use_cpg_loss   CPGD's clipped policy gradient (Liu et al. 2025): -A * clip(log r, log(1 - eps_low),
-                   log(1 + eps_high)), clipped only on the side A pushes it; no ratio multiplies the gradient,
-                   which stays -A grad log pi inside the range and 0 outside
-
-    logprobs, old_logprobs, action_mask: (B, T); advantages: (B, T) or (B,) broadcast over tokens.
-    Returns (loss, metrics): clip fraction and the k1 policy-vs-old KL as detached 0-d tensors (no host sync).
-    """
+    use_gspo       GSPO (Zheng et al. 2025): s_i = exp(mean_t log r_t) replaces r_t, with GSPO-token's
+                   gradient sg(s_i) * grad log pi(y_t)
+    is_weights     detached per-token importance weights (TIS against the rollout engine)
+    use_cpg_loss   CPGD (Liu et al. 2025): -A * clip(log r, log(1 - eps_low), log(1 + eps_high)), clipped on
+                   the side A pushes only; gradient -A grad log pi inside the range, 0 outside
+    logprobs, old_logprobs, action_mask: (B, T); advantages: (B, T) or (B,). Returns (loss, metrics): clip
+    fraction and k1 policy-vs-old KL, detached 0-d tensors (no host sync)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)  # (B, T)
     log_ratio = logprobs - old_logprobs  # (B, T)
@@ -120,8 +106,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, acti
     if use_cpg_loss:
         upper = math.log1p(high)
         lower = math.log1p(-eps_clip_low)
-        # the paper's objective is on the log-ratio; log pi_old is a constant, so the gradient is that of
-        # log pi
+        # the paper's objective is on the log-ratio: its gradient is log pi's (log pi_old is a constant)
         token_log_ratio = logprobs - old_logprobs  # (B, T), per token even under GSPO
         clipped = torch.where(advantages > 0, token_log_ratio.clamp(max=upper),
                               token_log_ratio.clamp(min=lower))
@@ -152,9 +137,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
 
 
 def high_entropy_mask(entropy: Tensor, action_mask: Tensor, ratio: float) -> Tensor:
-    """Keep only the round(ratio * n) highest-entropy response tokens of the batch (at least one),
-    as in 'Beyond the 80/20 rule' (Wang et al. 2025): the forking tokens carry the learning signal.
-    entropy, action_mask: (B, T) -> mask (B, T)."""
+    """Mask (B, T) of the round(ratio * n) highest-entropy response tokens (at least one): the forking tokens
+    carry the learning signal ('Beyond the 80/20 rule', Wang et al. 2025)."""
     flat = entropy.detach().float().masked_fill(action_mask == 0, float("-inf")).flatten()  # (B*T,)
     k = max(1, round(ratio * int(action_mask.sum())))
     keep = torch.zeros_like(flat)
@@ -163,8 +147,7 @@ def high_entropy_mask(entropy: Tensor, action_mask: Tensor, ratio: float) -> Ten
 
 
 def entropy_from_logits(logits: Tensor, lse: Optional[Tensor] = None) -> Tensor:
-    """Per-position entropy of softmax(logits): logsumexp(z) - sum softmax(z) z.  (..., V) -> (...)
-    lse: logsumexp(logits) if already computed (it saves passes over the vocabulary)."""
+    """Entropy of softmax(z) (..., V) -> (...): lse - sum softmax(z) z; lse: logsumexp(logits) if known."""
     logits = logits.float()
     lse = torch.logsumexp(logits, -1) if lse is None else lse
     return lse - (torch.exp(logits - lse.unsqueeze(-1)) * logits).sum(-1)
@@ -198,12 +181,9 @@ class LossSettings:
 
 def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, level: str = "token",
                 sample_sum: Optional[Callable] = None) -> Tensor:
-    """The uncapped importance weights pi_old / pi_rollout (B, T). token: each token's own ratio. sequence:
-    every token of a sample gets the product of its tokens' ratios, the weight of the whole response, which
-    also corrects for the prefixes an older policy chose (token weights correct each token given its prefix
-    only). geometric: their geometric mean, exp of the mean log ratio (a per-token scale; verl's "geometric").
-    sample_sum: where each rank holds a slice of every row (sequence / context parallelism; mask its tokens),
-    sums (B, 2) over the slices. The log weight is clamped at 20."""
+    """Uncapped pi_old / pi_rollout (B, T). token: each token's ratio; sequence: the product over the sample
+    (which also corrects the prefixes an older policy chose); geometric: its geometric mean (verl's).
+    sample_sum: sums (B, 2) over a row's SP / CP slices. The log weight is clamped at 20."""
     log_ratio = torch.where(mask.bool(), old_logprobs - rollout_logprobs, 0.0)  # (B, T)
     if level != "token":
         per_sample = torch.stack([log_ratio.sum(-1), mask.sum(-1).to(log_ratio.dtype)], -1)  # (B, 2)
@@ -217,8 +197,7 @@ def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, le
 
 
 def policy_token_counts(action_masks: list[Tensor], ratio: float = 0.0) -> tuple[float, float]:
-    """(response tokens, tokens the policy loss keeps) in these micro-batches' action masks: high_entropy_mask
-    keeps round(ratio * n) of a micro-batch's n tokens, at least one."""
+    """(response tokens, those high_entropy_mask keeps: round(ratio * n) per micro-batch, at least one)."""
     num_tokens = sum(int(mask.sum()) for mask in action_masks)
     if not ratio:
         return float(num_tokens), float(num_tokens)
@@ -226,23 +205,16 @@ def policy_token_counts(action_masks: list[Tensor], ratio: float = 0.0) -> tuple
 
 
 def actor_loss(logprobs: Tensor, entropy: Optional[Tensor], mb, s: LossSettings) -> tuple[Tensor, dict]:
-    """The actor's loss on one micro-batch, normalised by the whole optimizer step's totals (LossSettings),
-    and its metrics as detached 0-d tensors.
-
-    logprobs, entropy: (B, T) under the policy being trained (entropy with a gradient if s.entropy_coef).
-    mb: the micro-batch (an Experience) with action_mask, advantages, rollout_logprobs, and old_logprobs
-    (None: the weights have not moved since the rollout, so the update's own, detached, are pi_old) and
-    ref_logprobs.
-    loss = policy loss (PPO clip and its variants, on the high-entropy tokens only if asked, TIS-weighted)
-           - entropy_coef * entropy + policy_drift_coef * KL(pi_old || pi) (CPGD)
-           + kl_coef * KL(pi || ref) (GRPO).
-    """
+    """One micro-batch's loss, normalised by the step's totals (LossSettings), and detached 0-d metrics.
+    logprobs, entropy: (B, T) under the trained policy (entropy with a gradient if s.entropy_coef). mb: an
+    Experience; old_logprobs None: the weights have not moved since the rollout (pi_old: logprobs, detached).
+    loss = policy loss (PPO clip and variants, high-entropy tokens only if asked, TIS-weighted) - entropy_coef
+           * entropy + policy_drift_coef * KL(pi_old || pi) (CPGD) + kl_coef * KL(pi || ref) (GRPO)."""
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
     mask = mb.action_mask
     agg = dict(num_tokens=s.num_tokens, num_seqs=s.num_seqs, max_len=s.max_len, seq_lens=mb.response_lens)
-    # TIS: the engine samples with other numerics than the trainer's (and, with partial rollout, with older
-    # weights): weight tokens by pi_old / pi_rollout (AReaL's decoupled PPO: pi_old is the proximal policy),
-    # truncated at the cap, or masked above it
+    # TIS: the engine samples with other numerics (and, partial rollout, older weights): weight by pi_old /
+    # pi_rollout (AReaL's decoupled PPO: pi_old is the proximal policy), truncated or masked above the cap
     is_weights = None
     if s.tis_cap:
         raw = tis_weights(old, mb.rollout_logprobs, mask, s.tis_level, s.sample_sum)  # (B, T)
@@ -278,13 +250,11 @@ def actor_loss(logprobs: Tensor, entropy: Optional[Tensor], mb, s: LossSettings)
 
 
 def engine_gap_metrics(mb, old: Tensor, sample_sum=None) -> dict:
-    """Engine vs trainer, the same weights, on the tokens the engine returned logprobs for: (sum, weight)
-    pairs, which Means weighs over the micro-batches (one may hold none); (max, has) pairs, which it maxes.
-    old: pi_old's logprobs (B, T); sample_sum: a row's sum over its sequence-parallel slices, or None."""
+    """Engine vs trainer logprobs (same weights) where the engine returned them, as Means' (sum, weight) and
+    (max, has) pairs. old: pi_old's logprobs (B, T); sample_sum: a row's sum over its SP slices, or None."""
     known = mb.rollout_known()  # (B, T)
     gap = torch.where(known, mb.rollout_logprobs - old, 0.0)  # (B, T)
-    # over whole responses, |log pi_rollout(y) - log pi_old(y)|: the log of a sample's weight (--tis_level
-    # sequence); under sequence / context parallelism summed over the row's slices
+    # per response, |log pi_rollout(y) - log pi_old(y)|: the log of --tis_level sequence's weight
     sums = torch.stack([gap.sum(-1), known.sum(-1).to(gap.dtype)], -1)  # (B, 2)
     sums = sample_sum(sums) if sample_sum is not None else sums
     rows = sums[:, 1] > 0  # (B,): the engine returns a row's logprobs whole or not at all

@@ -1,7 +1,5 @@
-"""A loaded model made ready to train, and its training forwards: per-layer torch.compile
-(`compile_blocks`), activation checkpointing (`checkpointing_on`), the value head (`load_value_model`: the
-critic, or a reward model) and the critic's values (`response_values`), and the language-model loss
-(`text_lm_loss`: the ptx loss)."""
+"""A loaded model made ready to train, and its training forwards: `compile_blocks`, `checkpointing_on`, the
+value head (`load_value_model`: critic or reward model), `response_values`, the ptx loss (`text_lm_loss`)."""
 
 import copy
 import os
@@ -15,9 +13,8 @@ from rft_core.models import pin_triton_cache
 
 
 def checkpointing_on(model):
-    """Non-reentrant activation checkpointing (with LoRA the checkpointed blocks' inputs need no gradient of
-    their own), under the name transformers gives it: activation_checkpointing_enable since about 5.2x,
-    gradient_checkpointing_enable before (5.17 has only that one)."""
+    """Non-reentrant checkpointing (with LoRA the inputs need no gradient), by transformers' name for it:
+    activation_checkpointing_enable since ~5.2x, gradient_checkpointing_enable before."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -26,12 +23,9 @@ def checkpointing_on(model):
 
 
 def compile_blocks(model, backend="inductor"):
-    """torch.compile every repeated block (each ModuleList element: a decoder layer) in place, parameter names
-    unchanged, with dynamic shapes (lengths change every step). It fuses the fp32 element-wise ops (norms,
-    rotary, activations, residual adds) that cost a small model's update more than its matmuls (H100
-    profile). With gradients on, the token embeddings' output is made to require them, as every later block's
-    input does, even where the embeddings are frozen (LoRA): else the first block would need a graph of its
-    own (the language model's embeddings only: a frozen vision tower stays out of the backward)."""
+    """torch.compile each ModuleList element (decoder layer) in place, dynamic: fuses the fp32 element-wise
+    ops that cost a small model's update more than its matmuls (H100 profile). The embeddings' output requires
+    grad even when frozen (LoRA), as later blocks' inputs do: else the first block needs its own graph."""
     pin_triton_cache()  # the kernels' cache: the same directory on every run
 
     def inputs_require_grad(module, inputs, output):
@@ -48,10 +42,9 @@ def compile_blocks(model, backend="inductor"):
 
 
 def inductor_options(backend):
-    """Inductor decides whether to fuse the norms' weight-gradient reductions by the micro-batch's size
-    (tokens x hidden size >= 5 Mi and tokens >= 4096: ~9k tokens at 135M), and that decision becomes a guard:
-    a compiled layer would compile again when a micro-batch crosses it (~10 s on an H100 without caches).
-    Fusing whatever the size keeps one graph."""
+    """Inductor fuses the norms' weight-gradient reductions by micro-batch size (tokens x hidden >= 5 Mi and
+    tokens >= 4096), a guard: a layer recompiles when a micro-batch crosses it (~10 s on an H100, no caches).
+    Fusing at any size keeps one graph."""
     from torch._inductor import config
 
     if backend != "inductor" or not hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
@@ -60,13 +53,9 @@ def inductor_options(backend):
 
 
 def load_value_model(path=None, actor=None, dtype=torch.float32, flag="--critic_pretrain"):
-    """A transformer with a scalar head `score` on every position (AutoModelForTokenClassification,
-    one label): the PPO critic, or a reward model.
-
-    From `path`, a sequence- or token-classification checkpoint (both name their head `score`, so
-    either loads; a missing bias starts at 0), or else from `actor`'s own weights with a zero head, so
-    values start at 0. flag: what a missing path is reported as.
-    """
+    """A transformer with a scalar head `score` per position (AutoModelForTokenClassification, one label): the
+    critic or a reward model. From `path`, a sequence- or token-classification checkpoint (both name the head
+    `score`; a missing bias starts at 0), else `actor`'s weights and a zero head. flag: for a missing path."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     if path:
@@ -87,8 +76,7 @@ def load_value_model(path=None, actor=None, dtype=torch.float32, flag="--critic_
 
 
 def response_values(model, input_ids, attention_mask, num_actions, mm_inputs=None):
-    """Critic values V(s_t) of the state before each response token: (B, T), like response_logprobs
-    (mm_inputs: a vision-language critic's image inputs; it computes its own positions)."""
+    """Critic values V(s_t) (B, T) before each response token (mm_inputs: a VL critic's; own positions)."""
     with sdpa_kernel(NOT_CUDNN):  # left pads: see NOT_CUDNN
         out = model(input_ids=input_ids, attention_mask=attention_mask,
                     position_ids=None if mm_inputs else positions(attention_mask), **(mm_inputs or {}))
@@ -97,8 +85,7 @@ def response_values(model, input_ids, attention_mask, num_actions, mm_inputs=Non
 
 def lm_loss(model, input_ids, attention_mask):
     """Mean next-token cross-entropy over the attended tokens (the pretraining / ptx loss)."""
-    # a token is a target only if it and its predecessor are attended: with left padding, the first
-    # real token is not predicted from a pad
+    # a target needs itself and its predecessor attended: a row's first token is not predicted from a pad
     previous = torch.nn.functional.pad(attention_mask, (1, 0))[:, :-1]  # (B, L)
     labels = input_ids.masked_fill((attention_mask == 0) | (previous == 0), -100)  # (B, L)
     with sdpa_kernel(NOT_CUDNN):  # left pads: see NOT_CUDNN
@@ -107,7 +94,6 @@ def lm_loss(model, input_ids, attention_mask):
 
 
 def text_lm_loss(model, tokenizer, texts, max_len):
-    """lm_loss of a batch of texts (the ptx loss's), each cut to max_len tokens."""
     enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_len)
     enc = enc.to(next(model.parameters()).device)  # model may be wrapped (DDP, DeepSpeed)
     return lm_loss(model, enc["input_ids"], enc["attention_mask"])

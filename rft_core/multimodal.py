@@ -1,9 +1,6 @@
-"""Image and video inputs as the rollout engines and the trainer pass them (for vision-language models).
-
-A prompt's images travel as `mm`: None for a text-only prompt, else an ImageInputs from
-vision.encode_vl_prompt. `mm_inputs` turns a batch's into model inputs; `vllm_prompt` turns one into a vLLM
-request.
-"""
+"""Image and video inputs as the rollout engines and the trainer pass them (vision-language models). A
+prompt's images travel as `mm`: None for text only, else vision.encode_vl_prompt's ImageInputs. `mm_inputs`
+turns a batch's into model inputs, `vllm_prompt` one into a vLLM request."""
 
 import collections
 import functools
@@ -53,10 +50,9 @@ def decode(image, processor):
 
 
 class ImageInputs(Mapping):
-    """A prompt's images and videos (`mm`), read like a dict: their grids (from the images' sizes) and
-    placeholder ids, and their pixels (pixel_values, pixel_values_videos; the PIL images and videos for vLLM),
-    decoded when read by `pixels`: decode_pixels behind a functools.lru_cache that a split's prompts share
-    (those read last stay decoded), so memory holds a step's prompts' pixels, whatever the number of rows."""
+    """A prompt's images and videos (`mm`) as a dict: grids (from the sizes), placeholder ids, and pixels (and
+    PIL images for vLLM) decoded when read by `pixels`, decode_pixels behind an lru_cache a split's prompts
+    share: memory holds the pixels of the prompts read last, whatever the number of rows."""
     __eq__, __hash__ = object.__eq__, object.__hash__  # (the lru_cache's key)
 
     def __init__(self, processor, images, token_ids, pixels=None):
@@ -107,8 +103,7 @@ def decode_pixels(inputs):
 
 
 def vllm_prompt(ids, mm, sample=None):
-    """A vLLM request for an encoded prompt: each image's and video's run of placeholders collapsed back to
-    one token (vLLM expands it itself), and the images and videos as multi_modal_data."""
+    """A vLLM request: each image's placeholder run back to one token (vLLM expands it), multi_modal_data."""
     if mm is None:
         return {"prompt_token_ids": list(ids)}
     mismatch = f"sample {sample!r}: its image / video tokens do not match its images and videos"
@@ -134,14 +129,12 @@ def vllm_prompt(ids, mm, sample=None):
 
 
 def vision_token_ids(tokenizer):
-    """The ids of the vision special tokens the tokenizer has (placeholders, start / end markers)."""
     return tokenizer.convert_tokens_to_ids([t for t in VISION_TOKENS if t in tokenizer.get_vocab()])
 
 
 def mm_inputs(mm, input_ids):
-    """A vision-language model's image and video inputs for a batch: mm holds per row None (text only) or an
-    ImageInputs; pixels and grids are concatenated in row order, as Qwen2-VL expects, and
-    mm_token_type_ids marks image tokens 1 and video tokens 2. None if no row has any."""
+    """A batch's image and video model inputs (mm: per row None or an ImageInputs), concatenated in row order
+    as Qwen2-VL expects; mm_token_type_ids marks image tokens 1, video tokens 2. None if no row has any."""
     rows = [m for m in mm or [] if m is not None]
     if not rows:
         return None

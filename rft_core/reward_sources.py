@@ -1,7 +1,6 @@
-"""Where a run's rewards come from: a --reward_fn file's function (or a built-in rule by name), a remote
-reward server (--remote_rm_url, JSON over HTTP) and local reward models (--reward_pretrain): `reward_sources`
-gives a run's list, which rewards.RewardScorer scores. `start_workers` starts the user code's workers.
-"""
+"""Where a run's rewards come from: a --reward_fn file's function (or a built-in rule), a remote reward server
+(--remote_rm_url, JSON over HTTP), local reward models (--reward_pretrain): `reward_sources` gives a run's
+list for rewards.RewardScorer. `start_workers` starts the user code's workers."""
 
 import json
 import time
@@ -18,9 +17,8 @@ from rft_core.workers import Workers
 
 
 def start_workers(reward_fn, env, size, timeout, seed=0, rank=0, log=print, env_concurrency=0):
-    """The --workers processes that run the --reward_fn file's function (not a built-in rule's) and the --env
-    (the calculator too), or None; what fails to load is its one-line error here, before any model loads.
-    env_concurrency: environment calls in flight at once at most (0: size; a sync environment's, size)."""
+    """The --workers processes running the --reward_fn file's function and the --env, or None; a load failure
+    is one line here, before any model loads. env_concurrency: env calls in flight at most (0, sync: size)."""
     if env_concurrency < 0:
         raise ConfigError(f"--env_concurrency {env_concurrency}: must be >= 0 (0: as many as --workers)")
     targets = {"env": (load_env, env)} if env else {}
@@ -55,10 +53,9 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
-    """A reward function that POSTs {"prompts", "completions", "labels"} as JSON to `url` and reads
-    {"rewards": [...]} (or named components) back. A server that cannot be reached, times out or is busy
-    (HTTP 429, 502-504) is retried with exponential backoff, then fails the batch (ServiceDown, as does a
-    redirect); another error status or a body that is not its JSON is not retried (ServerError)."""
+    """A reward function POSTing {"prompts", "completions", "labels"} to `url`, reading {"rewards": [...]}
+    (or components). Unreachable, timed out or busy (HTTP 429, 502-504): retried with backoff, then
+    ServiceDown (so is a redirect); another error status or a body not its JSON: ServerError, not retried."""
     parts = urllib.parse.urlsplit(url)
     try:
         _ = parts.port  # raises past 65535, where a request would wrap around to another service
@@ -111,9 +108,8 @@ def sequence_scores(model, input_ids, attention_mask):
 
 
 def reward_model_fn(path, device="cpu", dtype=None, batch_size=32, place=None):
-    """A reward function scoring prompt + completion with the reward model at `path` (a sequence- or
-    token-classification checkpoint) in its own tokenizer and chat template; place(model) -> model puts it
-    where it costs least (sharded like the actor), else it goes on `device`."""
+    """A reward function scoring prompt + completion with the reward model at `path` in its own tokenizer
+    and chat template; place(model) -> model puts it where it costs least (sharded like the actor)."""
     import torch
     from transformers import AutoTokenizer
 

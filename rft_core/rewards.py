@@ -1,15 +1,13 @@
-"""Rewards: the built-in rule rewards, scoring samples with any reward function, and shaping. A reward
-function has the signature
+"""Rewards: built-in rule rewards, scoring samples with any reward function, and shaping. A reward function:
 
     fn(prompts, completions, labels, **kwargs) -> list[float] | dict[str, list[float]]
 
-and a dict's named components are summed into the reward (each is logged as rollout/reward/<name>). With
---env it may also take `turns` (each episode's turns, {"role", "content"}) and `info` (the environment's last
-info dict), lists like completions: passed where its signature names them (or takes **kwargs).
-Built in: `answer_reward`, `math_reward` and the shapes task's `first_word_reward`; yours (--reward_fn,
---remote_rm_url, reward models) come from rft_core/reward_sources.py. `score` contains failures (a sample
-whose reward fails gets the fallback and is counted); `RewardScorer` sums a run's sources. Shaping: DAPO's
-`overlong_penalty` (running normalisation: advantages.py).
+a dict's components summed into the reward (each logged as rollout/reward/<name>). With --env it may also take
+`turns` (each episode's turns, {"role", "content"}) and `info` (the environment's last info dict), lists like
+completions, passed where its signature names them (or takes **kwargs). Built in: `answer_reward`,
+`math_reward`, the shapes task's `first_word_reward`; yours (--reward_fn, --remote_rm_url, reward models)
+come from rft_core/reward_sources.py. `score` contains failures (a failed sample gets the fallback, counted);
+`RewardScorer` sums a run's sources. Shaping: DAPO's `overlong_penalty` (normalisation: advantages.py).
 """
 
 import inspect
@@ -65,8 +63,7 @@ def math_reward(prompts, completions, labels, format_weight=0.1, **kwargs):
     or of the last answer in the completion when it has no tag, plus a format term."""
     from math_verify import parse, verify  # optional: pip install math-verify
 
-    # math-verify bounds each parse and verify with signal.alarm, which only a main thread may set: the
-    # trainer's (built-in rules run in process) or a worker's; called from another thread, it runs unbounded
+    # math-verify's time bounds use signal.alarm, which only a main thread may set (elsewhere: unbounded)
     limit = 5 if threading.current_thread() is threading.main_thread() else None
     correct, formatted = [], []
     for completion, label in zip(completions, labels):
@@ -117,13 +114,12 @@ def overlong_penalty(length, max_len, buffer_len, factor=1.0):
 
 
 class ServiceDown(ConnectionError):
-    """The reward server (reward_sources.remote_reward_fn) cannot score anything (unreachable, timed out,
-    busy, redirecting): every sample fails with it; scoring them one by one would wait as long for each."""
+    """The reward server (reward_sources.remote_reward_fn) is unreachable, timed out, busy or redirecting:
+    every sample fails (scoring them one by one would wait as long for each)."""
 
 
 class ServerError(ConnectionError):
-    """The reward server answered the batch with an error status or a body that is not its JSON: scored one
-    by one only until the first two samples alone fail alike (then it fails whatever it is sent)."""
+    """An error status or a non-JSON body: scored one by one until the first two samples alone fail alike."""
 
 
 def describe(fn, error=None):
@@ -160,10 +156,8 @@ def _why(e):  # a RewardError's message reads as it is; any other exception as i
 
 
 def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, episode=None):
-    """Rewards (a list), components {name: list}, and the failures [(sample index, why)] that got `fallback`
-    (non-finite too; strict=True raises on the first). A failed batch call is retried sample by sample,
-    unless it timed out, ended its worker or found the reward server down: then every sample fails.
-    episode: {"turns": [...], "info": [...]} per sample (--env), for a reward_fn that takes them."""
+    """(rewards, components {name: list}, failures [(index, why)] given `fallback`; strict: raise). A failed
+    batch is retried sample by sample unless it timed out, ended its worker or found the server down."""
     episode = episode or {}
     failures = []
 
@@ -199,8 +193,8 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, e
 
 
 class RewardScorer:
-    """scorer(samples, strict=False) sets each Sample's reward (the weighted sum of the (name, reward_fn)
-    sources) and components ("rule"'s own, else the source's name): the count that got the fallback."""
+    """scorer(samples) sets each Sample's reward (the sources' weighted sum) and components; returns the
+    count that got the fallback."""
 
     def __init__(self, sources, weights=None, fallback=0.0, failure_limit=1.0, log=print):
         self.sources, self.weights = sources, weights or [1.0] * len(sources)

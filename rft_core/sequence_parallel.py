@@ -1,23 +1,16 @@
-"""Sequence parallelism through Accelerate's parallelism config: the ranks of a group train the same samples,
-each on its own slice of every row's tokens. The two backends, their configs and how each attends:
-docs/scaling.md. Ulysses (DeepSpeed, `parallelism_config_sp_size`) gives a rank a contiguous 1 / size of the
-row, one row per forward; context parallelism (FSDP2, `parallelism_config_cp_size`) gives it the columns that
-torch's ring attention balances onto it, several rows per forward, and the forward and the backward must
-both run inside its context (`block`).
-What is left to the trainer is here:
-- samples: each rank rolls out its own prompts, as without SP; then the group shares them (Accelerate's
-  gather_object), so every rank of a group holds the group's samples in the same order;
-- layout: both drop attention masks (causal attention over the positions given), so a row is laid out from
-  its first token, [prompt | response | pad], positions 0, 1, ...; padding only trails, where no real token
-  sees it. The targets are shifted before the split, so each column keeps its own next token; a rank's
-  columns are a contiguous slice (Ulysses) or those the context gives it (`columns`: torch's own);
-- the loss: a rank scores the response tokens its slice predicts (`shard` narrows the action mask to them).
-  The step's normalisers count each token once over all ranks, and a sequence's length (seq-mean-token-mean)
-  is its whole length, so the ranks' losses sum to the step's loss; the attention's backward carries each
-  rank's share of the gradient to the others, and the mean over the world (DeepSpeed's, FSDP2's over its
-  dp_shard_cp mesh), times the world (the scripts' `scale`), is the step's gradient;
-- logprob passes (no gradient): each rank computes its slice, and a sum over the group (zeros elsewhere)
-  gives every rank the whole (B, T).
+"""Sequence parallelism through Accelerate's parallelism config: a group's ranks train the same samples, each
+on its own slice of every row's tokens (backends, configs, attention: docs/scaling.md). Ulysses (DeepSpeed,
+`parallelism_config_sp_size`): a contiguous 1 / size of the row, one row per forward. Context parallelism
+(FSDP2, `parallelism_config_cp_size`): the columns torch's ring attention balances onto the rank, several rows
+per forward, forward and backward inside its context (`block`). What is left to the trainer is here:
+- samples: each rank rolls out its own prompts; the group shares them (gather_object), in one order;
+- layout: no attention mask (causal over the positions given): a row is [prompt | response | pad] from column
+  0; targets shifted before the split; a rank's columns: a slice (Ulysses) or the context's (`columns`);
+- the loss: a rank scores the response tokens its slice predicts (`shard`); normalisers count each token once
+  and lengths are whole, so the ranks' losses sum to the step's; the attention's backward carries gradient
+  shares across ranks, and the world mean (DeepSpeed's, FSDP2's over dp_shard_cp) times the world (the
+  scripts' `scale`) is the step's gradient;
+- logprob passes (no gradient): each rank computes its slice; a sum over the group gives all the (B, T).
 """
 
 import math
@@ -48,9 +41,8 @@ class SequenceParallel:
 
     @classmethod
     def from_accelerator(cls, accelerator, model):
-        """This rank's place in its group, or None without sequence or context parallelism. Before
-        accelerator.prepare: refuses in one line a model whose attention heads do not divide over a Ulysses
-        group (DeepSpeed's own check, in prepare, is a traceback)."""
+        """This rank's place in its group, or None without SP / CP. Before accelerator.prepare: refuses in one
+        line a model whose heads do not divide over a Ulysses group (DeepSpeed's check is a traceback)."""
         config = accelerator.parallelism_config
         if (getattr(config, "cp_size", None) or 1) > 1:
             mesh = accelerator.torch_device_mesh["cp"]
@@ -85,15 +77,13 @@ class SequenceParallel:
         return [s for rank in range(first, first + self.size) for s in per_rank[rank]]
 
     def sum(self, tensor):
-        """tensor summed over the group, in place (no gradient)."""
         torch.distributed.all_reduce(tensor, group=self.group)
         return tensor
 
     def width(self, mb):
-        """The columns of mb's rows laid out from position 0: the longest row, padded to a multiple of the
-        group; under context parallelism, to 2 x group chunks (its load balancer's) of a multiple of 32 tokens
-        each (sdpa's efficient kernel returns its logsumexp in blocks of 32, which torch's ring merge does not
-        trim: seen on two H200s)."""
+        """mb's longest row, padded to a multiple of the group; under CP, to 2 x group chunks (its balancer's)
+        of a multiple of 32 each (sdpa's efficient kernel returns logsumexp in blocks of 32, which torch's
+        ring merge does not trim: seen on two H200s)."""
         multiple = self.size * (64 if self.context_parallel else 1)
         return math.ceil(int(mb.attention_mask.sum(-1).max()) / multiple) * multiple
 
@@ -111,10 +101,9 @@ class SequenceParallel:
 
     @contextmanager
     def block(self, model, width, device):
-        """The block in which this rank's forwards over rows of `width` columns, and their backward, run:
-        Ulysses needs the model in training mode (Accelerate registers it with disable_in_eval: in eval mode
-        the attention would see only this rank's slice); context parallelism needs its context, where sdpa is
-        torch's ring attention. Re-entrant: inside a block, `logprobs` opens none of its own."""
+        """Where forwards over rows of `width` columns and their backward run: Ulysses needs training mode
+        (Accelerate's disable_in_eval: in eval attention sees this rank's slice only); CP needs its context,
+        where sdpa is torch's ring attention. Re-entrant: inside a block, `logprobs` opens none of its own."""
         if self._inside:
             yield
             return
@@ -140,7 +129,6 @@ class SequenceParallel:
         self._columns = {}  # context parallelism: width -> this rank's columns
 
     def layout(self, mb):
-        """This rank's RowSlice of the micro-batch mb (an Experience)."""
         num_actions = mb.action_mask.shape[1]
         prompt_lens = mb.attention_mask[:, :-num_actions].sum(-1)  # (B,)
         lengths = mb.attention_mask.sum(-1)  # (B,)
@@ -162,8 +150,7 @@ class SequenceParallel:
         return RowSlice(inputs, targets[:, mine], where.clamp(min=0), owned)
 
     def shard(self, mb):
-        """mb with the action mask narrowed to the tokens this rank scores, and each row's whole response
-        length kept (response_lens), for the loss."""
+        """mb, its action mask narrowed to the tokens this rank scores, whole lengths kept (response_lens)."""
         owned = self.layout(mb).owned  # (B, T)
         return replace(mb, action_mask=owned.to(mb.action_mask.dtype), response_lens=mb.action_mask.sum(-1))
 
@@ -186,12 +173,10 @@ class SequenceParallel:
 
 
 def group_size(parallelism):
-    """The ranks that share samples, each computing a slice of every row (Accelerate's parallelism config:
-    sp_size or cp_size; 1 without)."""
+    """The ranks that share samples, each computing a slice of every row (sp_size or cp_size; 1 without)."""
     return (getattr(parallelism, "sp_size", None) or 1) * (getattr(parallelism, "cp_size", None) or 1)
 
 
 def sliced(sp, model, mb):
-    """The block in which the update's forward and backward of the micro-batch mb run: sp's (SequenceParallel
-    .block, at mb's width), or none without SP or CP."""
+    """SequenceParallel.block at mb's width for the update's forward and backward; none without SP or CP."""
     return sp.block(model, sp.width(mb), mb.input_ids.device) if sp is not None else nullcontext()

@@ -1,15 +1,13 @@
-"""What train_ppo_vl.py alone needs: Qwen2-VL-family loading (a checkpoint, or the built-in tiny random
-Qwen2-VL with a word-level tokenizer), image prompt rows and their encoding, and the vision critic. What the
-engines also use is in multimodal.py; the built-in shapes task is in rft_core/tasks/shapes.py.
+"""What train_ppo_vl.py alone needs: Qwen2-VL-family loading (a checkpoint, or a built-in tiny random one
+with a word-level tokenizer), image prompt rows and their encoding, and the vision critic. What the engines
+also use is in multimodal.py; the shapes task in rft_core/tasks/shapes.py.
 
-Qwen2-VL turns an image into a t x h x w grid of 14-pixel patches and merges 2 x 2 of them into one
-language-model token, so a prompt must carry exactly t*h*w/4 `<|image_pad|>` tokens per image
-(`<|video_pad|>` for a video, its frames paired into temporal patches): `expand_image_tokens` writes them,
-`check_image_tokens` refuses any mismatch; vLLM expands one per image itself (`vllm_prompt`).
-
-The policy never emits the vision placeholders (in a response they would be taken for image slots):
-`block_tokens` sets their logits to -1e4 at the LM head, so sampling, the trainer and the reference model
-share one distribution; vLLM and SGLang apply a -100 logit bias instead."""
+Qwen2-VL cuts an image into a t x h x w grid of 14-pixel patches and merges 2 x 2 into one token, so a prompt
+carries exactly t*h*w/4 `<|image_pad|>` per image (`<|video_pad|>` per video, frames paired):
+`expand_image_tokens` writes them, `check_image_tokens` refuses a mismatch; vLLM expands one itself
+(`vllm_prompt`). The policy never emits the placeholders (they would read as image slots): `block_tokens`
+sets their logits to -1e4 at the LM head, so sampling, trainer and reference share one distribution; vLLM and
+SGLang apply a -100 logit bias instead."""
 
 import copy
 import functools
@@ -31,11 +29,9 @@ WORDS = ("user", "assistant", "system", "what", "colour", "is", "the", "shape", 
 
 
 def load_image_rows(path, input_key, label_key, images_key, flag, log=print, strict=False):
-    """Prompt rows of a data file or directory ({"prompt", "label", "images": [...]}): the images_key column
-    holds a path or a list of paths, relative to the data file, each an image or a list of frame paths (a
-    video). Empty: a text-only prompt; images_key "": no image column. Each image becomes an ImageFile (its
-    header read now, its pixels when a step draws its prompt). A row whose image is missing, unreadable or
-    over PIL's pixel limit is skipped and counted, the first named through log; with strict, an error."""
+    """Prompt rows: images_key holds paths relative to the file, each an image or a list of frames (a video);
+    ImageFiles (headers read now, pixels when drawn). A row whose image is missing, unreadable or over PIL's
+    pixel limit is skipped and counted (the first named through log); with strict, an error."""
     rows, _ = load_prompt_rows(path, input_key, label_key, flag, {images_key: "--images_key"} if images_key
                                else {}, log=log)
     base = path if os.path.isdir(path) else os.path.dirname(path)
@@ -80,7 +76,6 @@ def image_file(base, name):
 
 
 def video_files(base, names):
-    """A video's frames (a list of paths) as ImageFiles, all of one size."""
     frames = [image_file(base, name) for name in names]
     if len({f.size for f in frames}) > 1:
         raise ValueError(f"the frames {names} have different sizes: {sorted({f.size for f in frames})}")
@@ -109,8 +104,8 @@ def word_tokenizer():
 
 
 def tiny_qwen2_vl(tokenizer, seed=0, arch="qwen2_vl"):
-    """A random-initialised Qwen2-VL (about 1 M parameters; arch "qwen2_5_vl": a Qwen2.5-VL, whose vision
-    tower has windowed attention and a gated MLP) whose vocabulary is the tokenizer's."""
+    """A random ~1 M-parameter Qwen2-VL (arch "qwen2_5_vl": Qwen2.5-VL, windowed attention and a gated MLP in
+    its vision tower) over the tokenizer's vocabulary."""
     import transformers
 
     ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
@@ -135,8 +130,7 @@ def tiny_qwen2_vl(tokenizer, seed=0, arch="qwen2_vl"):
 
 
 def expand_image_tokens(text, image_grid_thw, merge_size=2, image_token="<|image_pad|>"):
-    """Replace each image placeholder in `text`, in order, by the t*h*w / merge^2 tokens its image takes
-    (the placeholders back to back, as Qwen2VLProcessor writes them)."""
+    """text, each image placeholder repeated its image's t*h*w / merge^2 times (as Qwen2VLProcessor does)."""
     parts = text.split(image_token)
     if len(parts) - 1 != len(image_grid_thw):
         raise DataError(f"{len(parts) - 1} image placeholders in the prompt but {len(image_grid_thw)} "
@@ -195,10 +189,8 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
 
 def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sample=None, system_prompt=None,
                      pixels=None):
-    """(prompt ids, ImageInputs or None) for a text prompt and its images and videos (lists of frames), in
-    that order before the text (each a PIL image or an ImageFile): each placeholder expanded to the tokens
-    the image's size takes, the counts checked; no pixel is decoded here. system_prompt: a system message
-    first; pixels: the ImageInputs' decoding cache (shared by a split's prompts)."""
+    """(prompt ids, ImageInputs or None) of a prompt after its images and videos, placeholders expanded and
+    checked; no pixel decoded here. pixels: the ImageInputs' decoding cache (shared by a split's prompts)."""
     content = [{"type": "video" if isinstance(x, list) else "image"} for x in images]
     messages = [{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]
     if system_prompt:
@@ -219,7 +211,6 @@ def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sampl
 
 
 def freeze(prefix, *models):
-    """Stop training the parameters whose name starts with prefix (e.g. model.visual) in each model given."""
     for model in models if prefix else []:
         for name, p in model.named_parameters() if model is not None else []:
             p.requires_grad_(not name.startswith(prefix))
@@ -227,9 +218,8 @@ def freeze(prefix, *models):
 
 def encode_vl_rows(tokenizer, processor, rows, image_token_id, max_len, max_images, mixed=False,
                    system_prompt=None, keep=64):
-    """([Sample] of the rows' prompts encoded with their images, number skipped: rows without images (unless
-    mixed), with more than max_images, or longer than max_len tokens). Their pixels are decoded when read,
-    those of the `keep` prompts read last kept decoded (ImageInputs)."""
+    """(Samples, number skipped: without images unless mixed, over max_images, or over max_len tokens); the
+    `keep` prompts read last stay decoded (ImageInputs)."""
     pixels = functools.lru_cache(maxsize=keep)(decode_pixels)
     usable = [r for r in rows if (r["images"] or mixed) and len(r["images"]) <= max_images]
     encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_token_id, sample=i,
@@ -240,9 +230,8 @@ def encode_vl_rows(tokenizer, processor, rows, image_token_id, max_len, max_imag
 
 
 class VisionValueModel(torch.nn.Module):
-    """The PPO critic of a vision-language policy (AutoModelForTokenClassification has no Qwen2-VL class):
-    a copy of the policy's backbone, vision tower included, and a zero-initialised scalar head `score` on
-    every position (values start at 0); its output's `.logits` (B, L, 1) reads like a token classifier's."""
+    """A VL policy's critic (AutoModelForTokenClassification has no Qwen2-VL class): a copy of its backbone,
+    vision tower included, and a zero head `score` per position; `.logits` (B, L, 1) like a classifier's."""
 
     def __init__(self, actor):
         super().__init__()

@@ -1,21 +1,16 @@
-"""User code (a --reward_fn file's function, an --env) runs in worker processes, never in the trainer's:
-whatever it does there (reseed random / numpy / torch, change directory, exit, crash, hang, leak memory,
-leave a thread spinning, start children) is at most that call's failure, and the worker is replaced.
+"""User code (a --reward_fn file's function, an --env) runs in worker processes, never the trainer's: whatever
+it does (reseed random, chdir, exit, crash, hang, leak memory, leave a thread spinning, start children) is at
+most that call's failure, and the worker is replaced.
 
     pool = Workers({"env": (load_env, "calculator")}, size=4, timeout=60, seed=args.seed, rank=rank)
     pool.call("env", "reset", (sample,))                # one call: its result, or it raises
     pool.map("env", "step", [(state, text), ...])       # spread over the workers: (ok, value) each
 
-A worker (`python -m rft_core.workers FD`: no torch, ~0.15 s to start) has a session of its own and talks
-pickles over a socket. Before each call it seeds random (numpy, torch where imported) from (seed, rank, call
-number): the same numbers whichever worker runs a call. Every group is killed when the pool is dropped or
-the trainer exits, by any path; a worker whose trainer was killed kills its own within a second.
-
-A call that returns an awaitable (an `async def` reset, step or reward) is awaited on its worker's event
-loop, cancelled there at its timeout; `concurrency` calls of an async method run at once over the pool
-(ceil(concurrency / size) in each worker), a sync one's one per worker. An async call sees its seeded
-random until its first await; after that the calls running beside it share the stream (seed a
-random.Random of your own for numbers that do not depend on timing).
+A worker (`python -m rft_core.workers FD`: no torch, ~0.15 s to start) has its own session, talks pickles over
+a socket, and seeds random (numpy, torch) from (seed, rank, call number) before each call. Its group dies with
+the pool or the trainer, by any path (within a second). An awaitable result (`async def`) is awaited on the
+worker's event loop, cancelled at its timeout, `concurrency` at once over the pool (sync: one per worker);
+its seeded random holds until its first await (seed a random.Random of your own for timing-free numbers).
 """
 
 import asyncio
@@ -69,9 +64,8 @@ class _Worker:
 
 
 class Workers:
-    """`size` workers, each with its own targets {name: (loader, spec)}: loader(spec), where loader is a
-    module-level function of a module without torch. A failed load raises here; `timeout`: s per call;
-    concurrency: calls in flight at once at most (0: size); `concurrent`: {target: its async methods}."""
+    """`size` workers building targets {name: (loader, spec)} as loader(spec) (a module-level function, no
+    torch); a failed load raises here. concurrency: calls in flight at most (0: size)."""
 
     def __init__(self, targets, size=1, timeout=60.0, seed=0, rank=0, log=print, concurrency=0):
         self.targets, self.timeout, self.seed, self.rank, self.log = targets, timeout, seed, rank, log
@@ -122,9 +116,8 @@ class Workers:
         return value
 
     def map(self, name, method, calls, timeout=None):
-        """Each call (a tuple of arguments) run in a worker. Returns per call (True, result) or (False,
-        error): a UserCodeError (what the code raised), TimeoutError (stopped), WorkerLost or
-        pickle.PicklingError (its arguments or result could not cross between processes)."""
+        """Each call (a tuple of arguments) run in a worker: per call (True, result) or (False, error): a
+        UserCodeError, TimeoutError, WorkerLost or pickle.PicklingError (could not cross processes)."""
         timeout = self.timeout if timeout is None else timeout
         awaited = method in self.concurrent.get(name, ())  # cancelled in its worker; GRACE_S later, killed
         each = -(-self.cap // len(self.procs)) if awaited else 1  # calls in a worker at once
@@ -168,8 +161,7 @@ class Workers:
             return pickle.PicklingError(f"its arguments do not pickle (they go to a worker process): {e!r}")
 
     def _collect(self, running, results, timeout):
-        """Wait until a running call ends or reaches its deadline; take in a result from each worker that has
-        one; stop the workers past a deadline (with their calls) and those retiring once idle."""
+        """Wait for a call's end or deadline; take in results; stop workers past deadlines, retiring idle."""
         ends = min(deadline for _, _, deadline in running.values())
         busy = {i for _, i, _ in running.values()}
         ready = wait([self.procs[i].conn for i in busy], max(0.0, ends - time.monotonic()))
@@ -187,8 +179,7 @@ class Workers:
                 self._stop(i, kind, why)
 
     def _receive(self, i, running, results):
-        """Take in a call's outcome, as map gives it; a worker that grew LEAK_BYTES or burnt CPU idle retires
-        (replaced once its calls have ended)."""
+        """Take in a call's outcome; a worker grown LEAK_BYTES or burning CPU idle retires (replaced idle)."""
         worker = self.procs[i]
         try:
             number, (cpu, idle, rss), reply = worker.conn.recv()  # CPU and wall s idle, resident bytes
@@ -210,7 +201,6 @@ class Workers:
         results[k] = (reply[0] == "ok", UserCodeError(*reply[1:]) if reply[0] == "raised" else reply[1])
 
     def _drop(self, i, running, results, error):
-        """Fail the calls running in worker i (stopped, or ended) with error."""
         for number, (k, w, _) in list(running.items()):
             if w == i:
                 del running[number]
@@ -277,8 +267,7 @@ def load_from_file(spec, flag, kind, builtins=(), owner="a file"):
 
 
 def load_module(path, spec, flag, owner="a file"):
-    """The file at `path` imported as a module of its own with sys.argv [path]; what it raises is one line
-    (naming `flag` and `spec`)."""
+    """The file at `path` imported as a module of its own, sys.argv [path]; what it raises: one line."""
     if not os.path.isfile(path):
         raise MissingPath(f"{flag} {spec!r}: no such file {path!r}")
     module_spec = importlib.util.spec_from_file_location(f"user_module_{abs(hash(path))}", path)
@@ -323,9 +312,8 @@ def _watch(parent):
 
 
 def serve(fd):
-    """A worker's life: build the targets the first message names (reply ("ready", rss, {target: its
-    async_methods, those it awaits}) or ("error", the UserError)), then answer calls (_Calls) until the
-    trainer closes the socket."""
+    """A worker's life: build the first message's targets (reply ("ready", rss, {target: its async_methods})
+    or ("error", the UserError)), then answer calls (_Calls) until the trainer closes the socket."""
     conn = Connection(fd)
     targets, seed, rank = conn.recv()
     threading.Thread(target=_watch, args=(os.getppid(),), daemon=True).start()
@@ -340,11 +328,9 @@ def serve(fd):
 
 
 class _Calls:
-    """Answers each call (name, method, args, timeout, number) with (number, usage, its pickled outcome:
-    ("ok", value), ("raised", what, kind, line, interrupt) or ("error", a TimeoutError / PicklingError)).
-    usage: CPU and wall s spent with no call to run before it came, and resident bytes. A call that returns
-    an awaitable becomes a task on the worker's event loop (answered when it ends; cancelled at its timeout),
-    which runs while the worker waits for the next call; other calls run outside it (asyncio.run works)."""
+    """Answers (name, method, args, timeout, number) with (number, (CPU s, wall s idle before, RSS), pickled
+    ("ok", value) / ("raised", what, kind, line, interrupt) / ("error", exception)). An awaitable becomes an
+    event-loop task, run while waiting for calls; other calls run outside the loop (asyncio.run works)."""
 
     def __init__(self, conn, built, targets, seed, rank):
         self.conn, self.built, self.seed, self.rank = conn, built, seed, rank

@@ -3,17 +3,15 @@ worked examples in the prompt, the answer inside <answer></answer> tags."""
 
 import random
 
-# Few-shot turns: SmolLM2-135M never emits <answer> tags unprompted (0 of 2,560 samples measured),
-# but copies the format from two worked examples and gets easy problems right. The worked form
-# "a + b = c" lets the model use the arithmetic it knows before committing to the tagged answer.
+# SmolLM2-135M never emits <answer> tags unprompted (0 of 2,560 samples) but copies two worked examples; the
+# worked form "a + b = c" lets it use the arithmetic it knows before committing to the tagged answer.
 ARITHMETIC_SYSTEM = ("Solve the arithmetic problem. Write the equation, then the final answer in "
                      "<answer></answer> tags.")
 ARITHMETIC_SHOTS = (("2 + 3", 5), ("4 * 2", 8))
 
 
 def few_shot_row(question, answer, shots=ARITHMETIC_SHOTS):
-    """A prompt row asking "What is {question}?" after the worked examples `shots`: (question, answer) pairs
-    (the multiply task's too)."""
+    """A prompt row "What is {question}?" after the (question, answer) `shots` (the multiply task's too)."""
     messages = [{"role": "system", "content": ARITHMETIC_SYSTEM}]
     for q, a in shots:
         messages += [{"role": "user", "content": f"What is {q}?"},

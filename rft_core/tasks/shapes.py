@@ -25,9 +25,8 @@ def draw_shapes(colour, count, rng, size=IMAGE_SIZE):
 
 
 def shapes_task(num_train=2048, num_eval=64, seed=0):
-    """(train rows, eval rows) of {"images": [PIL image], "prompt": str, "label": str}: "what colour is the
-    shape?" (one shape, 4 colours) and "how many shapes are there?" (1-3 shapes). The eval split comes from
-    its own fixed seed, whatever `seed` is."""
+    """(train, eval) rows {"images": [PIL image], "prompt", "label"}: "what colour is the shape?" (4 colours)
+    and "how many shapes are there?" (1-3); the eval split has its own fixed seed."""
     def rows(n, rng):
         out = []
         for i in range(n):
