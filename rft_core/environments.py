@@ -1,7 +1,5 @@
-"""The boundary with an environment's code (--env): the State its step sees, the environment as a worker
-builds and calls it (`load_env`), and checking what its reset and step returned. Environment output is data:
-HostedEnv checks it in the worker and turns it into built-in types (numbers as floats), so nothing of the
-user's classes reaches the trainer, and whatever fails there is the episode's failure ("malformed")."""
+"""The boundary with an environment's code (--env): State, `load_env`, and HostedEnv, which checks reset's
+and step's output in the worker as built-in types: no user class reaches the trainer."""
 
 import inspect
 import math
@@ -19,9 +17,7 @@ ROLES = ("user", "tool", "system")  # an observation's (the policy alone speaks 
 
 @dataclass
 class State:
-    """What step(state, text) sees of its episode. It goes to a worker with each step (any worker may run
-    the next); only state.data comes back: sample, turn and messages are the trainer's record, the episode's
-    own copies. state.data holds built-in types (numbers, strings, lists, dicts)."""
+    """What step(state, text) sees, sent with each step; only state.data (built-in types) comes back."""
     sample: dict  # {"prompt": the opening as the data or reset gave it, "label": ...}
     turn: int = 0  # assistant turns so far, the one being answered included
     messages: list = field(default_factory=list)  # the turns so far: {"role", "content"}, assistant first
@@ -29,14 +25,12 @@ class State:
 
 
 class Malformed(ValueError):
-    """What HostedEnv returns (not raises) for an outcome that fails its check: the episode fails as
-    "malformed", with this message."""
+    """What HostedEnv returns (not raises) for an outcome failing its check: the episode's failure."""
 
 
 class HostedEnv:
-    """An environment as its worker holds it: reset (None where it has none) and step (with state.data as
-    step left it), each checked (parse_opening, parse_step) and awaited where async; about(): its `stop`
-    texts and `tools` schemas, read once at start-up."""
+    """An environment in its worker: reset (None where none) and step (state.data as step left it), checked
+    (parse_opening, parse_step) and awaited if async; about(): its `stop` and `tools`, read at start-up."""
 
     def __init__(self, env, spec="--env"):
         self.env = env
@@ -89,10 +83,8 @@ def _checked(parse, out):
 
 
 def load_env(spec):
-    """The environment --env names, built in a worker: calculator or calculator_react
-    (rft_core/tasks/calculator.py), tools or 'tools:path/to/file.py' (functions as tools:
-    rft_core/tasks/tools.py), or 'path/to/file.py:NAME', an object with step (and optionally reset) or a
-    class of them (no arguments)."""
+    """The --env environment, built in a worker: calculator(_react) (rft_core/tasks/calculator.py),
+    tools[:file.py] (rft_core/tasks/tools.py), or 'file.py:NAME' (with step, maybe reset; or its class)."""
     builtin = {"calculator": Calculator, "calculator_react": ReactCalculator, "tools": ToolEnv}
     if spec.startswith("tools:"):
         env = ToolEnv(load_module(spec.removeprefix("tools:"), spec, "--env", "a tools file"), spec)
@@ -113,8 +105,7 @@ def load_env(spec):
 
 
 def parse_opening(opening):
-    """What reset returned as built-in types: None, a string, or chat messages (any of ROLES or assistant:
-    few-shot turns); ValueError naming what is wrong."""
+    """reset's output as built-in types: None, text, messages (ROLES; assistant: few-shot) or ValueError."""
     if opening is None or isinstance(opening, str):
         return None if opening is None else _text(opening)
     if not isinstance(opening, list):
@@ -123,9 +114,7 @@ def parse_opening(opening):
 
 
 def parse_step(out):
-    """(observation, done, reward, info) as built-in types from what step returned (in the worker:
-    HostedEnv.step): the observation a string (text: inline after a stop, else a user message) or a list of
-    messages; ValueError naming what is wrong."""
+    """(observation, done, reward, info) from step's output as built-in types; else ValueError naming why."""
     if not isinstance(out, tuple) or not 2 <= len(out) <= 4:
         raise ValueError(f"step returned {type(out).__name__}, not (observation, done[, reward[, info]])")
     observation, done, reward, info = (*out, None, None)[:4]
@@ -172,8 +161,7 @@ def _number(value, what, kind="a finite number (one a float holds)"):
 
 
 def _plain(value):
-    """A real 0-d numpy or torch value as a Python bool, int or float; anything else as it is. Neither
-    library is imported here: only what the user's code returned is read."""
+    """A real 0-d numpy or torch value as a Python scalar, else value (neither library is imported here)."""
     numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
     if numpy and isinstance(value, (numpy.generic, numpy.ndarray)) and value.ndim == 0:
         return value.item() if value.dtype.kind in "biuf" else value

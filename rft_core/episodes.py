@@ -1,18 +1,13 @@
 """Multi-turn rollouts (`--env`): the policy acts, an environment answers, and the whole episode trains.
 
 The environment (`step(state, text)`, optionally `reset(sample)`: rft_core/environments.py,
-docs/multi_turn.md) runs in worker processes (rft_core/workers.py).
-
-Token in, token out: each turn continues from the episode's own token ids, so the ids that train are the
-engine's sampled ids (and logprobs) exactly. An environment turn is rendered and tokenized once, its text as
-data (special tokens' text in it stays text), cut to the room left; its tokens carry mask 0
-(Generation.mask), so no loss, KL term, entropy, advantage or length statistic sees them. A turn that ended
-at another stop than the end of turn (`</calc>`) gets the answer inline and goes on (_ended). An episode ends
-when the environment says done, at `max_turns`, or when a turn reaches its token limit. Every rank runs the
-same number of turns (`any_active`): a tensor-parallel engine's call is a collective. A reset or step that
-fails (raises, hangs, ends its worker, returns something malformed or unrenderable) ends that episode, which
-scores as a failed reward.
-"""
+docs/multi_turn.md) runs in worker processes (rft_core/workers.py). Token in, token out: each turn goes on
+from the episode's token ids, so the engine's sampled ids and logprobs train. An environment turn is
+tokenized once, its text as data, cut to the room left, with mask 0 (Generation.mask): no loss or statistic
+sees it. A turn stopped short of its end of turn (`</calc>`) gets the answer inline and goes on (_ended). An
+episode ends when the environment says done, at `max_turns` or at its token limit; every rank runs as many
+turns (`any_active`): a tensor-parallel engine's call is a collective. A failed reset or step (raised, hung,
+lost its worker, malformed or unrenderable output) ends the episode, scored as a failed reward."""
 
 import math
 import re
@@ -59,9 +54,7 @@ MARKER = " [...]"  # ends an environment answer cut to fit
 
 
 class EpisodeRunner:
-    """Runs batches of episodes through an engine and an environment (`run`), and renders the environment's
-    turns as token ids. workers: the processes holding it, target "env" (reward_sources.start_workers);
-    tools: its tool schemas (HostedEnv.about), rendered into every opening."""
+    """Runs episodes (`run`) on an engine and `workers` (reward_sources.start_workers); tools: schemas."""
 
     def __init__(self, workers, tokenizer, settings, name="env", log=print, tools=None):
         self.workers, self.tokenizer, self.settings, self.tools = workers, tokenizer, settings, tools
@@ -106,10 +99,8 @@ class EpisodeRunner:
                 for k, m in enumerate(messages)]
 
     def render(self, messages, ended="eos", limit=math.inf):
-        """(token ids, contents, cut) of an environment turn (messages) after an assistant turn that `ended`
-        ("eos", "end", "close": under the chat template the rest of that turn's markup, all of it after
-        "close", the messages, and the next assistant header; "inline", or no template: their text), cut to
-        `limit` ids (_ids)."""
+        """(ids, contents, cut) of environment messages after a turn that `ended` ("eos", "end", "close":
+        after the rest of that turn's markup, all of it for "close"; "inline": as text), cut to `limit`."""
         contents = [m["content"] for m in messages]
         if not self.templated or ended == "inline":
             return self._ids("".join(SLOT % k for k in range(len(messages))), contents, limit)
@@ -118,10 +109,8 @@ class EpisodeRunner:
         return self._ids(after + full[len(self.base):], contents, limit)
 
     def _ids(self, text, contents, limit):
-        """(ids, contents, cut) of text in which SLOT k stands for contents[k]: the markup tokenized as usual,
-        each content as data (a special token's text in it stays text, never a control token). Past `limit`
-        ids the contents end early in MARKER (cut True, contents as kept; ids None where not even that fits);
-        text beyond any limit is cut by characters before it is tokenized."""
+        """(ids, contents, cut) of text whose SLOT k stands for contents[k], as data (special tokens' text
+        stays text); past `limit` the contents end in MARKER (cut True; ids None if even that won't fit)."""
         parts = re.split("\ue000(\\d+)\ue001", text)  # markup, k, markup, k, ..., markup
         if sorted(int(k) for k in parts[1::2]) != list(range(len(contents))):
             raise ValueError("the chat template left out a message's content")
@@ -155,10 +144,8 @@ class EpisodeRunner:
         return ids
 
     def _ended(self, gen):
-        """How an assistant turn ended: "eos", "end" (a stop that is the template's end-of-turn markup): the
-        environment answers in chat messages; "inline" (another stop): an answer in text is appended as
-        is and the assistant goes on in the same turn, one in messages closes the turn first; "cut": the
-        limit."""
+        """How a turn ended: "eos"; "end" (a stop matching the end-of-turn markup); "inline" (another stop: a
+        text answer is appended inline, messages close the turn); "cut" (the limit)."""
         ids = gen.token_ids
         if ids and ids[-1] == self.tokenizer.eos_token_id:
             return "eos"
@@ -168,9 +155,9 @@ class EpisodeRunner:
         return "end" if self.end and text.endswith(self.end) else "inline"
 
     def run(self, generate, samples, any_active):
-        """One episode per Sample: the samples with their generation (logprobs 0 on environment tokens,
-        None where generate gave none), prompt (the opening) and episode. generate(prompts, limits, mm) ->
-        [Generation]; any_active(n) -> whether any rank has episodes going on (a collective)."""
+        """One episode per Sample: the samples with generation (logprobs 0 on environment tokens, None where
+        generate gave none), prompt (the opening) and episode. generate(prompts, limits, mm) -> [Generation];
+        any_active(n): whether any rank has episodes going on (a collective)."""
         cfg = self.settings
         samples = [replace(s, episode=Episode([])) for s in samples]
         out = [Generation([], [], mask=[]) for _ in samples]  # the responses so far
@@ -202,9 +189,7 @@ class EpisodeRunner:
         return [replace(s, generation=g) for s, g in zip(samples, out)]
 
     def _answer(self, sample, state, outcome, turn, ended, out):
-        """Take in step's outcome: state.data as step left it, reward, info, its messages rendered after a
-        turn that `ended` so and appended to the response `out` (mask 0), cut to the room left (or
-        --max_env_tokens). Returns whether the episode goes on."""
+        """Take in step's outcome (state.data, reward, info, mask-0 messages); whether it goes on."""
         episode, cfg = sample.episode, self.settings
         episode.env_calls += 1
         try:
@@ -238,8 +223,7 @@ class EpisodeRunner:
         return True
 
     def _reset(self, samples, states):
-        """Reset each sample (its opening becomes its prompt, rendered with the tools where there are): the
-        indices of the episodes that can start."""
+        """Reset each sample (the opening becomes its prompt, with the tools): the indices that start."""
         active = []
         results = self._call("reset", [({"prompt": s.prompt, "label": s.label},) for s in samples])
         for i, (ok, out) in enumerate(results):
@@ -278,8 +262,7 @@ class EpisodeRunner:
         return results
 
     def _outcome(self, ok, out, what):
-        """A call's value as its worker checked it (HostedEnv), a step's with state.data as step left it;
-        _Failed if the call or the check failed."""
+        """A call's value as HostedEnv checked it (a step's with state.data); _Failed if either failed."""
         if not ok and isinstance(out, UserCodeError):
             raise _Failed(f"raised {out.kind}", f"{what} raised {out!r}")
         if not ok:  # TimeoutError, WorkerLost, PicklingError
@@ -316,8 +299,7 @@ class _Failed(Exception):
 
 
 def score(samples, score_all, strict=False):
-    """Score each episode's last assistant turn with score_all (a RewardScorer), plus the environment's
-    rewards ("env"); a failed environment's gets the fallback, components NaN. Returns how many failed."""
+    """Score last turns (score_all) + env rewards; failed envs: the fallback, NaN components. -> failures."""
     scored = [s for s in samples if s.episode.failure is None]
     for s in samples:
         s.completion = s.episode.completion
@@ -334,8 +316,7 @@ def score(samples, score_all, strict=False):
 
 
 def episode_metrics(samples):
-    """rollout/ metrics of this rank's episodes: turns, environment calls and tokens, cuts, answers cut to
-    fit, and the means of the numbers in the last info dicts (each finite)."""
+    """This rank's rollout/ episode metrics, with the means of the last info dicts' (finite) numbers."""
     episodes = [s.episode for s in samples]
     turns = [sum(t["role"] == "assistant" for t in e.turns) for e in episodes]
     metrics = {"rollout/turns_mean": sum(turns) / max(1, len(turns)),

@@ -9,8 +9,7 @@ action mask, |o_i| = sum_t m_it the response length, N the number of sequences a
     seq-mean-token-sum-norm  (1/N) sum_i sum_t m_it l_it / L                   (Dr.GRPO, L = max length)
 
 `num_tokens` / `num_seqs` are the optimizer step's totals over micro-batches and ranks, so the
-per-micro-batch losses *sum* to the full-batch loss, whatever the split (tests/test_losses.py).
-"""
+per-micro-batch losses *sum* to the full-batch loss, whatever the split (tests/test_losses.py)."""
 
 import math
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ import torch
 from torch import Tensor
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# pi_old / pi_rollout per token, or per sample: its tokens' product (sequence) or geometric mean
 TIS_LEVELS = ("token", "sequence", "geometric")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 POLICY_LOSS_TYPES = ("ppo", "gspo", "cpg")  # --policy_loss_type: policy_loss's use_gspo, use_cpg_loss
@@ -42,9 +40,8 @@ def token_mean(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 def aggregate_loss(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, num_tokens=None, num_seqs=None,
                    max_len: Optional[int] = None, seq_lens: Optional[Tensor] = None) -> Tensor:
-    """(B, T) per-token loss -> scalar, by the module docstring's formulas. num_tokens / num_seqs: the step's
-    totals (default: this batch's); max_len: Dr.GRPO's L (default: T); seq_lens (B,): |o_i| (default: the
-    mask's; under SP the mask holds a slice of each sequence)."""
+    """(B, T) per-token loss -> scalar, by the module docstring's formulas; defaults: num_tokens / num_seqs
+    this batch's, max_len (L) T, seq_lens (B,) |o_i| the mask's (under SP it holds a slice of a row)."""
     mask = mask.to(loss_mat.dtype)
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     num_seqs = loss_mat.shape[0] if num_seqs is None else num_seqs
@@ -84,8 +81,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, acti
     """PPO clipped surrogate (Schulman et al. 2017): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and:
     eps_clip_high  clip-higher (DAPO); default eps_clip_low, the symmetric clip
     dual_clip      dual-clip (Ye et al. 2020): for A < 0 the loss is capped at -dual_clip * A (dual_clip > 1)
-    use_gspo       GSPO (Zheng et al. 2025): s_i = exp(mean_t log r_t) replaces r_t, with GSPO-token's
-                   gradient sg(s_i) * grad log pi(y_t)
+    use_gspo       GSPO (Zheng et al. 2025): s_i = exp(mean_t log r_t) for r_t; gradient sg(s_i) grad log pi
     is_weights     detached per-token importance weights (TIS against the rollout engine)
     use_cpg_loss   CPGD (Liu et al. 2025): -A * clip(log r, log(1 - eps_low), log(1 + eps_high)), clipped on
                    the side A pushes only; gradient -A grad log pi inside the range, 0 outside
@@ -181,9 +177,8 @@ class LossSettings:
 
 def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, level: str = "token",
                 sample_sum: Optional[Callable] = None) -> Tensor:
-    """Uncapped pi_old / pi_rollout (B, T). token: each token's ratio; sequence: the product over the sample
-    (which also corrects the prefixes an older policy chose); geometric: its geometric mean (verl's).
-    sample_sum: sums (B, 2) over a row's SP / CP slices. The log weight is clamped at 20."""
+    """pi_old / pi_rollout (B, T), uncapped, log clamped at 20: per token; sequence: the sample's product
+    (fixes prefixes older policies chose); geometric: its geometric mean (verl's); sample_sum: SP sums."""
     log_ratio = torch.where(mask.bool(), old_logprobs - rollout_logprobs, 0.0)  # (B, T)
     if level != "token":
         per_sample = torch.stack([log_ratio.sum(-1), mask.sum(-1).to(log_ratio.dtype)], -1)  # (B, 2)
@@ -205,11 +200,10 @@ def policy_token_counts(action_masks: list[Tensor], ratio: float = 0.0) -> tuple
 
 
 def actor_loss(logprobs: Tensor, entropy: Optional[Tensor], mb, s: LossSettings) -> tuple[Tensor, dict]:
-    """One micro-batch's loss, normalised by the step's totals (LossSettings), and detached 0-d metrics.
-    logprobs, entropy: (B, T) under the trained policy (entropy with a gradient if s.entropy_coef). mb: an
-    Experience; old_logprobs None: the weights have not moved since the rollout (pi_old: logprobs, detached).
-    loss = policy loss (PPO clip and variants, high-entropy tokens only if asked, TIS-weighted) - entropy_coef
-           * entropy + policy_drift_coef * KL(pi_old || pi) (CPGD) + kl_coef * KL(pi || ref) (GRPO)."""
+    """One micro-batch's loss, normalised by the step's totals (LossSettings), and detached 0-d metrics;
+    logprobs, entropy: (B, T) (entropy with a gradient if s.entropy_coef); mb.old_logprobs None: pi_old =
+    logprobs. loss = policy loss (PPO clip or variant, high-entropy tokens if asked, TIS-weighted) -
+    entropy_coef * entropy + policy_drift_coef * KL(pi_old || pi) (CPGD) + kl_coef * KL(pi || ref) (GRPO)."""
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()  # (B, T)
     mask = mb.action_mask
     agg = dict(num_tokens=s.num_tokens, num_seqs=s.num_seqs, max_len=s.max_len, seq_lens=mb.response_lens)
@@ -250,8 +244,7 @@ def actor_loss(logprobs: Tensor, entropy: Optional[Tensor], mb, s: LossSettings)
 
 
 def engine_gap_metrics(mb, old: Tensor, sample_sum=None) -> dict:
-    """Engine vs trainer logprobs (same weights) where the engine returned them, as Means' (sum, weight) and
-    (max, has) pairs. old: pi_old's logprobs (B, T); sample_sum: a row's sum over its SP slices, or None."""
+    """Engine vs trainer logprobs where the engine gave them: Means' (sum, weight) and (max, has) pairs."""
     known = mb.rollout_known()  # (B, T)
     gap = torch.where(known, mb.rollout_logprobs - old, 0.0)  # (B, T)
     # per response, |log pi_rollout(y) - log pi_old(y)|: the log of --tis_level sequence's weight

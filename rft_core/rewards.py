@@ -2,13 +2,10 @@
 
     fn(prompts, completions, labels, **kwargs) -> list[float] | dict[str, list[float]]
 
-a dict's components summed into the reward (each logged as rollout/reward/<name>). With --env it may also take
-`turns` (each episode's turns, {"role", "content"}) and `info` (the environment's last info dict), lists like
-completions, passed where its signature names them (or takes **kwargs). Built in: `answer_reward`,
-`math_reward`, the shapes task's `first_word_reward`; yours (--reward_fn, --remote_rm_url, reward models)
-come from rft_core/reward_sources.py. `score` contains failures (a failed sample gets the fallback, counted);
-`RewardScorer` sums a run's sources. Shaping: DAPO's `overlong_penalty` (normalisation: advantages.py).
-"""
+a dict's components summed (each logged as rollout/reward/<name>). With --env it may also take `turns`
+({"role", "content"} per episode) and `info` (the last info dict), where its signature names them. Built in:
+`answer_reward`, `math_reward`, `first_word_reward` (shapes); others (--reward_fn, --remote_rm_url, reward
+models): rft_core/reward_sources.py. Shaping: DAPO's `overlong_penalty` (normalisation: advantages.py)."""
 
 import inspect
 import math
@@ -22,8 +19,7 @@ ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def parse_answer(completion):
-    """(answer, well_formed): the stripped text of the last <answer>...</answer> pair, or None; whether
-    there is exactly one pair, no stray tag, and nothing but whitespace after it."""
+    """(last <answer> pair's stripped text or None, well_formed: one pair, no stray tag, nothing after)."""
     matches = list(ANSWER_RE.finditer(completion))
     if not matches:
         return None, False
@@ -59,8 +55,7 @@ def math_label(label):
 
 
 def math_reward(prompts, completions, labels, format_weight=0.1, **kwargs):
-    """Mathematical equivalence (math-verify: 0.75 == 3/4 == \\frac{3}{4}) of the <answer> tag's content,
-    or of the last answer in the completion when it has no tag, plus a format term."""
+    """math-verify equivalence (0.75 == 3/4) of the <answer> content (else the last answer), plus format."""
     from math_verify import parse, verify  # optional: pip install math-verify
 
     # math-verify's time bounds use signal.alarm, which only a main thread may set (elsewhere: unbounded)
@@ -84,8 +79,7 @@ BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward, "first_word": f
 
 
 def file_reward(spec):
-    """The function 'path/to/file.py:NAME' names (--reward_fn), loaded in a worker process; called there with
-    the episode's arguments ({"turns", "info"} or {}), given those its signature takes."""
+    """--reward_fn 'path/to/file.py:NAME', run in a worker with the episode arguments its signature takes."""
     fn = load_from_file(spec, "--reward_fn", "function", sorted(BUILTIN_REWARDS), "a reward file")
     if not callable(fn):
         raise MissingName(f"--reward_fn {spec!r}: {spec.rpartition(':')[0]} defines no function "
@@ -107,15 +101,13 @@ def taken(fn, kwargs):
 
 
 def overlong_penalty(length, max_len, buffer_len, factor=1.0):
-    """DAPO's soft overlong punishment (Yu et al. 2025) of a response of `length` tokens: 0 up to
-    max_len - buffer_len tokens, then falling linearly to -factor at max_len."""
+    """DAPO's overlong penalty (Yu et al. 2025): 0 to max_len - buffer_len, linear to -factor at max_len."""
     start = max_len - buffer_len
     return -factor * min(max(length - start, 0) / buffer_len, 1.0)
 
 
 class ServiceDown(ConnectionError):
-    """The reward server (reward_sources.remote_reward_fn) is unreachable, timed out, busy or redirecting:
-    every sample fails (scoring them one by one would wait as long for each)."""
+    """reward_sources.remote_reward_fn's server down, timing out, busy or redirecting: every sample fails."""
 
 
 class ServerError(ConnectionError):
@@ -130,8 +122,7 @@ def describe(fn, error=None):
 
 
 def _rows(reward_fn, prompts, completions, labels, episode):
-    """One {component: value} dict per sample; raises if the call fails or returns something malformed. The
-    reward gets copies of the lists: one that pops from them cannot change the samples, nor the count."""
+    """One {component: value} dict per sample, or raises; the reward gets copies of the lists (may pop)."""
     n = len(completions)
     try:
         episode = {k: list(v) for k, v in taken(reward_fn, episode).items()}
@@ -193,8 +184,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, e
 
 
 class RewardScorer:
-    """scorer(samples) sets each Sample's reward (the sources' weighted sum) and components; returns the
-    count that got the fallback."""
+    """Sets each Sample's reward (the sources' weighted sum) and components; returns the fallback count."""
 
     def __init__(self, sources, weights=None, fallback=0.0, failure_limit=1.0, log=print):
         self.sources, self.weights = sources, weights or [1.0] * len(sources)

@@ -1,17 +1,12 @@
-"""Sequence parallelism through Accelerate's parallelism config: a group's ranks train the same samples, each
-on its own slice of every row's tokens (backends, configs, attention: docs/scaling.md). Ulysses (DeepSpeed,
-`parallelism_config_sp_size`): a contiguous 1 / size of the row, one row per forward. Context parallelism
-(FSDP2, `parallelism_config_cp_size`): the columns torch's ring attention balances onto the rank, several rows
-per forward, forward and backward inside its context (`block`). What is left to the trainer is here:
-- samples: each rank rolls out its own prompts; the group shares them (gather_object), in one order;
-- layout: no attention mask (causal over the positions given): a row is [prompt | response | pad] from column
-  0; targets shifted before the split; a rank's columns: a slice (Ulysses) or the context's (`columns`);
-- the loss: a rank scores the response tokens its slice predicts (`shard`); normalisers count each token once
-  and lengths are whole, so the ranks' losses sum to the step's; the attention's backward carries gradient
-  shares across ranks, and the world mean (DeepSpeed's, FSDP2's over dp_shard_cp) times the world (the
-  scripts' `scale`) is the step's gradient;
-- logprob passes (no gradient): each rank computes its slice; a sum over the group gives all the (B, T).
-"""
+"""Sequence parallelism via Accelerate's parallelism config (backends, configs, attention: docs/scaling.md):
+a group's ranks train the same samples, each on a slice of every row's tokens. Ulysses (DeepSpeed,
+`parallelism_config_sp_size`): a contiguous 1 / size of the row, one row per forward; context parallelism
+(FSDP2, `parallelism_config_cp_size`): the columns torch's ring attention balances onto the rank, several
+rows per forward, forward and backward inside its context (`block`). Here: the group shares its ranks'
+rollouts (gather_object); a row is [prompt | response | pad] from column 0, no attention mask, targets
+shifted before the split; a rank scores the response tokens its slice predicts (`shard`), normalisers and
+lengths whole, so the ranks' losses sum to the step's and the world mean of gradients (FSDP2: over
+dp_shard_cp) times the world (`scale`) is the step's; logprob passes: slices summed over the group."""
 
 import math
 from contextlib import contextmanager, nullcontext
@@ -41,8 +36,7 @@ class SequenceParallel:
 
     @classmethod
     def from_accelerator(cls, accelerator, model):
-        """This rank's place in its group, or None without SP / CP. Before accelerator.prepare: refuses in one
-        line a model whose heads do not divide over a Ulysses group (DeepSpeed's check is a traceback)."""
+        """This rank's place in its group, or None; ConfigError if Ulysses cannot split the heads."""
         config = accelerator.parallelism_config
         if (getattr(config, "cp_size", None) or 1) > 1:
             mesh = accelerator.torch_device_mesh["cp"]
@@ -81,9 +75,8 @@ class SequenceParallel:
         return tensor
 
     def width(self, mb):
-        """mb's longest row, padded to a multiple of the group; under CP, to 2 x group chunks (its balancer's)
-        of a multiple of 32 each (sdpa's efficient kernel returns logsumexp in blocks of 32, which torch's
-        ring merge does not trim: seen on two H200s)."""
+        """mb's longest row, to a multiple of the group; under CP, of 2 x group 32-multiple chunks (the
+        efficient sdpa kernel's logsumexp has blocks of 32 that the ring merge keeps: seen on two H200s)."""
         multiple = self.size * (64 if self.context_parallel else 1)
         return math.ceil(int(mb.attention_mask.sum(-1).max()) / multiple) * multiple
 
@@ -92,8 +85,7 @@ class SequenceParallel:
         if self.context_parallel is None:
             w = width // self.size
             return torch.arange(self.rank * w, (self.rank + 1) * w, device=device)
-        if width not in self._columns:  # the context's own sharding of a column index (cached: a context
-            # entered inside another would switch the other's ring attention off as it leaves)
+        if width not in self._columns:  # cached: a nested context switches ring attention off as it leaves
             assert not self._inside, "columns of a new width inside a block"
             with self.block(None, width, device):
                 pass
@@ -101,9 +93,8 @@ class SequenceParallel:
 
     @contextmanager
     def block(self, model, width, device):
-        """Where forwards over rows of `width` columns and their backward run: Ulysses needs training mode
-        (Accelerate's disable_in_eval: in eval attention sees this rank's slice only); CP needs its context,
-        where sdpa is torch's ring attention. Re-entrant: inside a block, `logprobs` opens none of its own."""
+        """Where forwards over rows of `width` and their backward run: Ulysses in training mode (Accelerate's
+        disable_in_eval: else attention sees one slice), CP in its context (ring attention); re-entrant."""
         if self._inside:
             yield
             return
@@ -155,8 +146,7 @@ class SequenceParallel:
         return replace(mb, action_mask=owned.to(mb.action_mask.dtype), response_lens=mb.action_mask.sum(-1))
 
     def logprobs(self, model, mb, temperature=1.0, with_entropy=False, chunk_size=None):
-        """(logprobs, entropy or None) (B, T) of mb's response tokens this rank's slice predicts, zeros
-        elsewhere (as micro_batch_logprobs). A backward must run inside the same `block`."""
+        """(logprobs, entropy or None) (B, T) on tokens this slice predicts, else 0; backward in `block`."""
         part = self.layout(mb)
         # Ulysses takes DeepSpeed's micro-batch of one row per forward; context parallelism takes them all
         step = len(part.targets) if self.context_parallel else 1

@@ -1,13 +1,10 @@
-"""What train_ppo_vl.py alone needs: Qwen2-VL-family loading (a checkpoint, or a built-in tiny random one
-with a word-level tokenizer), image prompt rows and their encoding, and the vision critic. What the engines
-also use is in multimodal.py; the shapes task in rft_core/tasks/shapes.py.
-
-Qwen2-VL cuts an image into a t x h x w grid of 14-pixel patches and merges 2 x 2 into one token, so a prompt
-carries exactly t*h*w/4 `<|image_pad|>` per image (`<|video_pad|>` per video, frames paired):
-`expand_image_tokens` writes them, `check_image_tokens` refuses a mismatch; vLLM expands one itself
-(`vllm_prompt`). The policy never emits the placeholders (they would read as image slots): `block_tokens`
-sets their logits to -1e4 at the LM head, so sampling, trainer and reference share one distribution; vLLM and
-SGLang apply a -100 logit bias instead."""
+"""What train_ppo_vl.py alone needs: Qwen2-VL-family loading (a checkpoint, or a tiny random one), image
+prompt rows and encoding, the vision critic; what engines also use: multimodal.py; the shapes task:
+rft_core/tasks/shapes.py. Qwen2-VL merges 2 x 2 of an image's t x h x w grid of 14-pixel patches into a
+token, so a prompt holds exactly t*h*w/4 `<|image_pad|>` per image (`<|video_pad|>` per video, frames
+paired): `expand_image_tokens` writes them, `check_image_tokens` refuses a mismatch, vLLM expands one itself
+(`vllm_prompt`). The policy never emits them (they read as image slots): `block_tokens` sets their logits to
+-1e4 at the LM head, one distribution for sampling, trainer and reference (vLLM, SGLang: a -100 bias)."""
 
 import copy
 import functools
@@ -29,9 +26,8 @@ WORDS = ("user", "assistant", "system", "what", "colour", "is", "the", "shape", 
 
 
 def load_image_rows(path, input_key, label_key, images_key, flag, log=print, strict=False):
-    """Prompt rows: images_key holds paths relative to the file, each an image or a list of frames (a video);
-    ImageFiles (headers read now, pixels when drawn). A row whose image is missing, unreadable or over PIL's
-    pixel limit is skipped and counted (the first named through log); with strict, an error."""
+    """Prompt rows, images_key's paths (relative to the file; a list: a video's frames) as ImageFiles; a row
+    with a missing, unreadable or too large image is skipped and counted (strict: DataError)."""
     rows, _ = load_prompt_rows(path, input_key, label_key, flag, {images_key: "--images_key"} if images_key
                                else {}, log=log)
     base = path if os.path.isdir(path) else os.path.dirname(path)
@@ -56,8 +52,7 @@ def load_image_rows(path, input_key, label_key, images_key, flag, log=print, str
 
 
 def image_file(base, name):
-    """The ImageFile of base/name, from its header alone; raises OSError / ValueError for a missing file, one
-    that is not an image, or one over PIL's pixel limit (Image.MAX_IMAGE_PIXELS: a decompression bomb)."""
+    """base/name's ImageFile (header only); OSError / ValueError: missing, not an image, too many pixels."""
     import warnings
 
     from PIL import Image
@@ -83,8 +78,7 @@ def video_files(base, names):
 
 
 def word_tokenizer():
-    """A word-level fast tokenizer over the task's vocabulary (built offline; a random model over ~40
-    tokens says a valid answer by chance often enough for GRPO to get a signal)."""
+    """A word tokenizer of the task's ~40 words: a random model says valid answers often enough for GRPO."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -104,8 +98,7 @@ def word_tokenizer():
 
 
 def tiny_qwen2_vl(tokenizer, seed=0, arch="qwen2_vl"):
-    """A random ~1 M-parameter Qwen2-VL (arch "qwen2_5_vl": Qwen2.5-VL, windowed attention and a gated MLP in
-    its vision tower) over the tokenizer's vocabulary."""
+    """A random ~1 M-parameter Qwen2-VL (arch "qwen2_5_vl": Qwen2.5-VL) over the tokenizer's vocabulary."""
     import transformers
 
     ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
@@ -150,8 +143,7 @@ def check_image_tokens(input_ids, image_grid_thw, image_token_id, merge_size=2, 
 
 
 def block_tokens(model, token_ids, value=-1e4):
-    """Make `model` never emit token_ids: its LM head's output for them becomes `value` (finite, so the
-    entropy's p * logit stays 0), whatever runs the forward (generate, the trainer, the reference)."""
+    """Stop `model` emitting token_ids: its LM head gives them `value` (finite: entropy's p * logit is 0)."""
     index = {}  # device -> the ids there, built once (a host-to-device copy per forward would sync)
 
     def hook(module, inputs, logits):
@@ -168,8 +160,7 @@ def block_tokens(model, token_ids, value=-1e4):
 
 def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE**2, dtype=torch.float32,
                   tiny="qwen2_vl"):
-    """(model, tokenizer, image processor): a Qwen2-VL-family checkpoint directory, or (None) the built-in
-    tiny Qwen2-VL with the word tokenizer. The image processor is the PIL one: it needs no torchvision."""
+    """(model, tokenizer, PIL image processor) of a Qwen2-VL-family checkpoint or (None) the tiny one."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -189,8 +180,7 @@ def load_vl_model(pretrain=None, min_pixels=IMAGE_SIZE**2, max_pixels=IMAGE_SIZE
 
 def encode_vl_prompt(tokenizer, processor, prompt, images, image_token_id, sample=None, system_prompt=None,
                      pixels=None):
-    """(prompt ids, ImageInputs or None) of a prompt after its images and videos, placeholders expanded and
-    checked; no pixel decoded here. pixels: the ImageInputs' decoding cache (shared by a split's prompts)."""
+    """(prompt ids, ImageInputs or None), placeholders expanded and checked; pixels: shared decode cache."""
     content = [{"type": "video" if isinstance(x, list) else "image"} for x in images]
     messages = [{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]
     if system_prompt:
@@ -218,8 +208,7 @@ def freeze(prefix, *models):
 
 def encode_vl_rows(tokenizer, processor, rows, image_token_id, max_len, max_images, mixed=False,
                    system_prompt=None, keep=64):
-    """(Samples, number skipped: without images unless mixed, over max_images, or over max_len tokens); the
-    `keep` prompts read last stay decoded (ImageInputs)."""
+    """(Samples, skipped: imageless unless mixed, over max_images or max_len); `keep` prompts stay decoded"""
     pixels = functools.lru_cache(maxsize=keep)(decode_pixels)
     usable = [r for r in rows if (r["images"] or mixed) and len(r["images"]) <= max_images]
     encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_token_id, sample=i,

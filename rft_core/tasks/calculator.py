@@ -5,13 +5,9 @@ calculator environment that answers `<calc>expression</calc>`.
     python train_ppo.py --prompt_data multiply --env calculator   # the model with the calculator
     python train_ppo.py --prompt_data multiply --env calculator_react --stop "</calc>"   # ReAct, inline
 
-The data's prompts ask for the answer directly (two worked examples); the calculator's `reset` replaces
-them with the tool's instructions and two worked examples of a call, its result and the answer. Its `step`
-answers a turn that holds a call with the result (a "tool" message) and ends the episode on a turn that
-holds none: the reward (`answer`, exact match in <answer> tags) scores that last turn. ReactCalculator
-does the same in the ReAct style most agent prompts use: call, result and answer inline in one assistant
-message, the turn stopped at `</calc>` and the result appended to it as text.
-"""
+The data's prompts ask for the answer directly; `reset` swaps in the tool's instructions and worked examples.
+`step` answers a call with its result (a "tool" message); a turn without one ends the episode, scored by
+`answer`. ReactCalculator: the ReAct style, call, result and answer inline in one message."""
 
 import ast
 import operator
@@ -31,8 +27,7 @@ CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 
 
 def multiply_task(num_train=4096, num_eval=96, seed=0):
-    """Seeded train/eval rows of a x b, a in [100, 999], b in [10, 99]; the eval problems (fixed, whatever the
-    seed) never appear in train."""
+    """Seeded rows of a x b, a in [100, 999], b in [10, 99]; eval's are fixed (any seed), never in train."""
     eval_rng = random.Random(4321)
     held = set()
     while len(held) < num_eval:
@@ -70,8 +65,7 @@ def calculate(expression):
 
 
 def opening(sample, system, shot):
-    """A tool-use opening for a multiply_task prompt: the system text, then for each of SHOTS its question
-    and shot(x, y) (the worked example's messages), then the sample's question."""
+    """A multiply_task prompt's tool-use opening: system, SHOTS' questions and shot(x, y), the question."""
     prompt = sample["prompt"]
     question = QUESTION.search(prompt[-1]["content"] if isinstance(prompt, list) else prompt)
     if question is None:
@@ -84,8 +78,7 @@ def opening(sample, system, shot):
 
 
 class Calculator:
-    """The environment: reset gives the tool-use opening for a multiply_task prompt; step answers a
-    <calc> call with its result, or ends the episode (info: the calls made)."""
+    """The environment: reset gives the tool-use opening; step answers a <calc> call or ends the episode."""
     inline = False  # ReAct: the result appended to the turn, which goes on
 
     def reset(self, sample):
@@ -107,9 +100,7 @@ class Calculator:
 
 
 class ReactCalculator(Calculator):
-    """--env calculator_react: the calculator in the ReAct style. A turn stops at `</calc>` (its stop); step
-    answers it with " = result" appended to the turn (episodes.EpisodeRunner), and the model goes on in the
-    same message; a turn that does not end with a call ends the episode."""
+    """--env calculator_react: a turn stops at `</calc>`; step appends " = result" and the turn goes on."""
     stop, inline = ["</calc>"], True
 
     def reset(self, sample):

@@ -4,15 +4,12 @@ tools`: this file's `calculate`, with the multiply task).
     python train_ppo.py --prompt_data multiply --env tools                   # calculate, below
     python train_ppo.py --prompt_data my_data.jsonl --env tools:my_tools.py  # your file's functions
 
-Every public function a file defines is a tool, its schema from its type hints and docstring's Args
-section (transformers' get_json_schema), rendered into the opening (data.prompt_text). A turn's calls,
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5 / Hermes; several a turn), are each
-answered by a "tool" message: the result (JSON for what is not a string), or what was wrong with the call
-(not JSON, an unknown tool, wrong arguments, a tool that raised), for the policy to learn from. A turn
-without a call ends the episode: the reward scores it. `async def` tools are awaited side by side. info:
-the calls made and the errors among them. Not tools: a file's `reset(sample)` (the opening),
-`parse_tool_calls(text) -> [(name, arguments)]` (another call format) and `stop` (texts that end a turn).
-"""
+Every public function a file defines is a tool, its schema (transformers' get_json_schema: type hints, the
+docstring's Args) rendered into the opening (data.prompt_text). Each call of a turn (Qwen2.5 / Hermes),
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, gets a "tool" message: the result (JSON unless
+a string) or what was wrong with the call, to learn from; a turn without one ends the episode. `async def`
+tools are awaited side by side. Not tools: a file's `reset(sample)` (the opening),
+`parse_tool_calls(text) -> [(name, arguments)]` (another call format) and `stop` (texts that end a turn)."""
 
 import inspect
 import json
@@ -29,8 +26,7 @@ SYSTEM = ("You have a calculator tool. To use it, call it and stop; its result c
 
 
 def parse_tool_calls(text):
-    """[(name, arguments)] of each <tool_call>{"name": ..., "arguments": {...}}</tool_call> in text (Qwen2.5 /
-    Hermes), or (None, why) for one that is not such JSON. A file's own parse_tool_calls replaces this."""
+    """[(name, arguments)] of text's Qwen2.5 / Hermes <tool_call> JSON, or (None, why) for a bad one."""
     calls = []
     for body in TOOL_CALL.findall(text):
         try:
@@ -43,8 +39,7 @@ def parse_tool_calls(text):
 
 
 class ToolEnv:
-    """The environment of a module's tools (environments.load_env): `tools` (their JSON schemas), `stop`,
-    step, and the module's own reset where it has one. Made in the worker; without a module, this file's."""
+    """A module's tools as an environment, made in a worker (environments.load_env); default: this file's."""
 
     def __init__(self, module=None, spec="tools"):
         from transformers.utils import chat_template_utils, get_json_schema  # ~1.4 s, without torch
@@ -58,8 +53,7 @@ class ToolEnv:
         if not functions:
             raise ConfigError(f"--env {spec!r}: the file defines no public function to serve as a tool")
         self.functions, self.tools, self.stop = functions, [], getattr(module, "stop", [])
-        # get_json_schema imports torch where installed (2 s and ~300 MB a worker) only to read torch.Tensor
-        # hints (as audio); a tool's arguments come as JSON, so it is told there is none
+        # hide torch: get_json_schema imports it (2 s, ~300 MB a worker) for Tensor hints; tool args are JSON
         with mock.patch.object(chat_template_utils, "is_torch_available", lambda: False, create=True):
             for name, f in functions.items():
                 try:
@@ -143,8 +137,7 @@ def calculate(expression: str):
 
 
 def reset(sample):
-    """The opening for a multiply_task prompt: the instructions and two worked examples of a call, its
-    result and the answer."""
+    """The opening for a multiply_task prompt: instructions, two worked examples (call, result, answer)."""
     def shot(x, y):
         call = json.dumps({"name": "calculate", "arguments": {"expression": f"{x} * {y}"}})
         return [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
