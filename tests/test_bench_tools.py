@@ -112,6 +112,7 @@ def test_the_memory_plans_lines_on_a_simulated_gpu(tiny_model_dir, monkeypatch, 
     assert not checkpointing and tokens == 25600 and "sized for the engine asleep" in said[1]
 
 
+@pytest.mark.slow  # seconds: it starts a process per reward file
 def test_the_bench_rewards_load_as_the_trainer_loads_them(tmp_path):
     """train_ppo.py loads --reward_fn by file path, in a process whose sys.path lacks bench/: each bench
     reward must import what it needs itself (the partial study's once failed on `import bench_sizes`)."""

@@ -163,6 +163,7 @@ def test_chunked_logprobs_equal_the_plain_path(tiny_model_dir, autocast, device)
     assert results[0][0].abs().sum() > 0 and results[0][2]["model.embed_tokens.weight"].abs().sum() > 0
 
 
+@pytest.mark.slow  # seconds: it compiles
 def test_fused_head_chunks_trace_whole_and_match_eager():
     """The fused LM head's per-chunk math (compiled on a GPU: one pass over a chunk's logits instead of one
     per operation) traces as one graph at any chunk length, with and without the entropy's gradient and
@@ -213,6 +214,7 @@ def test_fused_head_compiles_once_at_any_length(monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.slow  # seconds: it compiles
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compile_blocks_keeps_names_and_outputs(tiny_model_dir, checkpointing):
     """compile_blocks compiles each decoder layer in place: the same parameter names (checkpoints, weight

@@ -211,6 +211,7 @@ def test_async_steps_run_side_by_side_under_the_cap(async_env):
     assert draws[0] == draws[1] and len(set(draws[0])) == 8
 
 
+@pytest.mark.slow  # seconds: it waits on worker processes
 def test_an_async_call_past_its_timeout_is_cancelled_and_its_worker_goes_on(async_env, monkeypatch):
     """A hung await is cancelled in its worker (no process killed, the worker answers the next call); one
     that blocks the event loop is killed GRACE_S after its timeout, with the calls beside it."""
