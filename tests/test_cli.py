@@ -46,6 +46,18 @@ def test_choices_and_replaced_flags_are_one_line(capsys):
     assert "error: --use_tensorboard was replaced by --report_to tensorboard" in capsys.readouterr().err
 
 
+def test_a_mistyped_flag_is_two_lines_naming_the_closest(capsys):
+    """Not 85 lines of usage: the one-line usage and the error, which names the closest flag where one is
+    close; a prefix of a flag is still taken (argparse's abbreviations)."""
+    for argv, said in ((["--lrr", "0.1"], "error: no flag --lrr; did you mean --lr?"),
+                       (["--zzzqqq", "1"], "error: no flag --zzzqqq\n")):
+        with pytest.raises(SystemExit):
+            parse_args(Toy, argv)
+        err = capsys.readouterr().err
+        assert said in err and len(err.splitlines()) == 2, err
+    assert parse_args(Toy, ["--fla"]).flag is True
+
+
 def test_docstrings_become_help(capsys):
     with pytest.raises(SystemExit):
         parse_args(Toy, ["--help"])

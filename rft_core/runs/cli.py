@@ -4,6 +4,7 @@ comment of the class a section of `--help`; rft_core/runs/checks.py checks the v
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import re
 import sys
@@ -42,6 +43,7 @@ def _bool(text):
 def parse_args(cls, argv=None):
     """argv as a `cls`: bools as `--name [true|false]`, tuples as `--name A B`, Literals as choices."""
     parser = argparse.ArgumentParser(description=inspect.getdoc(inspect.getmodule(cls)),
+                                     usage="%(prog)s [--flag value ...] (--help lists them)",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     docs, hints, groups = _field_docs(cls), typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
@@ -61,7 +63,12 @@ def parse_args(cls, argv=None):
             kind, extra = str, {**extra, "choices": typing.get_args(kind)}
         group.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{doc} (default: {f.default})",
                            **extra)
-    for old in (a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)):
-        if old in REPLACED:
-            parser.error(f"{old} was replaced by {REPLACED[old]}")
+    flags = [f"--{f.name}" for f in dataclasses.fields(cls)]
+    for given in (a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)):
+        if given in REPLACED:
+            parser.error(f"{given} was replaced by {REPLACED[given]}")
+        if given.startswith("--") and given not in (*flags, "--help") and not any(
+                f.startswith(given) for f in flags):  # (argparse takes an unambiguous prefix)
+            close = difflib.get_close_matches(given, flags, n=1, cutoff=0.6)
+            parser.error(f"no flag {given}" + (f"; did you mean {close[0]}?" if close else ""))
     return cls(**vars(parser.parse_args(argv)))
