@@ -433,6 +433,22 @@ def test_resume_point_is_the_main_process_answer(tmp_path):
     assert resume_point(args, accelerator)[0] == str(tmp_path / "checkpoint-2")
 
 
+def test_a_run_with_nothing_to_resume_is_refused_before_any_model_loads(tmp_path):
+    """A finished run without checkpoints in --output_dir: resume_point (before the model loads) refuses it,
+    naming --no_resume, instead of MetricsLog after the load; with --no_resume it is nothing to resume."""
+    args = SimpleNamespace(output_dir=str(tmp_path), no_resume=False, seed=0, lora_rank=0, ema_beta=None,
+                           advantage_estimator="group_norm")
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name="NO"), num_processes=1,
+                                  state=SimpleNamespace(deepspeed_plugin=None), is_main_process=True,
+                                  print=print)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout/reward_mean": 0.5}\n')
+    (tmp_path / "model").mkdir()
+    with pytest.raises(ConfigError, match="holds a finished run .*pass --no_resume"):
+        resume_point(args, accelerator)
+    args.no_resume = True
+    assert resume_point(args, accelerator)[0] is None
+
+
 def test_loop_state_saves_and_resumes_every_declared_field(tmp_path):
     """LoopState is the checkpoint's loop state: every field goes out through save and back through load (the
     rollouts through their state_dict and buffer, the reward moments through theirs, the EMA weights as

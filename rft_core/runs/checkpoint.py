@@ -20,8 +20,8 @@ from rft_core.data import KINDS
 from rft_core.errors import CheckpointError
 from rft_core.models import content_digest
 from rft_core.runs import integrity
-from rft_core.runs.integrity import MANIFEST, is_full, manifest, nbytes, size_text, write_whole
-from rft_core.runs.run_dir import check_free, finished_step, on_main
+from rft_core.runs.integrity import MANIFEST, is_full, manifest, nbytes, read_rows, size_text, write_whole
+from rft_core.runs.run_dir import check_free, finished_step, on_main, previous_run, refuse_overwrite
 
 LATEST = "latest"
 RESUME_FLAGS = ("input_key", "label_key", "images_key", "seed", "rollout_batch_size", "n_samples_per_prompt",
@@ -56,7 +56,14 @@ def resume_point(args, accelerator, model=None):
 
     def find():
         check_free(args.output_dir)
-        return None if args.no_resume else latest_checkpoint(args.output_dir, accelerator.print, identity)
+        if args.no_resume:
+            return None
+        ckpt = latest_checkpoint(args.output_dir, accelerator.print, identity)
+        # a run there with nothing to resume is refused now, before any model loads (MetricsLog would)
+        rows = read_rows(os.path.join(args.output_dir, "metrics.jsonl"))[0]
+        if ckpt is None and (found := previous_run(args.output_dir, rows)):
+            refuse_overwrite(args.output_dir, found)
+        return ckpt
     return on_main(accelerator, find), identity
 
 
