@@ -556,11 +556,13 @@ def test_a_failed_rerun_leaves_the_finished_run_alone(tiny_model_dir, tmp_path, 
     out = tmp_path / "run"
     run(["--pretrain", tiny_model_dir, *TINY, "--output_dir", str(out)])
     before = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "config.json")}
+    main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--output_dir", str(out)],
+                "holds a finished run .* pass --no_resume")  # before anything loads
     main_raises(monkeypatch, "train_ppo", ["--pretrain", tiny_model_dir, *TINY, "--prompt_data",
-                                           str(tmp_path / "typo.jsonl"), "--output_dir", str(out)],
-                "typo.jsonl")
+                                           str(tmp_path / "typo.jsonl"), "--output_dir", str(out),
+                                           "--no_resume"], "typo.jsonl")
     main_raises(monkeypatch, "train_ppo", ["--pretrain", str(tmp_path / "no_model"), *TINY, "--output_dir",
-                                           str(out)], "no_model")
+                                           str(out), "--no_resume"], "no_model")
     assert {name: (out / name).read_bytes() for name in before} == before
 
 
