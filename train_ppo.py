@@ -42,26 +42,27 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from rft_core.advantages import (RunningMoments, adaptive_kl_coef, outcome_scores, shape_rewards,
-                                 token_level_advantages)
+from rft_core.advantages import (RunningMoments, adaptive_kl_coef, distill_advantages, outcome_scores,
+                                 shape_rewards, token_level_advantages)
 from rft_core.data import encode_rows, load_prompt_rows, text_batches  # VL
-from rft_core.distributed import configure_deepspeed, end_run, prepare_frozen, process_group_kwargs
+from rft_core.distributed import (configure_deepspeed, cpu_ranks, end_run, prepare_frozen,
+                                  process_group_kwargs)
 from rft_core.engines import create_engine
 from rft_core.episodes import EpisodeRunner
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
-from rft_core.experience import (Forward, build_experience, logprob_passes, micro_batch_logprobs,
-                                 micro_batch_values, optimizer_chunks)
+from rft_core.experience import (Forward, batched_logprobs, build_experience, logprob_passes,
+                                 micro_batch_logprobs, micro_batch_values, optimizer_chunks)
 from rft_core.losses import (actor_loss, kl_estimate, masked_mean, policy_token_counts, token_mean,
                              value_loss)
 from rft_core.memory import micro_batch_splits
 from rft_core.model_training import compile_blocks, text_lm_loss
-from rft_core.models import export_hf, lora_model, named_like
+from rft_core.models import check_teacher, export_hf, lora_model, named_like
 from rft_core.model_training import load_value_model  # VL
 from rft_core.models import embedded_model_path, load_model_and_tokenizer  # VL
 from rft_core.optim import (accumulate_over, accumulation_divisor, adamw_with_warmup, move_optimizer_state,
                             offload_after_update, step_optimizers)
-from rft_core.plan import default_bf16, resolve, with_memory_plan, with_stops
+from rft_core.plan import default_bf16, local_models, resolve, with_memory_plan, with_stops
 from rft_core.reward_sources import reward_sources, start_workers
 from rft_core.rewards import RewardScorer
 from rft_core.rollout import Rollouts
@@ -82,14 +83,16 @@ from rft_core.tasks.calculator import multiply_task  # VL
 class Args:
     # VL begin: the task (model, data, reward) and the defaults that suit it
     pretrain: Optional[str] = None
-    """HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)"""
+    """HF model directory, .gguf file or hub id (org/name: fetched into the HF cache, read from it offline;
+    default: the embedded SmolLM2-135M-Instruct GGUF)"""
     prompt_data: str = "arithmetic"
-    """built-in task name (arithmetic; multiply, the calculator's: rft_core/tasks/calculator.py) or a local
-    JSONL / JSON / parquet file or directory"""
+    """built-in task name (arithmetic; multiply, the calculator's: rft_core/tasks/calculator.py), a local
+    JSONL / JSON / parquet file or directory, or a hub dataset: org/name[:config[:split]] (split: train)"""
     reward_fn: Optional[str] = None
-    """answer (exact match in <answer> tags, the default) | math (math-verify equivalence; GSM8K/MATH
+    """answer (exact match in <answer> tags) | math (math-verify equivalence; GSM8K/MATH
     labels) | path/to/file.py:function, called as fn(prompts, completions, labels) -> list of floats or dict
-    of named lists (summed; each logged as rollout/reward/<name>)"""
+    of named lists (summed; each logged as rollout/reward/<name>) (default: answer, unless --remote_rm_url
+    or --reward_pretrain gives the reward)"""
     generate_max_len: int = 32
     """maximum new tokens per response (also Dr.GRPO's normalising constant)"""
     n_samples_per_prompt: int = 4
@@ -111,7 +114,7 @@ class Args:
     prompt_max_len: int = 1024
     """prompts longer than this (in tokens) are skipped and counted"""
     eval_data: Optional[str] = None
-    """held-out prompts (a file or directory like --prompt_data; default: the built-in task's eval split)"""
+    """held-out prompts (given as --prompt_data is; default: the built-in task's eval split)"""
     eval_n_samples: int = 1
     """with N > 1, eval also samples N responses per problem at --temperature: pass@1 and pass@N"""
     eval_reward_threshold: Optional[float] = None
@@ -124,7 +127,8 @@ class Args:
     logged as rollout/reward/rm<i>); with --reward_fn / --remote_rm_url as well, all are summed with
     --reward_weights"""
     reward_weights: Optional[Tuple[float, ...]] = None
-    """one weight per reward source: --reward_fn or --remote_rm_url (if given), then each reward model"""
+    """one weight per reward source: --reward_fn or --remote_rm_url (if given), then each reward model
+    (default: 1 each)"""
     reward_clip: Optional[float] = None
     """clip the (normalised) reward to [-C, C]"""
     normalize_reward: bool = False
@@ -149,7 +153,13 @@ class Args:
     sample; 1: all of them; above 1: never)"""
     # ---- estimator and loss ----
     advantage_estimator: str = "group_norm"
-    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO)"""
+    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO) |
+    distill (the --teacher_pretrain's logprobs alone, no reward)"""
+    teacher_pretrain: Optional[str] = None
+    """on-policy distillation: a teacher model (the policy's tokenizer) scores every sampled token; its
+    logprob minus the policy's, times --distill_coef, joins each token's advantage (docs/algorithms.md)"""
+    distill_coef: float = 1.0
+    """weight of the teacher's per-token signal (reverse KL) in the advantages"""
     policy_loss_type: Optional[str] = None
     """ppo (the clipped ratio) | gspo (GSPO: the sequence-level ratio; pair with --loss_agg_mode
     seq-mean-token-mean, small clips) | cpg (CPGD's clipped policy gradient) (default: cpg with
@@ -157,14 +167,14 @@ class Args:
     eps_clip: float = 0.2
     """PPO ratio clip range"""
     eps_clip_low_high: Optional[Tuple[float, float]] = None
-    """clip-higher (DAPO): separate LOW HIGH clip ranges, e.g. 0.2 0.28 (overrides --eps_clip)"""
+    """clip-higher (DAPO): separate LOW HIGH clip ranges, e.g. 0.2 0.28 (default: --eps_clip for both)"""
     dual_clip: Optional[float] = None
     """dual-clip constant c > 1: for negative advantages the loss is capped at -c A"""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     tis_cap: Optional[float] = None
-    """truncated importance sampling (TIS): weight tokens by min(pi_old / pi_rollout_engine, cap) (default
-    with --partial_rollout: 2, AReaL's decoupled objective against the policy that sampled each token)"""
+    """truncated importance sampling (TIS): weight tokens by min(pi_old / pi_rollout_engine, cap) (default:
+    off; with --partial_rollout 2, AReaL's decoupled objective against the policy that sampled each token)"""
     tis_mode: str = "truncate"
     """truncate (min(w, cap)) | mask (a token whose weight exceeds the cap gets none)"""
     tis_level: Optional[str] = None
@@ -256,7 +266,8 @@ class Args:
     beside the awake engine, else while it sleeps, else 16384 with gradient checkpointing; on a CPU: 1 GiB of
     activations or less, by the memory available)"""
     micro_train_batch_size: Optional[int] = None
-    """per-rank samples per forward/backward instead (fixed-size micro-batches, in order)"""
+    """per-rank samples per forward/backward instead (fixed-size micro-batches, in order; default: by
+    tokens, --max_tokens_per_micro_batch)"""
     max_epochs: int = 1
     """passes of the optimizer over each rollout batch"""
     num_episodes: int = 1
@@ -308,7 +319,7 @@ class Args:
     # ---- outputs ----
     seed: int = 0
     """seed for data order, sampling and the built-in task"""
-    output_dir: str = "outputs/run"
+    output_dir: str = "outputs/run"  # VL: outputs/run_vl, so that the quickstarts do not share one
     """where config.json, metrics.jsonl, checkpoints and the final model go"""
     eval_steps: int = 0
     """greedy held-out eval every this many steps (always at step 0 and at the end; 0: only those)"""
@@ -329,7 +340,8 @@ class Args:
 
 # VL begin: loading the model and the prompts
 def load_models(args, plan, accelerator):
-    """(policy, tokenizer, image processor (None: text), frozen reference model or None, critic or None)."""
+    """(policy, tokenizer, image processor (None: text), frozen reference model or None, critic or None,
+    frozen teacher or None)."""
     # with LoRA the base is frozen: kept in bf16, it needs no fp32 master copy (half the memory of a 7B)
     dtype = torch.bfloat16 if args.lora_rank and plan.bf16 else torch.float32
     model, tokenizer = load_model_and_tokenizer(args.pretrain, dtype)
@@ -341,7 +353,12 @@ def load_models(args, plan, accelerator):
         critic = load_value_model(args.critic_pretrain, actor=model)
     if args.lora_rank:  # peft: only the adapters train; the frozen base serves the reference model too
         model = lora_model(model, args.lora_rank, args.lora_alpha, args.target_modules)
-    return model, tokenizer, None, ref_model, critic
+    teacher = None
+    if args.teacher_pretrain:  # held like the reference model: frozen, sharded like the actor
+        teacher, teacher_tokenizer = load_model_and_tokenizer(args.teacher_pretrain)
+        check_teacher(tokenizer, teacher_tokenizer, args.teacher_pretrain)
+        teacher = prepare_frozen(accelerator, teacher)
+    return model, tokenizer, None, ref_model, critic, teacher
 
 
 def load_rows(args, log):
@@ -397,10 +414,11 @@ def micro_batch_loss(model, critic, mb, settings, frozen, args, fwd, ptx_batches
 def main():
     args = parse_args(Args)
     StopSignals(args, at_once=True)  # until the loop starts, SIGINT / SIGTERM stop the run at once, in a line
+    args = local_models(args)  # hub ids (org/name) -> their snapshots in the HF cache, downloaded once
     precision = "bf16" if default_bf16(args) else "no"  # (the plan records it)
     accelerator = Accelerator(mixed_precision=precision, log_with=list(args.report_to) or None,
                               project_dir=os.path.join(args.output_dir, "tensorboard"),
-                              kwargs_handlers=process_group_kwargs())
+                              cpu=cpu_ranks(), kwargs_handlers=process_group_kwargs())  # gloo without a GPU
     rank, device = accelerator.process_index, accelerator.device
 
     # ---- the plan: the flags checked, batch sizes, engine and other choices made (rft_core/plan.py) ----
@@ -424,7 +442,7 @@ def main():
                              default_rule="answer")  # VL
     score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_failure_limit,
                              log=tqdm.write)  # score_all(samples)
-    model, tokenizer, processor, ref_model, critic = load_models(args, plan, accelerator)
+    model, tokenizer, processor, ref_model, critic, teacher = load_models(args, plan, accelerator)
     for net in [net for net in (model, critic) if net is not None and plan.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
@@ -525,13 +543,14 @@ def main():
         # both optional
         exp.rewards = shape_rewards(rewards, loop.moments, args.reward_clip, accelerator.gather)
 
-        # ---- logprobs (old, reference) and values ----
+        # ---- logprobs (old, reference, teacher) and values ----
         perf.phase("logprob")
         with accelerator.autocast():  # (B, T) each, or None where not needed
             exp.old_logprobs, exp.ref_logprobs, exp.values = logprob_passes(
                 exp, model, ref_model, critic, fwd, logprob_split,
                 old=not plan.reuse_old_logprobs, ref=args.use_kl_loss or plan.kl_in_reward,
                 lora=bool(args.lora_rank))
+            teacher_logprobs = batched_logprobs(teacher, exp, fwd, **logprob_split) if teacher else None
 
         # ---- advantages ----
         perf.phase("advantages")
@@ -542,6 +561,9 @@ def main():
             exp.advantages, exp.returns = token_level_advantages(
                 scores, exp.action_mask, reward_kl, loop.kl_coef, exp.values, args.gamma, args.lambd,
                 reduce_sum)
+        if teacher is not None:  # on-policy distillation: + coef * (teacher - policy logprob) on each token
+            exp.advantages = distill_advantages(exp.advantages, teacher_logprobs, exp.old_logprobs,
+                                                exp.action_mask, args.distill_coef)  # (B, T)
 
         # ---- update ----
         perf.phase("update")
@@ -589,6 +611,10 @@ def main():
                  **update_metrics(stats), "perf/tokens": exp.attention_mask.sum().item() / plan.sp_size}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
+        if teacher is not None:  # the reverse KL to the teacher per token (k1), and the teacher's logprob
+            gap = exp.old_logprobs - teacher_logprobs  # (B, T)
+            local["train/distill_kl"] = masked_mean(gap, exp.action_mask).item()
+            local["train/teacher_logprob"] = masked_mean(teacher_logprobs, exp.action_mask).item()
         metrics = gather_metrics(local)  # over the ranks: means, and sums of counts
         metrics.update({"train/kl_coef": loop.kl_coef, "train/lr": scheduler.get_last_lr()[0],
                         "perf/engine_slept": float(slept), **perf.metrics()})

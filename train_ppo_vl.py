@@ -30,25 +30,26 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from rft_core.advantages import (RunningMoments, adaptive_kl_coef, outcome_scores, shape_rewards,
-                                 token_level_advantages)
+from rft_core.advantages import (RunningMoments, adaptive_kl_coef, distill_advantages, outcome_scores,
+                                 shape_rewards, token_level_advantages)
 from rft_core.data import text_batches  # VL
-from rft_core.distributed import configure_deepspeed, end_run, prepare_frozen, process_group_kwargs
+from rft_core.distributed import (configure_deepspeed, cpu_ranks, end_run, prepare_frozen,
+                                  process_group_kwargs)
 from rft_core.engines import create_engine
 from rft_core.episodes import EpisodeRunner
 from rft_core.errors import DataError
 from rft_core.evaluation import eval_line, eval_summary, evaluate
-from rft_core.experience import (Forward, build_experience, logprob_passes, micro_batch_logprobs,
-                                 micro_batch_values, optimizer_chunks)
+from rft_core.experience import (Forward, batched_logprobs, build_experience, logprob_passes,
+                                 micro_batch_logprobs, micro_batch_values, optimizer_chunks)
 from rft_core.losses import (actor_loss, kl_estimate, masked_mean, policy_token_counts, token_mean,
                              value_loss)
 from rft_core.memory import micro_batch_splits
 from rft_core.model_training import compile_blocks, text_lm_loss
-from rft_core.models import export_hf, lora_model, named_like
+from rft_core.models import check_teacher, export_hf, lora_model, named_like
 from rft_core.vision import VisionValueModel, encode_vl_rows, freeze, load_image_rows, load_vl_model  # VL
 from rft_core.optim import (accumulate_over, accumulation_divisor, adamw_with_warmup, move_optimizer_state,
                             offload_after_update, step_optimizers)
-from rft_core.plan import default_bf16, resolve, with_memory_plan, with_stops
+from rft_core.plan import default_bf16, local_models, resolve, with_memory_plan, with_stops
 from rft_core.reward_sources import reward_sources, start_workers
 from rft_core.rewards import RewardScorer
 from rft_core.rollout import Rollouts
@@ -68,7 +69,8 @@ from rft_core.tasks.shapes import shapes_task  # VL
 class Args:
     # VL begin: the task (model, data, reward) and the defaults that suit it
     pretrain: Optional[str] = None
-    """Qwen2-VL-family model directory (default: a tiny random Qwen2-VL built from a config)"""
+    """Qwen2-VL-family model directory or hub id (org/name, as in train_ppo.py; default: a tiny random
+    Qwen2-VL built from a config)"""
     prompt_data: str = "shapes"
     """built-in task name (shapes) or a local JSONL / JSON / parquet file or directory"""
     images_key: str = "images"
@@ -84,8 +86,8 @@ class Args:
     strict_data: bool = False
     """a row whose image is missing or unreadable stops the run (default: it is skipped and counted)"""
     reward_fn: Optional[str] = None
-    """first_word (the response's first word is the label; the default) | answer | math | file.py:function:
-    as in train_ppo.py"""
+    """first_word (the response's first word is the label) | answer | math | file.py:function: as in
+    train_ppo.py (default: first_word, unless --remote_rm_url or --reward_pretrain gives the reward)"""
     generate_max_len: int = 8
     """maximum new tokens per response (also Dr.GRPO's normalising constant)"""
     n_samples_per_prompt: int = 8
@@ -107,7 +109,7 @@ class Args:
     prompt_max_len: int = 1024
     """prompts longer than this (in tokens) are skipped and counted"""
     eval_data: Optional[str] = None
-    """held-out prompts (a file or directory like --prompt_data; default: the built-in task's eval split)"""
+    """held-out prompts (given as --prompt_data is; default: the built-in task's eval split)"""
     eval_n_samples: int = 1
     """with N > 1, eval also samples N responses per problem at --temperature: pass@1 and pass@N"""
     eval_reward_threshold: Optional[float] = None
@@ -120,7 +122,8 @@ class Args:
     logged as rollout/reward/rm<i>); with --reward_fn / --remote_rm_url as well, all are summed with
     --reward_weights"""
     reward_weights: Optional[Tuple[float, ...]] = None
-    """one weight per reward source: --reward_fn or --remote_rm_url (if given), then each reward model"""
+    """one weight per reward source: --reward_fn or --remote_rm_url (if given), then each reward model
+    (default: 1 each)"""
     reward_clip: Optional[float] = None
     """clip the (normalised) reward to [-C, C]"""
     normalize_reward: bool = False
@@ -145,7 +148,13 @@ class Args:
     sample; 1: all of them; above 1: never)"""
     # ---- estimator and loss ----
     advantage_estimator: str = "group_norm"
-    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO)"""
+    """group_norm (GRPO) | dr_grpo | rloo | cpgd | reinforce (REINFORCE++) | reinforce_baseline | gae (PPO) |
+    distill (the --teacher_pretrain's logprobs alone, no reward)"""
+    teacher_pretrain: Optional[str] = None
+    """on-policy distillation: a teacher model (the policy's tokenizer) scores every sampled token; its
+    logprob minus the policy's, times --distill_coef, joins each token's advantage (docs/algorithms.md)"""
+    distill_coef: float = 1.0
+    """weight of the teacher's per-token signal (reverse KL) in the advantages"""
     policy_loss_type: Optional[str] = None
     """ppo (the clipped ratio) | gspo (GSPO: the sequence-level ratio; pair with --loss_agg_mode
     seq-mean-token-mean, small clips) | cpg (CPGD's clipped policy gradient) (default: cpg with
@@ -153,14 +162,14 @@ class Args:
     eps_clip: float = 0.2
     """PPO ratio clip range"""
     eps_clip_low_high: Optional[Tuple[float, float]] = None
-    """clip-higher (DAPO): separate LOW HIGH clip ranges, e.g. 0.2 0.28 (overrides --eps_clip)"""
+    """clip-higher (DAPO): separate LOW HIGH clip ranges, e.g. 0.2 0.28 (default: --eps_clip for both)"""
     dual_clip: Optional[float] = None
     """dual-clip constant c > 1: for negative advantages the loss is capped at -c A"""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     tis_cap: Optional[float] = None
-    """truncated importance sampling (TIS): weight tokens by min(pi_old / pi_rollout_engine, cap) (default
-    with --partial_rollout: 2, AReaL's decoupled objective against the policy that sampled each token)"""
+    """truncated importance sampling (TIS): weight tokens by min(pi_old / pi_rollout_engine, cap) (default:
+    off; with --partial_rollout 2, AReaL's decoupled objective against the policy that sampled each token)"""
     tis_mode: str = "truncate"
     """truncate (min(w, cap)) | mask (a token whose weight exceeds the cap gets none)"""
     tis_level: Optional[str] = None
@@ -252,7 +261,8 @@ class Args:
     beside the awake engine, else while it sleeps, else 16384 with gradient checkpointing; on a CPU: 1 GiB of
     activations or less, by the memory available)"""
     micro_train_batch_size: Optional[int] = None
-    """per-rank samples per forward/backward instead (fixed-size micro-batches, in order)"""
+    """per-rank samples per forward/backward instead (fixed-size micro-batches, in order; default: by
+    tokens, --max_tokens_per_micro_batch)"""
     max_epochs: int = 1
     """passes of the optimizer over each rollout batch"""
     num_episodes: int = 1
@@ -304,7 +314,7 @@ class Args:
     # ---- outputs ----
     seed: int = 0
     """seed for data order, sampling and the built-in task"""
-    output_dir: str = "outputs/run"
+    output_dir: str = "outputs/run_vl"  # VL
     """where config.json, metrics.jsonl, checkpoints and the final model go"""
     eval_steps: int = 0
     """greedy held-out eval every this many steps (always at step 0 and at the end; 0: only those)"""
@@ -325,7 +335,8 @@ class Args:
 
 # VL begin: loading the model and the image prompts
 def load_models(args, plan, accelerator):
-    """(policy, tokenizer, image processor, frozen reference model or None, critic or None)."""
+    """(policy, tokenizer, image processor, frozen reference model or None, critic or None, frozen teacher or
+    None)."""
     # with LoRA the base is frozen: kept in bf16, it needs no fp32 master copy (not when the critic copies it)
     bf16_base = args.lora_rank and plan.bf16 and args.advantage_estimator != "gae"
     model, tokenizer, processor = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels,
@@ -338,7 +349,12 @@ def load_models(args, plan, accelerator):
     if (args.use_kl_loss or plan.kl_in_reward) and not args.lora_rank:  # sharded like the actor
         reference, _, _ = load_vl_model(args.pretrain, max_pixels=args.image_max_pixels)
         ref_model = prepare_frozen(accelerator, reference)
-    return model, tokenizer, processor, ref_model, critic
+    teacher = None
+    if args.teacher_pretrain:  # a VL model of the policy's family, held like the reference model
+        teacher, teacher_tokenizer, _ = load_vl_model(args.teacher_pretrain, max_pixels=args.image_max_pixels)
+        check_teacher(tokenizer, teacher_tokenizer, args.teacher_pretrain)
+        teacher = prepare_frozen(accelerator, teacher)
+    return model, tokenizer, processor, ref_model, critic, teacher
 
 
 def load_rows(args, log):
@@ -396,10 +412,11 @@ def micro_batch_loss(model, critic, mb, settings, frozen, args, fwd, ptx_batches
 def main():
     args = parse_args(Args)
     StopSignals(args, at_once=True)  # until the loop starts, SIGINT / SIGTERM stop the run at once, in a line
+    args = local_models(args)  # hub ids (org/name) -> their snapshots in the HF cache, downloaded once
     precision = "bf16" if default_bf16(args) else "no"  # (the plan records it)
     accelerator = Accelerator(mixed_precision=precision, log_with=list(args.report_to) or None,
                               project_dir=os.path.join(args.output_dir, "tensorboard"),
-                              kwargs_handlers=process_group_kwargs())
+                              cpu=cpu_ranks(), kwargs_handlers=process_group_kwargs())  # gloo without a GPU
     rank, device = accelerator.process_index, accelerator.device
 
     # ---- the plan: the flags checked, batch sizes, engine and other choices made (rft_core/plan.py) ----
@@ -423,7 +440,7 @@ def main():
                              default_rule="first_word")  # VL
     score_all = RewardScorer(sources, args.reward_weights, args.reward_fallback, args.reward_failure_limit,
                              log=tqdm.write)  # score_all(samples)
-    model, tokenizer, processor, ref_model, critic = load_models(args, plan, accelerator)
+    model, tokenizer, processor, ref_model, critic, teacher = load_models(args, plan, accelerator)
     for net in [net for net in (model, critic) if net is not None and plan.torch_compile]:  # what trains
         compile_blocks(net)  # fuses the element-wise ops that dominate a small model's update
     ema = [p.detach().clone() for p in model.parameters()] if args.ema_beta is not None else None
@@ -524,13 +541,14 @@ def main():
         # both optional
         exp.rewards = shape_rewards(rewards, loop.moments, args.reward_clip, accelerator.gather)
 
-        # ---- logprobs (old, reference) and values ----
+        # ---- logprobs (old, reference, teacher) and values ----
         perf.phase("logprob")
         with accelerator.autocast():  # (B, T) each, or None where not needed
             exp.old_logprobs, exp.ref_logprobs, exp.values = logprob_passes(
                 exp, model, ref_model, critic, fwd, logprob_split,
                 old=not plan.reuse_old_logprobs, ref=args.use_kl_loss or plan.kl_in_reward,
                 lora=bool(args.lora_rank))
+            teacher_logprobs = batched_logprobs(teacher, exp, fwd, **logprob_split) if teacher else None
 
         # ---- advantages ----
         perf.phase("advantages")
@@ -541,6 +559,9 @@ def main():
             exp.advantages, exp.returns = token_level_advantages(
                 scores, exp.action_mask, reward_kl, loop.kl_coef, exp.values, args.gamma, args.lambd,
                 reduce_sum)
+        if teacher is not None:  # on-policy distillation: + coef * (teacher - policy logprob) on each token
+            exp.advantages = distill_advantages(exp.advantages, teacher_logprobs, exp.old_logprobs,
+                                                exp.action_mask, args.distill_coef)  # (B, T)
 
         # ---- update ----
         perf.phase("update")
@@ -588,6 +609,10 @@ def main():
                  **update_metrics(stats), "perf/tokens": exp.attention_mask.sum().item() / plan.sp_size}
         if reward_kl is not None:
             local["rollout/kl"] = masked_mean(reward_kl, exp.action_mask).item()
+        if teacher is not None:  # the reverse KL to the teacher per token (k1), and the teacher's logprob
+            gap = exp.old_logprobs - teacher_logprobs  # (B, T)
+            local["train/distill_kl"] = masked_mean(gap, exp.action_mask).item()
+            local["train/teacher_logprob"] = masked_mean(teacher_logprobs, exp.action_mask).item()
         metrics = gather_metrics(local)  # over the ranks: means, and sums of counts
         metrics.update({"train/kl_coef": loop.kl_coef, "train/lr": scheduler.get_last_lr()[0],
                         "perf/engine_slept": float(slept), **perf.metrics()})

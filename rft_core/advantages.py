@@ -11,6 +11,7 @@ scores (B,): the advantage of a group estimator, the reward a token-level estima
     reinforce           r                                     REINFORCE++ (Hu et al. 2025)
     reinforce_baseline  r - mean_g                            REINFORCE++-baseline
     gae                 r                                     PPO (Schulman et al. 2017), with a critic
+    distill             0                                     on-policy distillation: `distill_advantages`
 
 std_g: unbiased (torch.std, as GRPO implementations use). Equal rewards score exactly 0 (a one-ulp residue of
 the mean over a one-ulp std would be large). TOKEN_LEVEL (the last three): the score is the last response
@@ -24,7 +25,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-ADVANTAGE_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "cpgd", "reinforce", "reinforce_baseline", "gae")
+ADVANTAGE_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "cpgd", "reinforce", "reinforce_baseline", "gae",
+                        "distill")
 TOKEN_LEVEL = ("reinforce", "reinforce_baseline", "gae")
 
 
@@ -47,6 +49,8 @@ def outcome_scores(rewards: Tensor, n_samples_per_prompt: int, estimator: str = 
         adv = grouped - (grouped.sum(-1, keepdim=True) - grouped) / (n - 1)
     elif estimator in ("reinforce", "gae"):
         return grouped.view(-1)  # the reward itself: the advantages come per token
+    elif estimator == "distill":
+        return torch.zeros_like(grouped).view(-1)  # the teacher's logprobs alone
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
     # (num_prompts, 1): no sample better than another
@@ -116,6 +120,17 @@ def token_level_advantages(scores: Tensor, action_mask: Tensor, kl: Optional[Ten
     else:
         advantages, returns = discounted_returns(rewards, action_mask, gamma), None
     return whiten(advantages, action_mask, reduce), returns
+
+
+def distill_advantages(advantages: Tensor, teacher_logprobs: Tensor, logprobs: Tensor, action_mask: Tensor,
+                       coef: float = 1.0) -> Tensor:
+    """advantages (B,) or (B, T) plus coef * (teacher_logprobs - logprobs) on each response token (B, T):
+    on-policy distillation's per-token reverse KL (GKD, Agarwal et al. 2024), each token its own (discount 0),
+    logprobs the sampling policy's. Not whitened: the gap is in nats, alike across batches."""
+    mask = action_mask.to(torch.float32)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1) * mask  # (B, T)
+    return advantages + coef * (teacher_logprobs.float() - logprobs.float()) * mask
 
 
 def adaptive_kl_coef(kl_coef: float, current_kl: float, kl_target: float, kl_horizon: float,

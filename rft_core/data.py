@@ -1,17 +1,21 @@
-"""Prompt data: local files through `datasets`, the prompt stream, and prompt encoding (the built-in tasks:
-rft_core/tasks/). A prompt row is {"prompt": str | list of chat messages, "label": str} (and "images")."""
+"""Prompt data: local files through `datasets`, the prompt stream, and prompt encoding (built-in tasks:
+rft_core/tasks/). A row: {"prompt": str | chat messages, "label": str, "columns": the rest} (and "images")."""
 
 import itertools
 import json
 import os
 import random
+import re
 import tempfile
 
 from rft_core.errors import DataError, MissingColumn, MissingPath
 from rft_core.experience import Sample
+from rft_core.models import HUB_ID
 
 KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}  # file readers
 JSON_TYPES = {type(None): "null", bool: "boolean", list: "list", dict: "object"}  # as JSON names them
+REWARD_ARGS = ("prompts", "completions", "labels", "turns", "info")  # named by rewards.RewardScorer
+JSON_ARROW = ("string", "large_string", "bool", "null", "int", "uint", "halffloat", "float", "double")
 UTF16_32 = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
             b"\xfe\xff": "UTF-16"}  # byte order marks
 
@@ -21,23 +25,25 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
     """(rows, number of unusable rows skipped) from a local JSONL / JSON / parquet / arrow file, a directory
     of them, or a `save_to_disk` directory; errors name `flag`, the file, the line or column. extra_keys:
     {column: its flag}, required columns copied into the rows. log(message): told what was skipped."""
-    if not os.path.exists(path):
-        raise MissingPath(f"{flag} {path!r}: no such file or directory (built-in tasks: "
-                          "train_ppo.py: arithmetic, multiply; train_ppo_vl.py: shapes)")
-    ds = _load_dataset(path, flag, log)
+    ds = _load_dataset(path, flag, log) if os.path.exists(path) else _load_hub(path, flag)
     for key, key_flag in [(input_key, "--input_key"), (label_key, "--label_key"), *dict(extra_keys).items()]:
         if key is not None and key not in ds.column_names:
             raise MissingColumn(f"{flag} {path!r} has no column {key!r} (columns: {ds.column_names}); set "
                                 f"{key_flag if flag != '--pretrain_data' else '--pretrain_key'}")
+    others = {k: ds.features.type.field(k).type for k in ds.column_names
+              if k not in (input_key, label_key, *dict(extra_keys))}
+    columns = [k for k, kind in others.items() if k not in REWARD_ARGS and _json_like(kind)]
     rows, skipped, coerced = [], [], {}  # coerced: {JSON type of a label: [(row, text it is read as)]}
     for i, row in enumerate(ds):
         if _usable(row[input_key]):
             label = None if label_key is None else row[label_key]
             text = "" if label is None else str(label)
+            if isinstance(label, (list, dict)):
+                text = json.dumps(label, ensure_ascii=False, default=str)
             if label_key and (not isinstance(label, (str, int, float)) or isinstance(label, bool)):
                 coerced.setdefault(JSON_TYPES.get(type(label), type(label).__name__), []).append((i, text))
             rows.append({"prompt": row[input_key], "label": text, "row": i,
-                         **{k: row[k] for k in dict(extra_keys)}})
+                         "columns": {k: row[k] for k in columns}, **{k: row[k] for k in dict(extra_keys)}})
         else:
             skipped.append(i)
     if not rows:
@@ -51,8 +57,19 @@ def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt
         kinds = [f"{kind} in {len(at)} row{'s' if len(at) > 1 else ''} (first: row {at[0][0]}, read as "
                  f"{at[0][1][:40]!r})" for kind, at in coerced.items()]
         log(f"[data] {path}: {sum(map(len, coerced.values()))} {label_key!r} values are not text or numbers: "
-            f"{', '.join(kinds)}; a reward comparing labels may not expect these")
+            f"{', '.join(kinds)}; the reward gets each as text (lists and objects: their JSON)")
+    if log and (dropped := [f"{k!r} ({kind})" for k, kind in others.items() if k not in columns]):
+        log(f"[data] {path}: columns {', '.join(dropped)} do not reach the reward: rename one named like a "
+            f"reward argument ({', '.join(REWARD_ARGS)}); cast one whose values are not JSON to text")
     return rows, len(skipped)
+
+
+def _json_like(kind):
+    """Whether an Arrow type's values are JSON: text, numbers, booleans, nulls, lists and structs of them."""
+    kind = getattr(kind, "storage_type", kind)  # an extension type's (datasets' Json: text)
+    if kind.num_fields:  # a list's values, a struct's fields
+        return all(_json_like(kind.field(i).type) for i in range(kind.num_fields))
+    return str(kind).startswith(JSON_ARROW)
 
 
 def _load_dataset(path, flag, log=None):
@@ -89,6 +106,25 @@ def _load_dataset(path, flag, log=None):
                 raise DataError(f"{flag} {f!r}: {problem}") from e
         raise DataError(f"{flag} {path!r}: could not be read as {kind} "
                         f"({type(e).__name__}: {str(e)[:300]})") from e
+
+
+def _load_hub(path, flag):
+    """A hub dataset, `org/name[:config[:split]]` (split: train), through `datasets` and its cache (read
+    alone offline: HF_HUB_OFFLINE)."""
+    import datasets
+
+    name, config, split = (path.split(":", 2) + ["", ""])[:3]
+    if not re.fullmatch(HUB_ID, name) or name.endswith(tuple(KINDS)):  # (a missing data/train.jsonl)
+        raise MissingPath(f"{flag} {path!r}: no such file or directory, nor a hub dataset name "
+                          "(org/name[:config[:split]]; built-in tasks: train_ppo.py: arithmetic, multiply; "
+                          "train_ppo_vl.py: shapes)")
+    try:
+        return datasets.load_dataset(name, config or None, split=split or "train")
+    except Exception as e:  # (not found, gated, no such config or split, offline and not cached...)
+        fix = ("; offline runs read datasets' cache (HF_DATASETS_CACHE): load it once where the hub is "
+               "reachable, or pass a local file" if isinstance(e, ConnectionError) else "")
+        raise DataError(f"{flag} {path!r}: not a local path, and the hub dataset could not be loaded "
+                        f"({type(e).__name__}: {' '.join(str(e).split())[:300]}){fix}") from e
 
 
 def _load_saved(path, flag, log=None):
@@ -205,7 +241,7 @@ def encode_rows(tokenizer, rows, max_len, apply_chat_template=True, system_promp
     """([Sample], number longer than max_len skipped), tokenized in one batch (a call each took 2 s)."""
     texts = [prompt_text(tokenizer, r["prompt"], apply_chat_template, system_prompt) for r in rows]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    samples = [Sample(list(i), r["label"], r["prompt"]) for i, r in zip(ids, rows)]
+    samples = [Sample(list(i), r["label"], r["prompt"], columns=r.get("columns")) for i, r in zip(ids, rows)]
     kept = [s for s in samples if len(s.prompt_ids) <= max_len]
     return kept, len(samples) - len(kept)
 

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from rft_core.errors import ConfigError
+
 
 def process_group_kwargs():
     """kwargs_handlers: DeepSpeed without a GPU (CPU tests) needs gloo, else accelerate sees one rank."""
@@ -15,6 +17,16 @@ def process_group_kwargs():
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available():
         return [InitProcessGroupKwargs(backend="gloo")]
     return None
+
+
+def cpu_ranks():
+    """Accelerator's `cpu`: True for several processes without a GPU (multi_gpu.yaml on a CPU machine), which
+    then join over gloo; accelerate would take each for the only one. DeepSpeed's: process_group_kwargs."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or torch.cuda.is_available():
+        return False
+    if os.environ.get("ACCELERATE_USE_FSDP") == "true":  # accelerate would run DDP instead, without a word
+        raise ConfigError("FSDP needs GPUs: on CPU use the multi_gpu.yaml or deepspeed_zero*.yaml config")
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true"
 
 
 def end_run(accelerator):

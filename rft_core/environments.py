@@ -42,8 +42,7 @@ class HostedEnv:
             raise ConfigError(f"--env {spec!r}: its tools {tools!r} are not a list of JSON schemas (dicts)")
         # awaited side by side in the workers (rft_core/workers.py: --env_concurrency at once)
         self.async_methods = [m for m in ("reset", "step") if inspect.iscoroutinefunction(getattr(env, m, 0))]
-        self.info = {"stop": list(stop), "tools": None if tools is None else list(tools),
-                     "async": bool(self.async_methods)}
+        self.info = {"stop": list(stop), "tools": None if tools is None else list(tools)}
 
     def about(self):
         return self.info

@@ -40,6 +40,7 @@ class Sample:
     reward: float = None  # as scored: the weighted sum of the reward sources, plus shaping
     components: dict = None  # name -> value, each logged as rollout/reward/<name>
     episode: object = None  # episodes.Episode: a multi-turn rollout's turns and how it ended (--env)
+    columns: dict = None  # the prompt row's other columns by name: the reward's keyword arguments
 
 
 @dataclass

@@ -27,8 +27,6 @@ POLICY_LOSS_TYPES = ("ppo", "gspo", "cpg")  # --policy_loss_type: policy_loss's 
 def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     """Mean of x over positions where mask is 1 (all of them if dim is None)."""
     mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
@@ -193,10 +191,9 @@ def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, le
 
 def policy_token_counts(action_masks: list[Tensor], ratio: float = 0.0) -> tuple[float, float]:
     """(response tokens, those high_entropy_mask keeps: round(ratio * n) per micro-batch, at least one)."""
-    num_tokens = sum(int(mask.sum()) for mask in action_masks)
-    if not ratio:
-        return float(num_tokens), float(num_tokens)
-    return float(num_tokens), float(sum(max(1, round(ratio * int(mask.sum()))) for mask in action_masks))
+    counts = [int(mask.sum()) for mask in action_masks]
+    kept = [max(1, round(ratio * n)) for n in counts] if ratio else counts
+    return float(sum(counts)), float(sum(kept))
 
 
 def actor_loss(logprobs: Tensor, entropy: Optional[Tensor], mb, s: LossSettings) -> tuple[Tensor, dict]:

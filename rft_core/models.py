@@ -4,12 +4,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 
 import torch
 
 from rft_core.errors import ConfigError, MissingPath
 
+HUB_ID = r"[\w.-]+/[\w.-]+"  # org/name: a model or dataset on the Hugging Face hub
 DIGESTS = "digests.json"  # a GGUF cache entry's record: its files' SHA-256, the transformers that wrote them
 _digests = {}  # content_digest's: (files' paths, sizes, change times, inodes; sampled) -> SHA-256
 
@@ -23,6 +25,26 @@ def embedded_model_path():
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def hub_snapshot(path, flag="--pretrain"):
+    """path, or for a hub id (org/name) that is no local path, its snapshot directory in the HF cache
+    (HF_HOME, HF_HUB_CACHE), what a model needs downloaded unless there (offline, HF_HUB_OFFLINE: read from
+    there alone). Every rank calls it: the hub's file locks keep their downloads apart."""
+    if not path or os.path.exists(path) or not re.fullmatch(HUB_ID, path):
+        return path
+    from huggingface_hub import constants, errors, snapshot_download
+
+    try:  # config, tokenizer, safetensors weights; not the repo's other formats (.bin, .gguf, onnx/...)
+        return snapshot_download(path, allow_patterns="*.json *.safetensors *.model *.txt *.jinja".split())
+    except errors.RepositoryNotFoundError:  # (and GatedRepoError)
+        why = ("the hub has no model of that name you may read (a private or gated one: `hf auth login`, and "
+               f"accept a gated one's terms at https://huggingface.co/{path})")
+    except errors.LocalEntryNotFoundError:  # offline, no network or the hub down, and no whole copy cached
+        why = (f"the hub could not be reached{' (HF_HUB_OFFLINE is set)' * constants.HF_HUB_OFFLINE}, nor "
+               f"does the HF cache ({constants.HF_HUB_CACHE}) hold a whole copy: run `hf download {path}` "
+               "where the hub is reachable (offline runs read that cache) or pass a local directory")
+    raise MissingPath(f"{flag} {path!r}: not a local path, and {why}")
+
+
 def check_model_path(path, flag="--pretrain"):
     """Refuse, naming the fix, a path that is not a model this transformers loads (else its tokenizer loader
     blames sentencepiece or tiktoken for an unknown model type)."""
@@ -30,7 +52,7 @@ def check_model_path(path, flag="--pretrain"):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if not os.path.exists(path):
-        raise MissingPath(f"{flag} {path!r}: no such file or directory (models are loaded from local paths)")
+        raise MissingPath(f"{flag} {path!r}: no such file or directory (nor a hub id, org/name)")
     if path.endswith(".gguf"):
         return
     config = os.path.join(path, "config.json")
@@ -43,8 +65,7 @@ def check_model_path(path, flag="--pretrain"):
         raise ConfigError(f"{flag} {path!r}: model type {model_type!r} is not one transformers "
                           f"{transformers.__version__} knows")
     files = set(os.listdir(path))
-    weights = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
-    if not any(f.endswith(weights) for f in files):
+    if not any(f.endswith((".safetensors", ".bin")) for f in files):  # (a sharded model's too)
         raise MissingPath(f"{flag} {path!r}: config.json but no weights (*.safetensors or *.bin) there; "
                           "save the model with save_pretrained")
     if not files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
@@ -82,7 +103,7 @@ def load_model_and_tokenizer(pretrain=None, dtype=torch.float32):
     load builds a model at random, and a run must sample alike whatever the cache holds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    pretrain = pretrain or embedded_model_path()
+    pretrain = hub_snapshot(pretrain or embedded_model_path())
     check_model_path(pretrain)
     with torch.random.fork_rng(devices=[]):  # (the model is built on the CPU)
         if pretrain.endswith(".gguf"):
@@ -297,3 +318,13 @@ def export_hf(model, tokenizer, path, state_dict=None, processor=None):
         raise CheckpointError(f"{write_error(e, parent)}: {os.path.basename(path)}/ (~{size}) could not be "
                               "written there, and what was there before is as it was: free space there and "
                               "rerun the same command (it resumes from the newest intact checkpoint)") from e
+
+
+def check_teacher(tokenizer, teacher_tokenizer, path):
+    """Refuse a --teacher_pretrain whose vocabulary is not the policy's: it scores the policy's token ids."""
+    ours, theirs = tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if ours != theirs:
+        differ = sum(theirs.get(token) != i for token, i in ours.items()) + len(theirs.keys() - ours.keys())
+        raise ConfigError(f"--teacher_pretrain {path!r}: its tokenizer is not the policy's ({differ} of "
+                          f"{len(ours)} tokens differ), and the teacher scores the policy's token ids; pick "
+                          "a teacher of the policy's family (one tokenizer)")

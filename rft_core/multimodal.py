@@ -4,6 +4,7 @@ turns a batch's into model inputs, `vllm_prompt` one into a vLLM request."""
 
 import collections
 import functools
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -106,23 +107,20 @@ def vllm_prompt(ids, mm, sample=None):
     """A vLLM request: each image's placeholder run back to one token (vLLM expands it), multi_modal_data."""
     if mm is None:
         return {"prompt_token_ids": list(ids)}
-    mismatch = f"sample {sample!r}: its image / video tokens do not match its images and videos"
     # placeholder id -> the run lengths of its images / videos, in order (2 x 2 patches a token)
-    runs = {mm[f"{kind}_token_id"]: iter([int(thw.prod()) // 4 for thw in mm[f"{kind}_grid_thw"]])
+    want = {mm[f"{kind}_token_id"]: [int(thw.prod()) // 4 for thw in mm[f"{kind}_grid_thw"]]
             for kind in ("image", "video") if f"{kind}_grid_thw" in mm}
-    out, i = [], 0
-    while i < len(ids):
-        t, n = ids[i], 1
+    out, runs = [], {t: [] for t in want}
+    for t, run in itertools.groupby(ids):
+        run = list(run)
         if t in runs:
-            n = next(runs[t], 0)  # 0: more runs than images / videos
-            if n == 0 or ids[i:i + n] != [t] * n:
-                raise DataError(mismatch)
-        out.append(t)
-        i += n
-    if any(next(run, None) is not None for run in runs.values()):  # an image or video without its run
-        raise DataError(mismatch)
+            runs[t].append(len(run))
+            run = run[:1]
+        out += run
+    if runs != want:
+        raise DataError(f"sample {sample!r}: its image / video tokens do not match its images and videos")
     data = {kind: mm[f"{kind}s"] for kind in ("image", "video") if f"{kind}s" in mm}
-    if len(data) < len(runs):  # resumed: a checkpoint keeps an unfinished sample's pixel values, not images
+    if len(data) < len(want):  # resumed: a checkpoint keeps an unfinished sample's pixel values, not images
         raise DataError(f"sample {sample!r}: vLLM needs its images, which the checkpoint it was resumed from "
                         "does not keep: resume with --engine_type hf or sglang, or start afresh: --no_resume")
     return {"prompt_token_ids": out, "multi_modal_data": data}

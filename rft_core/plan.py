@@ -1,6 +1,7 @@
 """The run's plan: what a script derives from its flags and every automatic choice, in one frozen record the
-loop reads (`args` is never written after parsing); config.json keeps both, and the start-up prints why.
+loop reads (`args` is never written after local_models); config.json keeps both, and the start-up prints why.
 
+    args = local_models(args)                  # first: hub ids (org/name) -> their snapshots in the HF cache
     plan = resolve(args, accelerator)          # right after the Accelerator exists; runs the flag checks
     plan = with_stops(plan, stops, tokenizer)  # once the tokenizer loads: --stop and the environment's
     plan = with_memory_plan(plan, args, ...)   # once the trained nets are prepared: the update's memory
@@ -22,6 +23,7 @@ from rft_core.errors import ConfigError
 from rft_core.losses import LossSettings
 from rft_core.memory import plan_update_memory
 from rft_core.model_training import checkpointing_on
+from rft_core.models import hub_snapshot
 from rft_core.rollout import RolloutSettings
 from rft_core.runs.checks import check_args, kl_in_reward
 from rft_core.sequence_parallel import group_size
@@ -69,6 +71,16 @@ class Plan:
         return "\n".join(f"[plan] {line}" for line in lines)
 
 
+def local_models(args):
+    """args with the model flags' hub ids (org/name, not local paths) made their snapshot directories in the
+    HF cache (models.hub_snapshot), downloaded where missing: every reader after sees a local directory."""
+    def local(name):
+        paths = getattr(args, name).split(",") if name == "reward_pretrain" else [getattr(args, name)]
+        return ",".join(hub_snapshot(path, f"--{name}") for path in paths)
+    names = ("pretrain", "critic_pretrain", "teacher_pretrain", "reward_pretrain")
+    return replace(args, **{name: local(name) for name in names if getattr(args, name, None)})
+
+
 def default_bf16(args):
     """--bf16, or on where a GPU is (needed before the Accelerator exists: its mixed precision)."""
     return torch.cuda.is_available() if args.bf16 is None else args.bf16
@@ -95,8 +107,8 @@ def resolve(args, accelerator, default_lr=None):
                    "DeepSpeed nor FSDP2")
     sp_size = group_size(parallelism)
     token_level, kl_penalty = args.advantage_estimator in TOKEN_LEVEL, kl_in_reward(args)
-    # with the KL in the reward, old logprobs are needed before the update, so they get their own pass
-    one_update = args.max_epochs == 1 and train_batch_size == samples_per_step
+    # with the KL in the reward or a teacher, old logprobs are needed before the update: their own pass
+    one_update = args.max_epochs == 1 and train_batch_size == samples_per_step and not args.teacher_pretrain
     tis_cap, tis_level = importance_weights(args)
     if args.partial_rollout and (args.tis_cap is None or args.tis_level is None):
         why.append(f"importance weights per {tis_level}, capped at {tis_cap}: partial rollout's default")

@@ -37,8 +37,8 @@ def load_reward_fn(spec, workers=None, timeout=60.0):
         return BUILTIN_REWARDS[spec]
     workers = workers or Workers({"reward_fn": (file_reward, spec)}, timeout=timeout)
 
-    def fn(prompts, completions, labels, **episode):  # turns, info: where the file's function takes them
-        return workers.call("reward_fn", None, (prompts, completions, labels, episode), timeout)
+    def fn(prompts, completions, labels, **kwargs):  # those the file's function takes (rewards.file_reward)
+        return workers.call("reward_fn", None, (prompts, completions, labels, kwargs), timeout)
 
     fn.path, _, fn.__qualname__ = spec.rpartition(":")  # how reward messages name it (rewards.describe)
     fn.workers = workers

@@ -2,8 +2,9 @@
 
     fn(prompts, completions, labels, **kwargs) -> list[float] | dict[str, list[float]]
 
-a dict's components summed (each logged as rollout/reward/<name>). With --env it may also take `turns`
-({"role", "content"} per episode) and `info` (the last info dict), where its signature names them. Built in:
+a dict's components summed (each logged as rollout/reward/<name>); keyword arguments, where its signature
+names them (all with **kwargs): the prompt rows' other columns, a list each, and with --env `turns` ({"role",
+"content"} per episode) and `info` (the last info dict). Built in:
 `answer_reward`, `math_reward`, `first_word_reward` (shapes); others (--reward_fn, --remote_rm_url, reward
 models): rft_core/reward_sources.py. Shaping: DAPO's `overlong_penalty` (normalisation: advantages.py)."""
 
@@ -79,13 +80,12 @@ BUILTIN_REWARDS = {"answer": answer_reward, "math": math_reward, "first_word": f
 
 
 def file_reward(spec):
-    """--reward_fn 'path/to/file.py:NAME', run in a worker with the episode arguments its signature takes."""
+    """--reward_fn 'path/to/file.py:NAME', run in a worker with the keyword arguments its signature takes."""
     fn = load_from_file(spec, "--reward_fn", "function", sorted(BUILTIN_REWARDS), "a reward file")
     if not callable(fn):
         raise MissingName(f"--reward_fn {spec!r}: {spec.rpartition(':')[0]} defines no function "
                           f"{spec.rpartition(':')[2]!r}")
-    return lambda prompts, completions, labels, episode: fn(prompts, completions, labels,
-                                                            **taken(fn, episode))
+    return lambda prompts, completions, labels, kwargs: fn(prompts, completions, labels, **taken(fn, kwargs))
 
 
 def taken(fn, kwargs):
@@ -121,12 +121,12 @@ def describe(fn, error=None):
     return f"{name} in {path}" + (f" line {line}" if line else "") if path else name
 
 
-def _rows(reward_fn, prompts, completions, labels, episode):
+def _rows(reward_fn, prompts, completions, labels, kwargs):
     """One {component: value} dict per sample, or raises; the reward gets copies of the lists (may pop)."""
     n = len(completions)
     try:
-        episode = {k: list(v) for k, v in taken(reward_fn, episode).items()}
-        out = reward_fn(list(prompts), list(completions), list(labels), **episode)
+        kwargs = {k: list(v) for k, v in taken(reward_fn, kwargs).items()}
+        out = reward_fn(list(prompts), list(completions), list(labels), **kwargs)
     except UserCodeError as e:
         if not e.interrupt:
             raise
@@ -146,11 +146,10 @@ def _why(e):  # a RewardError's message reads as it is; any other exception as i
     return str(e) if isinstance(e, RewardError) else repr(e)
 
 
-def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, episode=None):
+def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, kwargs=None):
     """(rewards, components {name: list}, failures [(index, why)] given `fallback`; strict: raise). A failed
     batch is retried sample by sample unless it timed out, ended its worker or found the server down."""
-    episode = episode or {}
-    failures = []
+    kwargs, failures = kwargs or {}, []
 
     def fail(i, why):
         if strict:
@@ -159,7 +158,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, e
         failures.append((i, why))  # its row: None
 
     try:
-        rows = _rows(reward_fn, prompts, completions, labels, episode)
+        rows = _rows(reward_fn, prompts, completions, labels, kwargs)
     except (TimeoutError, WorkerLost, ServiceDown) as e:
         rows = [fail(i, _why(e)) for i in range(len(completions))]
     except Exception as batch_error:  # find the culprit(s): score one by one
@@ -170,7 +169,7 @@ def score(reward_fn, prompts, completions, labels, fallback=0.0, strict=False, e
                 continue
             try:
                 rows += _rows(reward_fn, prompts[i:i + 1], completions[i:i + 1], labels[i:i + 1],
-                              {k: v[i:i + 1] for k, v in episode.items()})
+                              {k: v[i:i + 1] for k, v in kwargs.items()})
             except Exception as e:
                 rows.append(fail(i, _why(e)))
                 alike += i == alike and isinstance(e, ServerError) and str(e) == str(batch_error)
@@ -197,13 +196,15 @@ class RewardScorer:
     def __call__(self, samples, strict=False):
         prompts, labels = [s.prompt for s in samples], [s.label for s in samples]
         completions = [s.completion for s in samples]
+        names = dict.fromkeys(k for s in samples for k in s.columns or {})  # the rows' other columns
+        kwargs = {k: [(s.columns or {}).get(k) for s in samples] for k in names}
         episodes = [s.episode for s in samples if s.episode is not None]  # --env's: turns, info
-        episode = {"turns": [e.turns for e in episodes], "info": [e.info for e in episodes]}
-        episode = episode if len(episodes) == len(samples) else {}
+        if len(episodes) == len(samples):
+            kwargs.update(turns=[e.turns for e in episodes], info=[e.info for e in episodes])
         total, components, failed = [0.0] * len(samples), [{} for _ in samples], set()
         for (name, reward_fn), weight in zip(self.sources, self.weights):
             rewards, comps, failures = score(reward_fn, prompts, completions, labels, self.fallback, strict,
-                                             episode)
+                                             kwargs)
             total = [t + weight * r for t, r in zip(total, rewards)]
             named = comps if name == "rule" else {name: rewards}
             for i, sample_components in enumerate(components):
@@ -226,7 +227,7 @@ class RewardScorer:
 
     def check(self, failed, total, step, env_failed=0):
         """Stop (RewardError) when `failed` of `total` samples got the fallback (env_failed: by theirs)."""
-        if total and failed / total >= self.failure_limit:
+        if failed and failed / total >= self.failure_limit:  # (0: strict, a step without failures goes on)
             what, fix = f"the rewards of {int(failed)} of {int(total)} samples failed", "the reward"
             if env_failed:
                 what = (f"{int(failed)} of {int(total)} samples failed ({int(env_failed)} in the "

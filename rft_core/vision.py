@@ -213,7 +213,8 @@ def encode_vl_rows(tokenizer, processor, rows, image_token_id, max_len, max_imag
     usable = [r for r in rows if (r["images"] or mixed) and len(r["images"]) <= max_images]
     encoded = [encode_vl_prompt(tokenizer, processor, r["prompt"], r["images"], image_token_id, sample=i,
                                 system_prompt=system_prompt, pixels=pixels) for i, r in enumerate(usable)]
-    samples = [Sample(ids, r["label"], r["prompt"], mm) for (ids, mm), r in zip(encoded, usable)]
+    samples = [Sample(ids, r["label"], r["prompt"], mm, columns=r.get("columns"))
+               for (ids, mm), r in zip(encoded, usable)]
     kept = [s for s in samples if len(s.prompt_ids) <= max_len]
     return kept, len(rows) - len(kept)
 

@@ -1,4 +1,6 @@
 import dataclasses
+import importlib
+import re
 from dataclasses import dataclass
 from typing import Literal, Optional, Tuple
 
@@ -69,17 +71,54 @@ def test_docstrings_become_help(capsys):
     assert out.index("--lr", task) < outputs
 
 
-def test_the_scripts_flags_read_as_the_algorithm(capsys):
-    """train_ppo.py: at most 100 flags, in sections that follow the algorithm (the README's budget)."""
-    import train_ppo
-
+@pytest.mark.parametrize("script", ["train_ppo", "train_ppo_vl"])
+def test_the_scripts_flags_read_as_the_algorithm(capsys, script):
+    """Each script's flags in sections that follow the algorithm; train_ppo.py's at most 100 (the README's
+    budget; train_ppo_vl.py adds its image flags)."""
+    args = importlib.import_module(script).Args
     with pytest.raises(SystemExit):
-        parse_args(train_ppo.Args, ["--help"])
+        parse_args(args, ["--help"])
     out = capsys.readouterr().out
     sections = ["the task", "model, data and reward", "estimator and loss", "auxiliary losses", "rollout",
                 "multi-turn", "batches", "engine", "precision and memory", "outputs"]
     assert [line[:-1] for line in out.splitlines() if line[:-1] in sections] == sections
-    assert len(dataclasses.fields(train_ppo.Args)) <= 100
+    assert script == "train_ppo_vl" or len(dataclasses.fields(args)) <= 100
+
+
+# the flags whose None means off; any other None default is decided later, and its docstring says by what
+OFF = {"system_prompt", "remote_rm_url", "reward_pretrain", "reward_clip", "teacher_pretrain", "dual_clip",
+       "kl_target", "pretrain_data", "ema_beta", "env", "freeze_prefix"}
+
+
+@pytest.mark.parametrize("script, reward", [("train_ppo", "answer"), ("train_ppo_vl", "first_word")])
+def test_help_shows_the_defaults_as_they_are(capsys, monkeypatch, script, reward):
+    """Every flag's help ends with `(default: X)`, X the value the parsed Args gets with no arguments, or its
+    docstring names the default itself (what decides a None), and then no `(default: None)` follows: once
+    `--pretrain` said both, and `--reward_fn` showed None for the `answer` reward."""
+    args = importlib.import_module(script).Args
+    monkeypatch.setenv("COLUMNS", "10000")  # each flag's help on one line
+    with pytest.raises(SystemExit):
+        parse_args(args, ["--help"])
+    out = capsys.readouterr().out
+    helps = dict(re.findall(r"^  --(\w+)(?: \S+)*(?:  +|\n {24})(.+)$", out, re.M))
+    parsed = parse_args(args, [])
+    assert parsed == args() and set(helps) == {f.name for f in dataclasses.fields(args)}
+    for name, text in helps.items():
+        shown = f" (default: {getattr(parsed, name)})"
+        if text.endswith(shown) and "default" not in text[:-len(shown)]:
+            assert getattr(parsed, name) is not None or name in OFF, f"--{name}: say what decides its None"
+        else:  # the docstring names it
+            assert "default" in text and text.count("(default: ") <= 1, f"--{name}: {text}"
+    assert f"(default: {reward}," in helps["reward_fn"]
+
+
+def test_each_script_has_its_own_output_dir():
+    """The quickstarts one after the other (`python train_ppo.py`, then `python train_ppo_vl.py`): the second
+    is not refused for the first's directory."""
+    import train_ppo
+    import train_ppo_vl
+
+    assert train_ppo.Args().output_dir != train_ppo_vl.Args().output_dir
 
 
 def test_metrics_log(tmp_path):

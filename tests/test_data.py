@@ -30,8 +30,8 @@ def test_load_jsonl_parquet_and_directory(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     loaded, skipped = load_prompt_rows(str(path), "question", "answer")
-    assert skipped == 0 and loaded == [{"prompt": "What is 1 + 1?", "label": "2", "row": 0},
-                                       {"prompt": "What is 2 + 2?", "label": "4", "row": 1}]
+    assert skipped == 0 and loaded == [{"prompt": "What is 1 + 1?", "label": "2", "row": 0, "columns": {}},
+                                       {"prompt": "What is 2 + 2?", "label": "4", "row": 1, "columns": {}}]
 
     import datasets
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "part.parquet"))

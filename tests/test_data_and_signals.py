@@ -26,19 +26,47 @@ def write_jsonl(path, rows):
 # ---- data ----
 
 def test_labels_that_are_not_text_or_numbers_are_counted_and_named(tmp_path):
+    """Lists and objects reach the reward as their JSON (json.loads reads them back), not Python's str()."""
     path = write_jsonl(tmp_path / "mixed.jsonl", [
         {"prompt": "a", "label": 1}, {"prompt": "b", "label": "x"}, {"prompt": "c", "label": None},
-        {"prompt": "d", "label": [1, 2]}, {"prompt": "e", "label": None}, {"prompt": "f", "label": {"k": 1}}])
+        {"prompt": "d", "label": [1, 2]}, {"prompt": "e", "label": None},
+        {"prompt": "f", "label": {"k": "é"}}])
     said = []
     rows, skipped = load_prompt_rows(path, log=said.append)
-    assert skipped == 0 and [r["label"] for r in rows] == ["1", "x", "", "[1, 2]", "", "{'k': 1}"]
+    assert skipped == 0 and [r["label"] for r in rows] == ["1", "x", "", "[1, 2]", "", '{"k": "é"}']
+    assert json.loads(rows[5]["label"]) == {"k": "é"}
     assert said == [f"[data] {path}: 4 'label' values are not text or numbers: null in 2 rows (first: row 2, "
                     "read as ''), list in 1 row (first: row 3, read as '[1, 2]'), object in 1 row (first: "
-                    "row 5, read as \"{'k': 1}\"); a reward comparing labels may not expect these"]
+                    "row 5, read as '{\"k\": \"é\"}'); the reward gets each as text (lists and objects: "
+                    "their JSON)"]
     said.clear()  # numbers and text alone: nothing to say
     load_prompt_rows(write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "a", "label": 1},
                                                             {"prompt": "b", "label": "x"}]), log=said.append)
     assert said == []
+
+
+def test_a_rows_other_columns_travel_with_its_sample(tmp_path):
+    """Every column but the prompt, the label and images reaches the Sample (the reward's keyword arguments);
+    one named like a reward's own argument, or whose values are not JSON (dates), is named and left out."""
+    from rft_core.data import encode_rows
+
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        {"q": "a", "a": "1", "solution": "s0", "meta": {"w": 1}, "tags": ["x"], "info": "i",
+         "day": "2024-01-02", "img": "a.png"},
+        {"q": "b", "a": "2", "solution": "s1", "meta": {"w": 2}, "tags": [], "info": "j",
+         "day": "2024-01-03", "img": "b.png"}])
+    said = []
+    rows, _ = load_prompt_rows(path, "q", "a", extra_keys={"img": "--images_key"}, log=said.append)
+    assert [r["columns"] for r in rows] == [{"solution": "s0", "meta": {"w": 1}, "tags": ["x"]},
+                                            {"solution": "s1", "meta": {"w": 2}, "tags": []}]
+    assert said == [f"[data] {path}: columns 'info' (string), 'day' (timestamp[s]) do not reach the reward: "
+                    "rename one named like a reward argument (prompts, completions, labels, turns, info); "
+                    "cast one whose values are not JSON to text"]
+
+    def tokenizer(texts, add_special_tokens):
+        return {"input_ids": [[1] * len(t) for t in texts]}
+    samples, _ = encode_rows(tokenizer, rows, 8, apply_chat_template=False)
+    assert [s.columns for s in samples] == [r["columns"] for r in rows]
 
 
 def test_a_directory_names_the_files_it_skips(tmp_path):

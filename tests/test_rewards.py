@@ -335,3 +335,117 @@ def test_rewards_given_the_episode_where_they_take_it(tmp_path):
     plain = [Sample([1], "l", "p", completion="b")]
     assert RewardScorer(sources, log=said.append)(plain) == 1 and seen == {}  # with_episode lacks them
     assert "missing 2 required positional arguments: 'turns' and 'info'" in said[0]
+
+
+COLUMN_REWARDS = '''def by_solution(prompts, completions, labels, solution, meta):
+    if "boom" in completions:
+        raise RuntimeError("boom")
+    return [float(c == s) + m["w"] for c, s, m in zip(completions, solution, meta)]
+
+def plain(prompts, completions, labels):
+    return [1.0] * len(completions)
+'''
+
+
+def column_samples(completions, solutions):
+    from rft_core.experience import Sample
+
+    return [Sample([1], "l", "p", completion=c, columns={"solution": s, "meta": {"w": i / 4}})
+            for i, (c, s) in enumerate(zip(completions, solutions))]
+
+
+def test_a_rows_columns_reach_the_reward_as_keyword_arguments(tmp_path):
+    """A reward gets the rows' other columns, a list each aligned with completions, by the names its signature
+    takes (all with **kwargs), also when a failed batch is scored sample by sample in the file's worker; one
+    that names none is called as before; the built-in rules take them and ignore them."""
+    (tmp_path / "rw.py").write_text(COLUMN_REWARDS)
+    seen = {}
+
+    def kwargs(prompts, completions, labels, **kw):
+        seen.update(kw)
+        return [0.0] * len(completions)
+
+    sources = [("rule", load_reward_fn(f"{tmp_path}/rw.py:by_solution")),
+               ("plain", load_reward_fn(f"{tmp_path}/rw.py:plain")), ("kw", kwargs)]
+    samples = column_samples(["4", "5", "7"], ["4", "x", "6"])
+    assert RewardScorer(sources, log=print)(samples) == 0
+    assert [s.components["reward"] for s in samples] == [1.0, 0.25, 0.5]
+    assert seen == {"solution": ["4", "x", "6"], "meta": [{"w": 0.0}, {"w": 0.25}, {"w": 0.5}]}
+    samples = column_samples(["4", "boom", "7"], ["4", "x", "7"])  # the batch fails: one by one, aligned
+    said = []
+    assert RewardScorer(sources[:1], fallback=-1.0, log=said.append)(samples) == 1
+    assert [s.reward for s in samples] == [1.0, -1.0, 1.5] and "RuntimeError('boom')" in said[0]
+    samples = column_samples(["<answer>4</answer>", "red"], ["4", "x"])
+    first_word = reward_sources(default_rule="first_word")[0][1]
+    RewardScorer([("rule", answer_reward), ("shapes", first_word)])(samples)
+    assert [(s.components["correct"], s.components["shapes"]) for s in samples] == [(0.0, 0.0), (0.0, 0.0)]
+    samples = column_samples(["<answer>l</answer>"], ["4"])
+    RewardScorer([("rule", answer_reward)])(samples)
+    assert samples[0].components == {"correct": 1.0, "format": 0.1}
+
+
+def test_evaluation_scores_with_the_rows_columns(tmp_path):
+    """evaluate() scores through the same RewardScorer: a reward that needs a column gets it there too."""
+    from rft_core.engines.base import Generation
+    from rft_core.evaluation import evaluate
+
+    class Engine:
+        def wake_up(self):
+            pass
+
+        def generate(self, ids, max_len, temperature=0.0, mm=None, logprob_every=1):
+            return [Generation([7], [0.0]) for _ in ids]
+
+    class Accel:
+        process_index, num_processes, device = 0, 1, "cpu"
+
+        def reduce(self, t, op):
+            return t
+
+    class Tok:
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["7" for _ in ids]
+
+    def by_solution(prompts, completions, labels, solution):
+        return {"correct": [float(c == s) for c, s in zip(completions, solution)]}
+
+    prompts = column_samples([None] * 4, ["7", "1", "7", "7"])
+    scorer = RewardScorer([("rule", by_solution)])
+    metrics = evaluate(Engine(), Tok(), prompts, scorer, Accel(), 4, n_samples=2)
+    assert metrics["eval/accuracy"] == 0.75 and metrics["eval/pass@2"] == 0.75
+    assert metrics["eval/reward_errors"] == 0
+
+
+def test_a_strict_run_goes_on_while_no_reward_fails():
+    """--reward_failure_limit 0 stops at the first failure, not at a step where none failed (0 >= 0 did)."""
+    scorer = RewardScorer([("rule", answer_reward)], failure_limit=0.0)
+    scorer.check(0, 4, step=1)
+    with pytest.raises(RuntimeError, match="the rewards of 1 of 4 samples failed at step 1"):
+        scorer.check(1, 4, step=1)
+
+
+COLUMN_REWARD_FILE = '''def by_solution(prompts, completions, labels, solution, meta):
+    return {"correct": [float(s == l and m == {"id": l}) for s, l, m in zip(solution, labels, meta)]}
+'''
+
+
+@pytest.mark.slow
+def test_a_run_gives_the_rows_columns_to_a_reward_file(tiny_model_dir, tmp_path):
+    """Through train_ppo.py: a --reward_fn file (in its worker process) that needs two columns of
+    --prompt_data / --eval_data gets them in training and evaluation (any failure stops the run)."""
+    from conftest import read_metrics, run_script
+
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text("\n".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1), "solution": str(i + 1),
+                                          "meta": {"id": str(i + 1)}}) for i in range(4)))
+    (tmp_path / "data" / "rw.py").write_text(COLUMN_REWARD_FILE)
+    run_script("train_ppo.py", [
+        "--pretrain", tiny_model_dir, "--max_steps", "2", "--rollout_batch_size", "2",
+        "--n_samples_per_prompt", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "8",
+        "--micro_train_batch_size", "2", "--prompt_data", str(data), "--eval_data", str(data),
+        "--input_key", "q", "--label_key", "a", "--reward_fn", f"{tmp_path / 'data' / 'rw.py'}:by_solution",
+        "--reward_failure_limit", "0", "--output_dir", str(tmp_path / "out")])
+    steps, evals = read_metrics(str(tmp_path / "out"))
+    assert [r["rollout/reward/correct"] for r in steps] == [1.0, 1.0]
+    assert [r["eval/accuracy"] for r in evals] == [1.0, 1.0]

@@ -151,8 +151,8 @@ def test_tools_in_a_worker_without_torch_and_async_tools_awaited(tmp_path):
                        "async": (load_env, f"tools:{tmp_path}/async_tools.py")}, size=1, timeout=30)
     has_torch = call({"name": "has_torch", "arguments": {}})
     out, _ = workers.call("env", "step", (State({"prompt": "p"}), has_torch))
-    assert out[0] == [{"role": "tool", "content": "false"}] and not workers.call("env", "about", ())["async"]
-    assert workers.call("async", "about", ())["async"] and workers.concurrent["async"] == ["step"]
+    assert out[0] == [{"role": "tool", "content": "false"}] and workers.concurrent["env"] == []
+    assert workers.concurrent["async"] == ["step"]
     fetch = call({"name": "fetch", "arguments": {"key": "k"}})
     out, _ = workers.call("async", "step", (State({"prompt": "p"}), fetch))
     assert out[0] == [{"role": "tool", "content": "K"}]
@@ -201,7 +201,7 @@ def test_async_steps_run_side_by_side_under_the_cap(async_env):
     draws = []
     for cap, fastest, slowest in [(8, 0.2, 0.7), (2, 0.8, 2.0)]:
         workers = Workers({"env": (load_env, async_env)}, size=2, timeout=10, concurrency=cap)
-        assert workers.call("env", "about", ())["async"]
+        assert workers.concurrent["env"] == ["reset", "step"]
         assert workers.call("env", "reset", ({"prompt": "p"},)) is None
         took, out = timed_steps(workers, ["x"] * 8)
         assert fastest <= took < slowest and all(ok for ok, _ in out)

@@ -35,16 +35,6 @@ def cuda_graph_config(max_batch, enforce_eager=False):
     return {"compilation_config": {"max_cudagraph_capture_size": min(-(-int(max_batch) // 16) * 16, 1024)}}
 
 
-def _ensure_dist_env():
-    """external_launcher reads RANK / LOCAL_RANK and a rendezvous; plain `python` sets none."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
-
-
 @dataclass
 class Request:
     """n samples of one prompt: one request of n costs vLLM's host a fraction of n requests of one."""
@@ -75,7 +65,11 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a 2-minute JIT at start-up
         pin_triton_cache()  # its Triton kernels: the same cache on every run
-        _ensure_dist_env()
+        # external_launcher reads RANK / LOCAL_RANK and a rendezvous, which plain `python` does not set
+        rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        for key, value in rendezvous.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         from vllm import LLM
 
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

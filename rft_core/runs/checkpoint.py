@@ -42,6 +42,9 @@ def run_identity(args, accelerator, model=None):
     identity["data"] = {name: digest(getattr(args, name, None), suffixes=tuple(KINDS)) for name in DATA_FLAGS}
     if args.lora_rank:
         identity["target_modules"] = args.target_modules
+    teacher = getattr(args, "teacher_pretrain", None)
+    if teacher:  # distilled from another teacher: another run
+        identity["teacher"] = digest(teacher, sampled=not teacher.endswith(".gguf"))
     kind = accelerator.distributed_type.name
     deepspeed = accelerator.state.deepspeed_plugin
     states = f"ZeRO-{deepspeed.zero_stage}" if deepspeed else kind if kind == "FSDP" else "plain"

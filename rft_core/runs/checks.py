@@ -17,6 +17,7 @@ RANGES = {  # flag -> (is the value valid?, what it must be)
     "critic_learning_rate": (lambda v: 0 < v < 1, "in (0, 1)"),
     "temperature": (lambda v: v > 0, "> 0 (0 would sample greedily: a group's samples alike, no signal)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "distill_coef": (lambda v: v > 0, "> 0 (the teacher's signal would weigh nothing)"),
     "eps_clip": (lambda v: 0 < v < 1, "in (0, 1)"),
     "eps_clip_low_high": (lambda v: v is None or (0 < v[0] < 1 and v[1] > 0), "LOW in (0, 1) and HIGH > 0"),
     "dual_clip": (lambda v: v is None or v > 1, "> 1"),
@@ -50,10 +51,11 @@ AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log
                  "overlong_penalty_factor", "policy_drift_coef", "max_env_tokens", "env_concurrency")
 # flags that name a file, directory, URL or column: an empty string is a mistake, not "none"
 PATHS = ("pretrain", "prompt_data", "eval_data", "reward_fn", "reward_pretrain", "critic_pretrain",
-         "pretrain_data", "env", "output_dir", "images_key", "freeze_prefix", "remote_rm_url")
+         "pretrain_data", "env", "output_dir", "images_key", "freeze_prefix", "remote_rm_url",
+         "teacher_pretrain")
 # what the run reads (paths, comma-joined paths, path.py:NAME): --output_dir must neither hold nor be in them
 INPUTS = ("pretrain", "critic_pretrain", "reward_pretrain", "prompt_data", "eval_data", "pretrain_data",
-          "reward_fn", "env")
+          "reward_fn", "env", "teacher_pretrain")
 # numbers any finite value of suits (every numeric flag is in one of these tables: tests/test_user_errors.py)
 ANY_FINITE = ("entropy_coef", "reward_fallback", "reward_weights", "eval_reward_threshold")
 
@@ -127,8 +129,11 @@ def check_values(args):
 
 def check_algorithm(args):
     estimator, n = args.advantage_estimator, args.n_samples_per_prompt
-    check(n > 1 or estimator in ("reinforce", "gae"), f"--n_samples_per_prompt 1 with {estimator}: the group "
-          "baseline is the sample itself, so every advantage is 0; use >= 2, or reinforce / gae")
+    check(n > 1 or estimator in ("reinforce", "gae", "distill"), f"--n_samples_per_prompt 1 with "
+          f"{estimator}: the group baseline is the sample itself, so every advantage is 0; use >= 2, or "
+          "reinforce / gae")
+    check(estimator != "distill" or args.teacher_pretrain, "--advantage_estimator distill: its signal is the "
+          "teacher's logprobs; give the teacher with --teacher_pretrain DIR")
     check(args.overlong_buffer_len < args.generate_max_len,
           f"--overlong_buffer_len {args.overlong_buffer_len}: must be below --generate_max_len "
           f"{args.generate_max_len}")
@@ -308,6 +313,8 @@ def check_inert(args, engine_type):
          "--overlong_buffer_len is 0"),
         (args.pretrain_data is not None, ("ptx_coef", "pretrain_key"),
          "it is the ptx loss's, but there is no --pretrain_data"),
+        (args.teacher_pretrain is not None, ("distill_coef",), "it weighs the teacher's logprobs, but there "
+         "is no --teacher_pretrain"),
         (args.lora_rank > 0, ("lora_alpha", "target_modules"),
          "it shapes LoRA adapters, but --lora_rank is 0"),
         (args.eps_clip_low_high is None, ("eps_clip",), "--eps_clip_low_high replaces it"),

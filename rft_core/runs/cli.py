@@ -1,5 +1,6 @@
-"""Flags from a dataclass: each field becomes `--name`, its docstring the help, and each `# ---- section ----`
-comment of the class a section of `--help`; rft_core/runs/checks.py checks the values."""
+"""Flags from a dataclass: each field becomes `--name`, its docstring the help (with the field's default,
+unless the docstring names the default itself: what decides a None), and each `# ---- section ----` comment
+of the class a section of `--help`; rft_core/runs/checks.py checks the values."""
 
 import argparse
 import ast
@@ -61,8 +62,8 @@ def parse_args(cls, argv=None):
             kind, extra = items[0], {"nargs": "+" if items[-1] is Ellipsis else len(items)}
         if typing.get_origin(kind) is typing.Literal:
             kind, extra = str, {**extra, "choices": typing.get_args(kind)}
-        group.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"{doc} (default: {f.default})",
-                           **extra)
+        shown = "" if "default" in doc else f" (default: {f.default})"
+        group.add_argument(f"--{f.name}", type=kind, default=f.default, help=doc + shown, **extra)
     flags = [f"--{f.name}" for f in dataclasses.fields(cls)]
     for given in (a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)):
         if given in REPLACED:

@@ -27,9 +27,6 @@ class StepTimer:
         self.cuda = torch.cuda.is_available()
         # phase -> bytes its last peak rose above its start: what its next run needs free
         self.extra = {}
-        self._reset()
-
-    def _reset(self):
         self.name, self.step_start, self.values = None, None, {}
 
     def phase(self, name):
@@ -53,7 +50,7 @@ class StepTimer:
         if self.process_start is not None:
             values["perf/startup_s"] = self.step_start - self.process_start
             self.process_start = None
-        self._reset()
+        self.step_start, self.values = None, {}  # (phase(None) ended the last phase)
         return values
 
 
