@@ -20,8 +20,8 @@ the data, in main()); `args` stays as typed. Where it departs from the papers:
   (gae, reinforce, reinforce_baseline) put a k1 penalty into the per-token reward (InstructGPT,
   REINFORCE++); `--use_kl_loss` instead adds GRPO's k3 loss against the frozen reference.
 - When a rollout batch feeds exactly one optimizer step (train_batch_size == rollout_batch_size *
-  n_samples_per_prompt, max_epochs 1) and no KL is in the reward, the "old" logprobs are the update
-  pass's own, detached: the weights have not moved, so the ratio is exactly 1 and a forward pass is saved.
+  n_samples_per_prompt, max_epochs 1), no KL is in the reward and no teacher, the "old" logprobs are the
+  update pass's own, detached: the weights have not moved, so the ratio is exactly 1 and a pass is saved.
 - Logprobs are those of softmax(logits / temperature), without top-p truncation, in the rollout
   and the trainer alike.
 - --high_entropy_token_ratio picks the top tokens within each micro-batch (the paper: each batch;
@@ -164,10 +164,8 @@ class Args:
     """ppo (the clipped ratio) | gspo (GSPO: the sequence-level ratio; pair with --loss_agg_mode
     seq-mean-token-mean, small clips) | cpg (CPGD's clipped policy gradient) (default: cpg with
     --advantage_estimator cpgd, else ppo)"""
-    eps_clip: float = 0.2
-    """PPO ratio clip range"""
-    eps_clip_low_high: Optional[Tuple[float, float]] = None
-    """clip-higher (DAPO): separate LOW HIGH clip ranges, e.g. 0.2 0.28 (default: --eps_clip for both)"""
+    eps_clip: Tuple[float, ...] = (0.2,)
+    """PPO ratio clip range (default 0.2), or two: LOW HIGH, DAPO's clip-higher (e.g. 0.2 0.28)"""
     dual_clip: Optional[float] = None
     """dual-clip constant c > 1: for negative advantages the loss is capped at -c A"""
     loss_agg_mode: str = "token-mean"
@@ -204,9 +202,8 @@ class Args:
     kl_estimator: str = "k3"
     """k1 | k2 | k3 (Schulman's estimators) for the KL loss"""
     kl_target: Optional[float] = None
-    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for"""
-    kl_horizon: int = 10000
-    """the adaptive controller's horizon, in samples"""
+    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for
+    (over a horizon of 10,000 samples: rft_core/advantages.py)"""
     policy_drift_coef: Optional[float] = None
     """CPGD's policy drift: weight of KL(pi_old || pi) in the loss (default: 0.01 with cpgd, else 0)"""
     pretrain_data: Optional[str] = None
@@ -620,7 +617,7 @@ def main():
                         "perf/engine_slept": float(slept), **perf.metrics()})
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
             loop.kl_coef = adaptive_kl_coef(loop.kl_coef, metrics["rollout/kl"], args.kl_target,
-                                            args.kl_horizon, plan.samples_per_step)
+                                            plan.samples_per_step)
         log.write(step, metrics, print_line=True)
         guard.entropy(metrics.get("train/entropy"), step)  # None: no policy token (every episode failed)
         log.samples_and_plots(step, samples, tokenizer, exp.action_mask.sum(-1).tolist(), step == num_steps)

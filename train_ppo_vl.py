@@ -159,10 +159,8 @@ class Args:
     """ppo (the clipped ratio) | gspo (GSPO: the sequence-level ratio; pair with --loss_agg_mode
     seq-mean-token-mean, small clips) | cpg (CPGD's clipped policy gradient) (default: cpg with
     --advantage_estimator cpgd, else ppo)"""
-    eps_clip: float = 0.2
-    """PPO ratio clip range"""
-    eps_clip_low_high: Optional[Tuple[float, float]] = None
-    """clip-higher (DAPO): separate LOW HIGH clip ranges, e.g. 0.2 0.28 (default: --eps_clip for both)"""
+    eps_clip: Tuple[float, ...] = (0.2,)
+    """PPO ratio clip range (default 0.2), or two: LOW HIGH, DAPO's clip-higher (e.g. 0.2 0.28)"""
     dual_clip: Optional[float] = None
     """dual-clip constant c > 1: for negative advantages the loss is capped at -c A"""
     loss_agg_mode: str = "token-mean"
@@ -199,9 +197,8 @@ class Args:
     kl_estimator: str = "k3"
     """k1 | k2 | k3 (Schulman's estimators) for the KL loss"""
     kl_target: Optional[float] = None
-    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for"""
-    kl_horizon: int = 10000
-    """the adaptive controller's horizon, in samples"""
+    """adaptive KL controller (Ziegler et al. 2019) for the reward penalty: the per-token KL to aim for
+    (over a horizon of 10,000 samples: rft_core/advantages.py)"""
     policy_drift_coef: Optional[float] = None
     """CPGD's policy drift: weight of KL(pi_old || pi) in the loss (default: 0.01 with cpgd, else 0)"""
     pretrain_data: Optional[str] = None
@@ -618,7 +615,7 @@ def main():
                         "perf/engine_slept": float(slept), **perf.metrics()})
         if args.kl_target is not None:  # adaptive KL controller, on the measured per-token KL
             loop.kl_coef = adaptive_kl_coef(loop.kl_coef, metrics["rollout/kl"], args.kl_target,
-                                            args.kl_horizon, plan.samples_per_step)
+                                            plan.samples_per_step)
         log.write(step, metrics, print_line=True)
         guard.entropy(metrics.get("train/entropy"), step)  # None: no policy token (every episode failed)
         log.samples_and_plots(step, samples, tokenizer, exp.action_mask.sum(-1).tolist(), step == num_steps)

@@ -50,7 +50,7 @@ def jobs(tiny):
                   "--train_batch_size 2".split()],
         "rloo_kl": [*text, *"--advantage_estimator rloo --loss_agg_mode seq-mean-token-mean --use_kl_loss "
                             "--kl_estimator k2 --max_epochs 2 --train_batch_size 2".split()],
-        "variants": [*text, *"--eps_clip_low_high 0.2 0.28 --dual_clip 3 --policy_loss_type gspo "
+        "variants": [*text, *"--eps_clip 0.2 0.28 --dual_clip 3 --policy_loss_type gspo "
                              "--loss_agg_mode seq-mean-token-mean --tis_cap 2 --train_batch_size 2 "
                              "--entropy_coef 0.01".split()],
         "lora": [*text, *"--lora_rank 4 --advantage_estimator reinforce --actor_learning_rate 1e-2".split()],

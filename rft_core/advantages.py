@@ -133,9 +133,10 @@ def distill_advantages(advantages: Tensor, teacher_logprobs: Tensor, logprobs: T
     return advantages + coef * (teacher_logprobs.float() - logprobs.float()) * mask
 
 
-def adaptive_kl_coef(kl_coef: float, current_kl: float, kl_target: float, kl_horizon: float,
-                     n_steps: int) -> float:
-    """Adaptive KL (Ziegler et al. 2019): kl_coef towards kl_target by <= +-20% x n_steps / kl_horizon."""
+def adaptive_kl_coef(kl_coef: float, current_kl: float, kl_target: float, n_steps: int,
+                     kl_horizon: float = 10000) -> float:
+    """Adaptive KL (Ziegler et al. 2019): kl_coef towards kl_target by <= +-20% x n_steps / kl_horizon (their
+    horizon, in samples)."""
     error = min(max(current_kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * n_steps / kl_horizon)
 

@@ -141,7 +141,7 @@ def importance_weights(args):
 def loss_settings(args, train_batch_size, tis_cap, tis_level):
     cpgd = args.advantage_estimator == "cpgd"
     drift = args.policy_drift_coef if args.policy_drift_coef is not None else 0.01 if cpgd else 0.0
-    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+    eps_low, eps_high = args.eps_clip[0], args.eps_clip[-1]  # (one value: both)
     kind = args.policy_loss_type or ("cpg" if cpgd else "ppo")
     return LossSettings(args.loss_agg_mode, eps_low, eps_high, args.dual_clip, kind == "gspo",
                         kind == "cpg", tis_cap, args.tis_mode, tis_level,

@@ -201,6 +201,6 @@ def test_whiten_same_across_ranks():
 
 def test_adaptive_kl_coef():
     # KL above target: the coefficient grows, by at most 20% x n_steps / horizon
-    assert adaptive_kl_coef(0.1, 0.2, 0.1, 1000, 100) == pytest.approx(0.1 * (1 + 0.2 * 0.1))
-    assert adaptive_kl_coef(0.1, 0.11, 0.1, 1000, 100) == pytest.approx(0.1 * (1 + 0.1 * 0.1))
-    assert adaptive_kl_coef(0.1, 0.0, 0.1, 1000, 100) == pytest.approx(0.1 * (1 - 0.2 * 0.1))
+    assert adaptive_kl_coef(0.1, 0.2, 0.1, 100, 1000) == pytest.approx(0.1 * (1 + 0.2 * 0.1))
+    assert adaptive_kl_coef(0.1, 0.11, 0.1, 100, 1000) == pytest.approx(0.1 * (1 + 0.1 * 0.1))
+    assert adaptive_kl_coef(0.1, 0.0, 0.1, 100, 1000) == pytest.approx(0.1 * (1 - 0.2 * 0.1))

@@ -46,6 +46,9 @@ def test_choices_and_replaced_flags_are_one_line(capsys):
     with pytest.raises(SystemExit):
         parse_args(Toy, ["--use_tensorboard=/tmp/tb"])
     assert "error: --use_tensorboard was replaced by --report_to tensorboard" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(Toy, ["--eps_clip_low_high", "0.2", "0.28"])
+    assert "error: --eps_clip_low_high was replaced by --eps_clip LOW HIGH" in capsys.readouterr().err
 
 
 def test_a_mistyped_flag_is_two_lines_naming_the_closest(capsys):

@@ -45,7 +45,7 @@ def main_raises(monkeypatch, script, args, match):
     (["--actor_learning_rate", "-1"], "--actor_learning_rate -1.0: must be in (0, 1)"),
     (["--actor_learning_rate", "1e3"], "--actor_learning_rate 1000.0: must be in (0, 1)"),
     (["--top_p", "0"], "--top_p 0.0: must be in (0, 1]"),
-    (["--eps_clip", "-0.2"], "--eps_clip -0.2: must be in (0, 1)"),
+    (["--eps_clip", "-0.2"], "--eps_clip [-0.2]: must be one value in (0, 1)"),
     (["--generate_max_len", "0"], "--generate_max_len 0: must be >= 1"),
     (["--max_steps", "0"], "--max_steps 0: must be >= 1"),
     # the flag given, not --train_batch_size, whose default (rollout x samples) it makes 0
@@ -71,8 +71,7 @@ def main_raises(monkeypatch, script, args, match):
     (["--tis_cap", "2", "--tis_mode", "clip"], "--tis_mode 'clip': choose one of ('truncate', 'mask')"),
     (["--tis_level", "sequence"], "--tis_level sequence: --tis_cap is off"),
     (["--tis_cap", "2", "--tis_level", "seq"], "--tis_level 'seq': choose one of ('token', 'sequence', "),
-    (["--eps_clip", "0.3", "--eps_clip_low_high", "0.2", "0.28"],
-     "--eps_clip 0.3: --eps_clip_low_high replaces"),
+    (["--eps_clip", "0.2", "0.28", "0.3"], "--eps_clip [0.2, 0.28, 0.3]: must be one value in (0, 1), or two"),
     (["--dual_clip", "0.5"], "--dual_clip 0.5: must be > 1"),
     (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 reward sources"),
     (["--train_batch_size", "3"], "must be a multiple of --train_batch_size 3"),

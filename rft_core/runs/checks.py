@@ -18,8 +18,8 @@ RANGES = {  # flag -> (is the value valid?, what it must be)
     "temperature": (lambda v: v > 0, "> 0 (0 would sample greedily: a group's samples alike, no signal)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "distill_coef": (lambda v: v > 0, "> 0 (the teacher's signal would weigh nothing)"),
-    "eps_clip": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "eps_clip_low_high": (lambda v: v is None or (0 < v[0] < 1 and v[1] > 0), "LOW in (0, 1) and HIGH > 0"),
+    "eps_clip": (lambda v: len(v) <= 2 and 0 < v[0] < 1 and v[-1] > 0,
+                 "one value in (0, 1), or two: LOW in (0, 1), HIGH > 0"),
     "dual_clip": (lambda v: v is None or v > 1, "> 1"),
     "value_clip": (lambda v: v is None or v > 0, "> 0"),
     "tis_cap": (lambda v: v is None or v > 0, "> 0"),
@@ -43,7 +43,7 @@ RANGES = {  # flag -> (is the value valid?, what it must be)
 # (checked in this order: train_batch_size last, as its default is derived from the two before it)
 AT_LEAST_ONE = ("generate_max_len", "prompt_max_len", "max_steps", "rollout_batch_size", "inflight_ratio",
                 "n_samples_per_prompt", "micro_rollout_batch_size", "max_epochs", "num_episodes",
-                "engine_tp_size", "kl_horizon", "max_num_gen_batches", "eval_n_samples", "max_ckpt_num",
+                "engine_tp_size", "max_num_gen_batches", "eval_n_samples", "max_ckpt_num",
                 "limit_mm_image_per_prompt", "max_token_budget", "max_turns", "max_episode_tokens",
                 "micro_train_batch_size", "max_tokens_per_micro_batch", "train_batch_size")
 AT_LEAST_ZERO = ("chunk_size", "eval_steps", "save_steps", "save_hf_steps", "log_samples_steps", "lora_rank",
@@ -297,7 +297,7 @@ def check_inert(args, engine_type):
          f"it is the critic's (gae), but --advantage_estimator is {estimator}"),
         (estimator in TOKEN_LEVEL, ("gamma",), "it discounts the token-level estimators (gae, reinforce, "
          f"reinforce_baseline), but --advantage_estimator is {estimator}"),
-        (kl_in_reward(args), ("kl_target", "kl_horizon"), "it adapts the KL penalty in the reward, which "
+        (kl_in_reward(args), ("kl_target",), "it adapts the KL penalty in the reward, which "
          "needs gae / reinforce / reinforce_baseline, --init_kl_coef > 0 and no --use_kl_loss"),
         (args.use_kl_loss, ("kl_estimator",), "it is the KL loss's estimator, but --use_kl_loss is off"),
         (args.dynamic_sampling or args.partial_rollout, ("max_num_gen_batches",),
@@ -317,7 +317,6 @@ def check_inert(args, engine_type):
          "is no --teacher_pretrain"),
         (args.lora_rank > 0, ("lora_alpha", "target_modules"),
          "it shapes LoRA adapters, but --lora_rank is 0"),
-        (args.eps_clip_low_high is None, ("eps_clip",), "--eps_clip_low_high replaces it"),
         (args.micro_train_batch_size is None, ("max_tokens_per_micro_batch",),
          "--micro_train_batch_size sets the micro-batches by rows instead"),
     ]

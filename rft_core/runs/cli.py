@@ -15,7 +15,9 @@ import typing
 # flags the scripts no longer have -> what replaced them (said in one line when one is given)
 REPLACED = {"--use_wandb": "--report_to wandb", "--use_tensorboard": "--report_to tensorboard",
             "--plot_every": "--log_samples_steps",
-            "--save_on_sigterm": "no flag: SIGTERM always writes a checkpoint"}
+            "--save_on_sigterm": "no flag: SIGTERM always writes a checkpoint",
+            "--eps_clip_low_high": "--eps_clip LOW HIGH",
+            "--kl_horizon": "no flag: the adaptive KL's horizon is 10,000 samples (rft_core/advantages.py)"}
 
 
 def _field_docs(cls):
