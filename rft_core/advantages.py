@@ -66,9 +66,7 @@ def token_rewards(scores: Tensor, action_mask: Tensor, kl: Optional[Tensor] = No
     columns = torch.arange(mask.shape[1], device=mask.device)
     last = (mask * columns).argmax(-1)  # (B,): index of the last response token (0 if none)
     rewards.scatter_(1, last.unsqueeze(-1), scores.float().unsqueeze(-1))
-    if kl is not None:
-        rewards = rewards - kl_coef * kl.float() * mask
-    return rewards
+    return rewards if kl is None else rewards - kl_coef * kl.float() * mask
 
 
 def discounted_returns(rewards: Tensor, action_mask: Tensor, gamma: float = 1.0) -> Tensor:

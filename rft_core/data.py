@@ -16,8 +16,6 @@ KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "ar
 JSON_TYPES = {type(None): "null", bool: "boolean", list: "list", dict: "object"}  # as JSON names them
 REWARD_ARGS = ("prompts", "completions", "labels", "turns", "info")  # named by rewards.RewardScorer
 JSON_ARROW = ("string", "large_string", "bool", "null", "int", "uint", "halffloat", "float", "double")
-UTF16_32 = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
-            b"\xfe\xff": "UTF-16"}  # byte order marks
 
 
 def load_prompt_rows(path, input_key="prompt", label_key="label", flag="--prompt_data", extra_keys=(),
@@ -160,13 +158,11 @@ def _table_problem(path, kind):
     try:
         if kind == "parquet":
             pq.read_table(path)
-            return None
-        with pa.memory_map(path) as source:  # datasets writes Arrow streams; the file format reads too
+        else:  # datasets writes Arrow streams; the file format reads too
             try:
-                pa.ipc.open_stream(source).read_all()
+                pa.ipc.open_stream(path).read_all()
             except pa.ArrowInvalid:
-                source.seek(0)
-                pa.ipc.open_file(source).read_all()
+                pa.ipc.open_file(path).read_all()
     except (pa.ArrowException, OSError) as e:
         said = " ".join(str(e).split())[:150]  # (pyarrow's messages hold line breaks)
         return (f"not a readable {kind} file, damaged or cut short ({type(e).__name__}: {said}): "
@@ -178,9 +174,9 @@ def _json_problem(path):
     """Why a JSON / JSON lines file is unreadable (not UTF-8, a line that does not parse...), or None."""
     stem, ext = os.path.splitext(path)
     with open(path, "rb") as f:
-        head = f.read(4)
-        name = next((name for bom, name in UTF16_32.items() if head.startswith(bom)), None)
-        if name or b"\x00" in head:
+        encoding = json.detect_encoding(f.read(4))  # by a byte order mark, or the NUL bytes of ASCII text
+        if not encoding.startswith("utf-8"):
+            name = encoding.upper() if encoding in ("utf-16", "utf-32") else None  # (a byte order mark's)
             return (f"the file is {name or 'UTF-16 or UTF-32 (it holds NUL bytes)'}, but JSON files must be "
                     f"UTF-8: convert it, e.g. `iconv -f {name or 'UTF-16'} -t UTF-8 {path} > "
                     f"{stem}.utf8{ext}`")

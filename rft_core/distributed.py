@@ -41,9 +41,7 @@ def sharding(model):
     from torch.distributed.tensor import DTensor
 
     param = next(model.parameters(), None)
-    if hasattr(param, "ds_id"):
-        return "zero3"
-    return "fsdp2" if isinstance(param, DTensor) else None
+    return "zero3" if hasattr(param, "ds_id") else "fsdp2" if isinstance(param, DTensor) else None
 
 
 def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm):
@@ -53,9 +51,8 @@ def configure_deepspeed(accelerator, rows_per_update, micro_batch_size, max_norm
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
-    if getattr(accelerator.parallelism_config, "sp_size", 1) > 1:
-        micro_batch_size = None  # Ulysses is set up for DeepSpeed's micro-batch: one row per forward
-    micro_batch_size = micro_batch_size or 1
+    if not micro_batch_size or getattr(accelerator.parallelism_config, "sp_size", 1) > 1:
+        micro_batch_size = 1  # (Ulysses is set up for DeepSpeed's micro-batch: one row per forward)
     grad_accum = rows_per_update // micro_batch_size
     plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro_batch_size,
                                    gradient_accumulation_steps=grad_accum,

@@ -123,7 +123,6 @@ class EpisodeRunner:
         room = limit - sum(map(len, pieces[::2])) - len(self.marker)  # content ids that can stay
         if room < 0:
             return None, contents, True
-        contents = list(contents)
         for j in range(1, len(parts), 2):
             k = int(parts[j])
             if room is None:  # after the cut
@@ -169,7 +168,7 @@ class EpisodeRunner:
             limits = [min(cfg.turn_tokens, cfg.max_tokens - len(out[i].token_ids)) for i in active]
             gens = generate([samples[i].prompt_ids + out[i].token_ids for i in active], limits,
                             [samples[i].mm for i in active])
-            stepping, ended = [], {}
+            ended = {}
             for i, gen in zip(active, gens):
                 episode = samples[i].episode
                 text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -179,10 +178,8 @@ class EpisodeRunner:
                 states[i].turn = turn
                 states[i].messages.append({"role": "assistant", "content": text})
                 ended[i] = self._ended(gen)
-                if ended[i] == "cut":  # the limit cut the turn
-                    episode.cut = "tokens"
-                else:
-                    stepping.append(i)
+                episode.cut = "tokens" if ended[i] == "cut" else None  # "cut": the limit cut the turn
+            stepping = [i for i in active if ended[i] != "cut"]
             outcomes = self._call("step", [(states[i], samples[i].episode.completion) for i in stepping])
             active = [i for i, outcome in zip(stepping, outcomes)
                       if self._answer(samples[i], states[i], outcome, turn, ended[i], out[i])]
@@ -217,8 +214,7 @@ class EpisodeRunner:
         _extend(out, env_ids, [0.0] * len(env_ids), 0)
         episode.env_tokens += len(env_ids)
         for m, content in zip(messages, contents):
-            role = m["role"] if self.templated else "environment"
-            episode.turns.append({"role": role, "content": content})
+            episode.turns.append({"role": m["role"] if self.templated else "environment", "content": content})
             state.messages.append({"role": m["role"], "content": content})
         return True
 
@@ -275,7 +271,7 @@ class EpisodeRunner:
 
     def _fail(self, sample, error, where, what):
         """End the episode with error: a _Failed, or what rendering its `what` raised."""
-        kind, why = (error.kind, str(error)) if isinstance(error, _Failed) else (
+        kind, why = error.args if isinstance(error, _Failed) else (
             "render", f"rendering its {what} raised {error!r}")
         sample.episode.failure = f"{kind}: {why}"
         if kind not in self.seen:
@@ -293,9 +289,7 @@ def _extend(out, ids, logprobs, mask):
 
 
 class _Failed(Exception):
-    def __init__(self, kind, why):
-        super().__init__(why)
-        self.kind = kind
+    """args: (kind, why): how the environment failed, which ends the episode."""
 
 
 def score(samples, score_all, strict=False):

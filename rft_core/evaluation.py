@@ -29,7 +29,7 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
     engine.wake_up()
     failed = env_failed = 0  # rewards (scored as the fallback) and environments that failed, on this rank
 
-    def any_active(count):
+    def any_rank(count):
         return bool(accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum").item())
 
     def rollout(prompts, temperature, real):
@@ -40,7 +40,7 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
             return engine.generate(prompts, limits, temperature=temperature, mm=mm, logprob_every=0)
 
         if episodes is not None:  # (every rank takes part in each turn, with or without prompts)
-            samples = episodes.run(generate, prompts, any_active)[:real]
+            samples = episodes.run(generate, prompts, any_rank)[:real]
             failed += score_episodes(samples, score_fn)
             env_failed += sum(s.episode.failure is not None for s in samples)
             return samples
@@ -55,8 +55,7 @@ def evaluate(engine, tokenizer, prompts, score_fn, accelerator, max_len, n_sampl
     correct = partial(is_correct, threshold=reward_threshold)
     greedy = rollout(local, 0.0, count)
     defined = reward_threshold is not None or any("correct" in s.components for s in greedy) or not count
-    flag = torch.tensor(float(defined), device=accelerator.device)
-    defined = accelerator.reduce(flag, "mean").item() == 1.0  # on every rank
+    defined = not any_rank(not defined)  # on every rank: none lacks it
     sums = [sum(s.reward for s in greedy), count, sum(correct(s) for s in greedy), 0.0, 0.0]
     if n > 1 and defined:
         sampled = rollout([p for p in local for _ in range(n)], temperature, count * n)

@@ -199,11 +199,8 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: "Experience", fwd: Forward 
     input_ids, position_ids, keep, where = mb.pack()
     logprobs, entropy = packed_logprobs(model, input_ids, position_ids, keep, temperature, with_entropy,
                                         chunk_size)  # (1, K)
-    layout = mb.action_mask.shape  # back to (B, T), zeros on the padding
-    logprobs = logprobs.new_zeros(layout).index_put(where, logprobs[0])
-    if entropy is not None:
-        entropy = entropy.new_zeros(layout).index_put(where, entropy[0])
-    return logprobs, entropy
+    unpack = lambda x: x.new_zeros(mb.action_mask.shape).index_put(where, x[0])  # noqa: E731  (B, T), 0: padding
+    return unpack(logprobs), unpack(entropy) if entropy is not None else None
 
 
 def micro_batch_values(critic: torch.nn.Module, mb: "Experience", fwd: Forward = Forward()) -> torch.Tensor:

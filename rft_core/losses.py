@@ -87,23 +87,18 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, acti
     fraction and k1 policy-vs-old KL, detached 0-d tensors (no host sync)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)  # (B, T)
-    log_ratio = logprobs - old_logprobs  # (B, T)
-    if use_gspo:
-        seq_log_ratio = masked_mean(log_ratio, action_mask, -1)  # (B,): log s_i
-        # value log s_i, grad of log pi
-        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
+    log_ratio = logprobs - old_logprobs  # (B, T), per token (CPGD's and the metrics' even under GSPO)
     ratio = torch.exp(log_ratio)
+    if use_gspo:  # value s_i, gradient of log pi
+        seq_log_ratio = masked_mean(log_ratio, action_mask, -1)  # (B,): log s_i
+        ratio = torch.exp(seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach())
     high = eps_clip_low if eps_clip_high is None else eps_clip_high
     surr1 = ratio * advantages
     surr2 = ratio.clamp(1.0 - eps_clip_low, 1.0 + high) * advantages
     loss_mat = -torch.minimum(surr1, surr2)  # (B, T)
-    if use_cpg_loss:
-        upper = math.log1p(high)
-        lower = math.log1p(-eps_clip_low)
-        # the paper's objective is on the log-ratio: its gradient is log pi's (log pi_old is a constant)
-        token_log_ratio = logprobs - old_logprobs  # (B, T), per token even under GSPO
-        clipped = torch.where(advantages > 0, token_log_ratio.clamp(max=upper),
-                              token_log_ratio.clamp(min=lower))
+    if use_cpg_loss:  # the paper's objective is on the log-ratio: its gradient is log pi's (pi_old: constant)
+        clipped = torch.where(advantages > 0, log_ratio.clamp(max=math.log1p(high)),
+                              log_ratio.clamp(min=math.log1p(-eps_clip_low)))
         loss_mat = -advantages * clipped  # (B, T)
     if dual_clip is not None:
         loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, -dual_clip * advantages), loss_mat)
@@ -111,10 +106,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, acti
         loss_mat = loss_mat * is_weights.detach()
     loss = aggregate_loss(loss_mat, action_mask, loss_agg_mode, num_tokens, num_seqs, max_len, seq_lens)
     with torch.no_grad():
-        metrics = {
-            "clip_frac": token_mean((surr2 < surr1).float(), action_mask),
-            "ppo_kl": token_mean(-(logprobs - old_logprobs), action_mask),
-        }
+        metrics = {"clip_frac": token_mean((surr2 < surr1).float(), action_mask),
+                   "ppo_kl": token_mean(-log_ratio, action_mask)}
     return loss, metrics
 
 
@@ -233,9 +226,8 @@ def actor_loss(logprobs: Tensor, entropy: Optional[Tensor], mb, s: LossSettings)
     if ratio:
         metrics["pg_token_frac"] = token_mean(pg_mask.float(), mask)
     if s.tis_cap:
-        has = mask.any().float()
         metrics["is_weight_mean"] = token_mean(raw, mask)
-        metrics["is_weight_max"] = ((raw * mask).max(), has)  # Means skips it where has is 0
+        metrics["is_weight_max"] = ((raw * mask).max(), mask.any().float())  # Means skips it where no token
         metrics["is_capped_frac"] = token_mean(over.float(), mask)
     return loss, {**metrics, **engine_gap_metrics(mb, old, s.sample_sum)}
 

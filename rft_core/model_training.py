@@ -69,9 +69,8 @@ def load_value_model(path=None, actor=None, dtype=torch.float32, flag="--critic_
         config.num_labels, config.classifier_dropout = 1, 0.0
         model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
         model.base_model.load_state_dict(actor.base_model.state_dict())
-        torch.nn.init.zeros_(model.score.weight)
-        if model.score.bias is not None:
-            torch.nn.init.zeros_(model.score.bias)
+        for param in model.score.parameters():  # the weight, and the bias where the head has one
+            torch.nn.init.zeros_(param)
     return model
 
 

@@ -6,7 +6,9 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
+import psutil
 import torch
 
 from rft_core.errors import ConfigError, MissingPath
@@ -165,14 +167,12 @@ def gguf_cache(path):
 
 def _cache_intact(entry):
     """Whether the cache entry matches its digests.json (_entry_record); one that does not is removed."""
-    if not os.path.isdir(entry):
-        return False
     try:
         with open(os.path.join(entry, DIGESTS)) as f:
             intact = json.load(f) == _entry_record(entry)
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # (no entry yet: nothing to say)
         intact = False
-    if not intact:
+    if not intact and os.path.isdir(entry):
         _say(f"[cache] {entry} is not as it was written (its files' SHA-256, or the transformers version, "
              f"differ from its {DIGESTS}): dequantising the GGUF again")
         shutil.rmtree(entry, ignore_errors=True)
@@ -190,9 +190,7 @@ def _entry_record(entry):
 def _write_cache(path, model, tokenizer):
     """The model, tokenizer and digests.json at path, whole or not at all; a full disk or a read-only home
     only costs the next run the dequantisation."""
-    import tempfile
-
-    parent, tmp = os.path.dirname(path), None
+    parent = os.path.dirname(path)
     try:
         os.makedirs(parent, exist_ok=True)
         gone = [name for name in sorted(os.listdir(parent)) if _left_over(parent, name)]
@@ -201,29 +199,23 @@ def _write_cache(path, model, tokenizer):
         if gone:
             _say(f"[cache] removed from {parent} what earlier writes left unfinished or in an earlier "
                  f"format: {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}")
-        tmp = tempfile.mkdtemp(dir=parent, prefix=f".part-{os.getpid()}-")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, DIGESTS), "w") as f:
-            json.dump(_entry_record(tmp), f)  # (the record leaves its own file out)
-        os.replace(tmp, path)  # (another process that wrote it first wins: this one's is dropped)
+        with tempfile.TemporaryDirectory(dir=parent, prefix=f".part-{os.getpid()}-") as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            with open(os.path.join(tmp, DIGESTS), "w") as f:
+                json.dump(_entry_record(tmp), f)  # (the record leaves its own file out)
+            os.replace(tmp, path)  # (another process that wrote it first wins: this one's is dropped)
         _say(f"[cache] the GGUF dequantised is kept in {path} for later runs (RFT_CACHE=off keeps nothing)")
-    except OSError:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:  # (the temporary directory is gone with it)
+        pass
 
 
 def _left_over(parent, name):
     """Whether parent/name is a dead writer's .part-<pid>-... directory, or an entry without digests."""
     if not name.startswith(".part-"):
         return not os.path.exists(os.path.join(parent, name, DIGESTS))
-    try:
-        os.kill(int(name.split("-")[1]), 0)
-    except (ValueError, ProcessLookupError):
-        return True
-    except PermissionError:  # another user's
-        pass
-    return False
+    pid = name.split("-")[1]
+    return not (pid.isdigit() and psutil.pid_exists(int(pid)))  # (alive: another user's too)
 
 
 def _say(message):

@@ -58,18 +58,16 @@ def adam_step_rms(optimizer, chunk=1 << 24):
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     total, count = 0.0, 0
     for param, state in optimizer.state.items():
-        if "exp_avg" not in state:
-            continue
         group = groups.get(id(param), optimizer.param_groups[0])
+        t = float(state.get("step", group.get("step", 0)))
+        if "exp_avg" not in state or t == 0:  # no step taken yet
+            continue
         (beta1, beta2), eps = group["betas"], group["eps"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         if hasattr(m, "to_local"):  # FSDP2's DTensors: this rank's shard
             m, v = m.to_local(), v.to_local()
         if m.device.type == "cpu" and torch.cuda.is_available():
             return None
-        t = float(state.get("step", group.get("step", 0)))
-        if t == 0:  # no step taken yet
-            continue
         m_scale, v_scale = 1 - beta1 ** t, 1 - beta2 ** t  # the bias corrections
         with torch.no_grad():  # a chunk at a time: bounded temporaries
             for mc, vc in zip(m.reshape(-1).split(chunk), v.reshape(-1).split(chunk)):

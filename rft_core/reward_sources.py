@@ -45,13 +45,6 @@ def load_reward_fn(spec, workers=None, timeout=60.0):
     return fn
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect comes back as its HTTPError: urllib would resend the POST as a GET without its body."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
-
-
 def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
     """A reward function POSTing {"prompts", "completions", "labels"} to `url`, reading {"rewards": [...]}
     (or components). Unreachable, timed out or busy (HTTP 429, 502-504): retried with backoff, then
@@ -63,7 +56,10 @@ def remote_reward_fn(url, timeout=30.0, retries=3, backoff=1.0):
         raise ConfigError(f"--remote_rm_url {url!r}: {e} (e.g. http://host:5000/reward)") from e
     if parts.scheme not in ("http", "https"):
         raise ConfigError(f"--remote_rm_url {url!r}: not an http(s) URL (e.g. http://host:5000/reward)")
-    opener = urllib.request.build_opener(_NoRedirect)
+    no_redirect = urllib.request.HTTPRedirectHandler()
+    # a redirect comes back as its HTTPError: urllib would resend the POST as a GET without its body
+    no_redirect.redirect_request = lambda *args: None
+    opener = urllib.request.build_opener(no_redirect)
 
     def fn(prompts, completions, labels, **kwargs):
         body = json.dumps({"prompts": prompts, "completions": completions, "labels": labels}).encode()

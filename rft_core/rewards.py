@@ -210,20 +210,16 @@ class RewardScorer:
             for i, sample_components in enumerate(components):
                 sample_components.update({key: values[i] for key, values in named.items()})
             for i, why in failures:
-                self._report(name, i, why, completions[i], labels[i])
+                self.last_failure, kind = f"{name}: {why}", (name, why.split("(", 1)[0][:80])
+                if kind not in self.seen:
+                    self.seen.add(kind)
+                    self.log(f"[reward] {name} failed on a sample (completion {completions[i][:80]!r}, label "
+                             f"{labels[i]!r}): {why}; it gets --reward_fallback {self.fallback}, counted in "
+                             "rollout/reward_errors (shown once per kind)")
             failed.update(i for i, _ in failures)
         for sample, reward, sample_components in zip(samples, total, components):
             sample.reward, sample.components = reward, sample_components
         return len(failed)
-
-    def _report(self, source, i, why, completion, label):
-        self.last_failure = f"{source}: {why}"
-        kind = (source, why.split("(", 1)[0][:80])
-        if kind not in self.seen:
-            self.seen.add(kind)
-            self.log(f"[reward] {source} failed on a sample (completion {completion[:80]!r}, label "
-                     f"{label!r}): {why}; it gets --reward_fallback {self.fallback}, counted in "
-                     "rollout/reward_errors (shown once per kind)")
 
     def check(self, failed, total, step, env_failed=0):
         """Stop (RewardError) when `failed` of `total` samples got the fallback (env_failed: by theirs)."""

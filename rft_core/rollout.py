@@ -43,8 +43,7 @@ class RolloutSettings:
 class Group:
     samples: list
     version: int  # the policy version that sampled its first tokens
-    done: list  # per sample: finished
-    ready: bool = False  # finished and scored: it can be trained
+    done: list  # per sample: finished (a buffered group all finished: scored, waiting to be trained)
 
 
 class Rollouts:
@@ -64,9 +63,8 @@ class Rollouts:
 
     def buffer_state(self):
         """The partial-rollout buffer and queue as plain containers (torch.load's weights_only takes them)."""
-        groups = [{"version": g.version, "done": g.done, "ready": g.ready,
-                   "samples": [{**asdict(s), "generation": asdict(s.generation)} for s in g.samples]}
-                  for g in self.buffer]
+        groups = [{"version": g.version, "done": g.done, "samples": [asdict(s) for s in g.samples]}
+                  for g in self.buffer]  # (asdict: the samples' Generations too)
         return {"groups": groups, "queue": [asdict(s) for s in self.queue]}
 
     def load_state_dict(self, state, buffer=None):
@@ -76,7 +74,7 @@ class Rollouts:
         if buffer:
             self.queue = [Sample(**s) for s in buffer["queue"]]
             self.buffer = [Group([Sample(**{**s, "generation": Generation(**s["generation"])})
-                                  for s in g["samples"]], g["version"], g["done"], g["ready"])
+                                  for s in g["samples"]], g["version"], g["done"])
                            for g in buffer["groups"]]
 
     def draw(self):
@@ -145,9 +143,8 @@ class Rollouts:
         self.score_s += time.perf_counter() - start
         counts[1] += len(samples)
         for s in samples if cfg.overlong_buffer_len else []:  # DAPO's soft overlong punishment
-            s.components["overlong"] = overlong_penalty(
-                len(s.generation.token_ids), cfg.max_new_tokens, cfg.overlong_buffer_len,
-                cfg.overlong_penalty_factor)
+            s.components["overlong"] = overlong_penalty(len(s.generation.token_ids), cfg.max_new_tokens,
+                                                        cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
             s.reward += s.components["overlong"]
         for group in groups:  # dynamic sampling keeps the groups whose rewards differ
             informative = not cfg.dynamic_sampling or len({s.reward for s in group}) > 1
@@ -184,8 +181,8 @@ class Rollouts:
         for g in stale:  # their prompts are drawn again, first
             self.queue.insert(0, replace(g.samples[0], generation=None, completion=None, reward=None,
                                          components=None))
-        ready = [g for g in self.buffer if g.ready and g not in stale]
-        pending = [g for g in self.buffer if not g.ready and g not in stale]
+        ready = [g for g in self.buffer if all(g.done) and g not in stale]
+        pending = [g for g in self.buffer if not all(g.done) and g not in stale]
         resumed = sum(not d for g in pending for d in g.done)
         # where nothing is cut off (a budget of the whole length, or K = 0): the synchronous loop
         can_cut = cfg.token_budget < cfg.max_new_tokens and cfg.max_staleness > 0
@@ -199,10 +196,8 @@ class Rollouts:
             if rounds == cfg.max_rounds:
                 urgent.update(sorted(pending, key=lambda g: g.version)[:max(0, need)])
             requests = [(g, i) for g in pending for i in range(n) if not g.done[i]]
-            limits = []
-            for g, i in requests:
-                left = cfg.max_new_tokens - len(g.samples[i].generation.token_ids)
-                limits.append(left if g in urgent else min(cfg.token_budget, left))
+            limits = [min(cfg.max_new_tokens - len(g.samples[i].generation.token_ids),
+                          math.inf if g in urgent else cfg.token_budget) for g, i in requests]
             prompts = [g.samples[i].prompt_ids + g.samples[i].generation.token_ids for g, i in requests]
             outputs = self._generate(engine, prompts, limits, [g.samples[i].mm for g, i in requests])
             for (g, i), limit, new in zip(requests, limits, outputs):
@@ -218,9 +213,7 @@ class Rollouts:
             pending = [g for g in pending if not all(g.done)]
             kept = []
             self._score([g.samples for g in finished], tokenizer, score_all, kept, dropped, counts)
-            for g in finished:
-                g.ready = any(group is g.samples for group in kept)
-            ready += [g for g in finished if g.ready]
+            ready += [g for g in finished if any(group is g.samples for group in kept)]
             if not reduce_sum(torch.tensor(float(len(ready) < self.k), device=self.device)):
                 break  # every rank has its k groups
         trained = sorted(ready, key=lambda g: g.version)[:self.k]  # the oldest first (else as they finished)

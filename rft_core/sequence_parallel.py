@@ -157,9 +157,7 @@ class SequenceParallel:
                 out.append(token_logprobs(model, {**rows, "attention_mask": None, "logits_to_keep": 0},
                                           part.targets[b:b + step], temperature, with_entropy, chunk_size))
         pick = lambda x: torch.cat(x).gather(1, part.where) * part.owned  # noqa: E731  (B, w) each -> (B, T)
-        logprobs = pick([lp for lp, _ in out])
-        entropy = pick([e for _, e in out]) if with_entropy else None
-        return logprobs, entropy
+        return pick([lp for lp, _ in out]), pick([e for _, e in out]) if with_entropy else None
 
 
 def group_size(parallelism):

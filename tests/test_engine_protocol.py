@@ -28,7 +28,7 @@ def test_every_engine_offers_the_protocol(engine):
     assert CALLS == ["can_wake", "generate", "sleep", "update_weights", "wake_up"]
     for name in CALLS:
         assert shape(getattr(engine, name)) == shape(getattr(Engine, name)), f"{engine.__name__}.{name}"
-    public = sorted(n for n, v in vars(engine).items() if callable(v) and n[0] != "_")
+    public = sorted({n for c in engine.__mro__ for n, v in vars(c).items() if callable(v) and n[0] != "_"})
     assert public == CALLS, f"{engine.__name__}: a public call the protocol lacks"
 
 

@@ -163,3 +163,19 @@ def test_resume_refuses_edited_data_and_fewer_steps_and_keeps_the_warm_up(tiny_m
     assert "the learning-rate warm-up keeps the length checkpoint-2 was written with, 2 " in proc.stdout
     rates = [row["train/lr"] for row in read_metrics(str(out))[0]]
     assert rates[1:] == [rates[1]] * 3 and rates[0] < rates[1]  # warm-up over steps 1-2, then constant
+
+
+def test_another_teacher_is_refused(tmp_path):
+    """A distilled run resumes with the teacher it started from: another (or none) is one line."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "model.safetensors").write_bytes(b"a" * 1000)
+    args = args_for(teacher_pretrain=str(teacher))
+    ckpt = checkpoint_with(tmp_path, {"run": run_identity(args, ACCELERATOR, "m")})
+    check_identity(ckpt, run_identity(args, ACCELERATOR, "m"))
+    time.sleep(0.02)
+    (teacher / "model.safetensors").write_bytes(b"b" * 1000)
+    with pytest.raises(CheckpointError, match=r"--teacher_pretrain: another model"):
+        check_identity(ckpt, run_identity(args, ACCELERATOR, "m"))
+    with pytest.raises(CheckpointError, match=r"--teacher_pretrain: another model"):
+        check_identity(ckpt, run_identity(args_for(), ACCELERATOR, "m"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rft_core.engines.base import EngineSettings
-from rft_core.engines.colocation import flatten_group, slice_for_rank, tp_groups
+from rft_core.engines.colocation import Colocated, slice_for_rank, tp_groups
 from rft_core.engines.sync import buckets, iter_weights, vllm_param_name
 from rft_core.engines.vllm import VLLMEngine, cuda_graph_config, engine_requests
 
@@ -66,15 +66,69 @@ def test_tp_groups():
         tp_groups(6, 4)
 
 
-def test_gather_generate_scatter_keeps_order():
+def test_gather_generate_scatter_keeps_order(monkeypatch):
     """Simulate a TP group of 3 ranks with uneven prompt counts: each gets its own outputs back, in order."""
     per_rank = [[[1, 2], [3]], [[4], [5, 6], [7]], []]  # prompts (token-id lists) of ranks 0, 1, 2
-    flat, sizes = flatten_group(per_rank)
+    gather = lambda out, obj, group: out.__setitem__(slice(None), per_rank)  # noqa: E731
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    group = Colocated()
+    group.tp_group, group.group_ranks = object(), [0, 1, 2]
+    flat, sizes = group._gathered(per_rank[1])
     assert sizes == [2, 3, 0] and flat == [[1, 2], [3], [4], [5, 6], [7]]
     generated = [[t * 10 for t in p] for p in flat]  # a stand-in engine: output depends on the prompt
     for index, prompts in enumerate(per_rank):
         mine = slice_for_rank(generated, sizes, index)
         assert mine == [[t * 10 for t in p] for p in prompts]
+
+
+def test_sleep_and_wake_follow_the_mode_and_the_free_memory(monkeypatch):
+    """Colocated (vLLM's and SGLang's sleep and wake): "auto" sleeps only when training is short of memory,
+    frees both parts and measures them; the weights wake alone (the sync), then the KV cache, each only if it
+    fits; in a group (SGLang's _any) one GPU short of memory keeps every rank from waking."""
+    from rft_core.engines.colocation import Colocated
+    from rft_core.errors import OutOfMemory
+
+    free = [10 << 30]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free[0], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for name in ("memory_reserved", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+
+    class Engine(Colocated):
+        sleeping, slept_bytes, weight_bytes, calls = set(), 0, 2 << 30, []
+
+        def _release(self):
+            self.calls.append("release")
+            free[0] += 6 << 30
+
+        def _resume(self, tags):
+            self.calls.append(tags)
+            free[0] -= {"weights": 2 << 30, "kv_cache": 4 << 30}[tags[0]] if len(tags) == 1 else 6 << 30
+
+    engine = Engine()
+    engine.sleep_mode = "auto"
+    assert engine.sleep(needed_bytes=1 << 30) is False and not engine.calls  # 10 GiB free: room enough
+    assert engine.sleep(needed_bytes=20 << 30) is True and engine.sleep() is False  # asleep already
+    assert engine.slept_bytes == 6 << 30 and engine.sleeping == {"weights", "kv_cache"}
+    free[0] = 1 << 30  # the update took the memory
+    assert not engine.can_wake()
+    error = engine._wake_error(["weights", "kv_cache"])
+    assert str(error).startswith("the engine needs 6.0 GiB to wake its weights and kv_cache, but only 1.0 of")
+    with pytest.raises(OutOfMemory, match="vLLM needs 2.0 GiB to wake its weights"):
+        engine.name = "vLLM"
+        engine.wake_up(["weights"])
+    free[0] = 16 << 30
+    engine.wake_up(["weights"])
+    engine.wake_up(["weights"])  # awake already: nothing to do
+    assert engine.calls == ["release", ["weights"]] and engine.sleeping == {"kv_cache"}
+    engine.wake_up()
+    assert engine.calls[-1] == ["kv_cache"] and not engine.sleeping and free[0] == 10 << 30
+    engine.sleep_mode = "never"
+    assert engine.sleep(needed_bytes=1 << 40) is False
+    engine.sleep_mode, engine._any = "always", lambda flag: True  # another GPU of the group is short
+    assert engine.sleep() is True
+    with pytest.raises(OutOfMemory, match="another GPU of its group is short of memory"):
+        engine.wake_up()
 
 
 def test_vllm_param_name():

@@ -1,5 +1,6 @@
-"""What the colocated engines (vLLM, SGLang) share: tensor-parallel groups of consecutive ranks, the GPU
-memory checks around sleep and wake, and the KV cache size of a small model (`kv_cache_bytes`)."""
+"""What the colocated engines (vLLM, SGLang) share: tensor-parallel groups of consecutive ranks, sleep and
+wake (`Colocated`) with the GPU memory checks around them, and the KV cache size of a small model
+(`kv_cache_bytes`)."""
 
 import socket
 
@@ -24,21 +25,6 @@ def engine_group(tp_size):
     return groups[rank // tp_size], rank % tp_size, subgroup
 
 
-def short_for_training(needed_bytes):
-    """Whether free and PyTorch-cached memory is short of needed_bytes (None, the first step: yes)."""
-    if needed_bytes is None:
-        return True
-    free, _ = torch.cuda.mem_get_info()
-    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    return free + cached <= needed_bytes * 1.1 + (1 << 30)
-
-
-def wake_error(engine, need, tags):
-    """memory_error for waking `tags`; the trainer's cached blocks are released first: the engine maps memory
-    of its own, which PyTorch's cache would hold on to (the 0.4B crash of issue 15)."""
-    return memory_error(engine, need, f"wake its {' and '.join(tags)}")
-
-
 def memory_error(engine, need, what):
     """The OutOfMemory to raise if `need` bytes (for `what`) do not fit in free GPU memory, else None."""
     torch.cuda.empty_cache()
@@ -52,13 +38,8 @@ def memory_error(engine, need, what):
         "--lora_rank, or shard further (fsdp2.yaml, an *_offload.yaml config, more GPUs)")
 
 
-def flatten_group(per_rank):
-    """(the ranks' lists concatenated, their sizes)."""
-    return [x for items in per_rank for x in items], [len(items) for items in per_rank]
-
-
 def slice_for_rank(flat, sizes, index):
-    """This rank's part of a group-wide list built by flatten_group (index: rank within the group)."""
+    """This rank's part of a group-wide list built by Colocated._gathered (index: rank within the group)."""
     start = sum(sizes[:index])
     return flat[start:start + sizes[index]]
 
@@ -80,3 +61,56 @@ def kv_cache_bytes(config, requests, max_len, budget_bytes):
     per_token = 2 * c.num_hidden_layers * (getattr(c, "num_key_value_heads", None) or heads) * head_dim * 2
     need = 2 * requests * max_len * per_token
     return need if need < budget_bytes / 4 else None
+
+
+class Colocated:
+    """sleep, wake_up and can_wake of a colocated engine (vLLM, SGLang) around its own _release and _resume;
+    weight_bytes: this GPU's; _any: whether any rank of the engine's group says so."""
+    name = "the engine"  # in messages
+
+    def sleep(self, needed_bytes=None):
+        """auto: only when free and PyTorch-cached memory is short of needed_bytes (None, the first step: yes)
+        on some GPU of the group."""
+        if self.sleep_mode == "never" or self.sleeping:
+            return False
+        before, _ = torch.cuda.mem_get_info()
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        short = needed_bytes is None or before + cached <= needed_bytes * 1.1 + (1 << 30)
+        if not self._any(self.sleep_mode == "always" or short):
+            return False
+        self._release()
+        self.slept_bytes = torch.cuda.mem_get_info()[0] - before  # this GPU's weights and KV cache, measured
+        self.sleeping = {"weights", "kv_cache"}
+        return True
+
+    def can_wake(self):
+        return self._wake_error(self.sleeping) is None
+
+    def _wake_error(self, tags):
+        """memory_error for waking `tags`; the trainer's cached blocks are released first: the engine maps
+        memory of its own, which PyTorch's cache would hold on to (the 0.4B crash of issue 15)."""
+        need = {"weights": self.weight_bytes, "kv_cache": max(0, self.slept_bytes - self.weight_bytes)}
+        return memory_error(self.name, sum(need[t] for t in tags), f"wake its {' and '.join(tags)}")
+
+    def wake_up(self, tags=None):
+        """Raises unless the slept memory fits (on every GPU of the group)."""
+        tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
+        if not tags:
+            return
+        error = self._wake_error(tags)
+        if self._any(error is not None):
+            raise error or OutOfMemory(f"{self.name} cannot wake: another GPU of its group is short of "
+                                       "memory (its rank's error says how much)")
+        self._resume(tags)
+        self.sleeping -= set(tags)
+
+    def _any(self, flag):  # vLLM: each rank's engine decides alone
+        return bool(flag)
+
+    def _gathered(self, items, count=len):
+        """(the group's items in rank order, each rank's count(its items)); without a group (items, None)."""
+        if self.tp_group is None:
+            return items, None
+        per_rank = [None] * len(self.group_ranks)
+        torch.distributed.all_gather_object(per_rank, items, group=self.tp_group)
+        return [x for mine in per_rank for x in mine], [count(mine) for mine in per_rank]

@@ -30,10 +30,8 @@ class HFEngine:
                  stop_token_ids=()):
         self.model = model  # the unwrapped training model: always the current weights
         # sharded weights (ZeRO-3, FSDP2): every forward is a collective, so ranks step until all are done
-        self.synced_gpus = synced_gpus
-        self.tokenizer = tokenizer
-        self.micro_batch_size = micro_batch_size
-        self.autocast_dtype = autocast_dtype
+        self.synced_gpus, self.tokenizer = synced_gpus, tokenizer
+        self.micro_batch_size, self.autocast_dtype = micro_batch_size, autocast_dtype
         self.stop = tuple(stop)  # texts that end a response (EngineSettings.stop)
         self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id, *stop_token_ids) if t is not None)
 

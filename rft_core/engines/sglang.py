@@ -13,16 +13,9 @@ import time
 import torch
 
 from rft_core.engines.base import Generation, cut_at_stop, wants_logprobs
-from rft_core.engines.colocation import (
-    engine_group,
-    flatten_group,
-    free_port,
-    short_for_training,
-    slice_for_rank,
-    wake_error,
-)
+from rft_core.engines.colocation import Colocated, engine_group, free_port, slice_for_rank
 from rft_core.engines.sync import buckets, iter_weights
-from rft_core.errors import ConfigError, OutOfMemory
+from rft_core.errors import ConfigError
 
 
 def sampling_params(limits, temperature, top_p, stop_token_ids, blocked_token_ids=()):
@@ -60,7 +53,9 @@ def generation_of(out, with_logprobs=True):
     return Generation(ids, [float(lp) for lp, _, _ in pairs])
 
 
-class SGLangEngine:
+class SGLangEngine(Colocated):
+    name = "SGLang"
+
     def __init__(self, model_dir, eos_token_id, settings, max_total_tokens=None, weight_bytes=0,
                  blocked_token_ids=(), multimodal=False, dtype=torch.bfloat16, bucket_mb=256, tokenizer=None):
         """max_total_tokens: the KV cache's (None: mem_util's share); weight_bytes: the whole group's."""
@@ -127,11 +122,7 @@ class SGLangEngine:
         mm = mm or [None] * n
         rows = [(list(p), limit, wants_logprobs(i, logprob_every), m)
                 for i, (p, limit, m) in enumerate(zip(prompt_token_ids, limits, mm))]
-        sizes = None
-        if self.tp_group is not None:  # the group's first rank generates everyone's requests
-            per_rank = [None] * len(self.group_ranks)
-            torch.distributed.all_gather_object(per_rank, rows, group=self.tp_group)
-            rows, sizes = flatten_group(per_rank)
+        rows, sizes = self._gathered(rows)  # the group's first rank generates everyone's requests
         gens = []
         if self.llm is not None and rows:
             limits = [limit for _, limit, _, _ in rows]
@@ -165,42 +156,16 @@ class SGLangEngine:
 
         return self.llm.loop.run_until_complete(each())
 
-    def sleep(self, needed_bytes=None):
-        """auto: only when training is short of needed_bytes on some GPU of the group."""
-        if self.sleep_mode == "never" or self.sleeping:
-            return False
-        short = self.sleep_mode == "always" or short_for_training(needed_bytes)
-        if not self._any(short):
-            return False
-        before, _ = torch.cuda.mem_get_info()
+    def _release(self):
         if self.llm is not None:
             self._flush()  # release asserts an idle scheduler
             self.llm.release_memory_occupation(tags=["kv_cache", "weights"])
         self._barrier()
-        self.slept_bytes = torch.cuda.mem_get_info()[0] - before  # this GPU's weights and KV cache, measured
-        self.sleeping = {"weights", "kv_cache"}
-        return True
 
-    def _wake_bytes(self, tags):
-        need = {"weights": self.weight_bytes, "kv_cache": max(0, self.slept_bytes - self.weight_bytes)}
-        return sum(need[t] for t in tags)
-
-    def can_wake(self):
-        return wake_error("SGLang", self._wake_bytes(self.sleeping), self.sleeping) is None
-
-    def wake_up(self, tags=None):
-        """Raises unless the slept memory fits on every GPU of the group."""
-        tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
-        if not tags:
-            return
-        error = wake_error("SGLang", self._wake_bytes(tags), tags)
-        if self._any(error is not None):
-            raise error or OutOfMemory("SGLang cannot wake: another GPU of its group is short of memory (its "
-                                       "rank's error says how much)")
+    def _resume(self, tags):
         if self.llm is not None:
             self.llm.resume_memory_occupation(tags=tags)
         self._barrier()
-        self.sleeping -= set(tags)
 
     @torch.no_grad()
     def update_weights(self, model):

@@ -12,15 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rft_core.engines.base import cut_at_stop, wants_logprobs
-from rft_core.engines.colocation import (
-    engine_group,
-    flatten_group,
-    free_port,
-    memory_error,
-    short_for_training,
-    slice_for_rank,
-    wake_error,
-)
+from rft_core.engines.colocation import Colocated, engine_group, free_port, memory_error, slice_for_rank
 from rft_core.engines.sync import buckets, iter_weights
 from rft_core.errors import ConfigError
 from rft_core.models import pin_triton_cache
@@ -58,7 +50,9 @@ def engine_requests(prompt_token_ids, limits, mm, logprob_every, group=True):
     return requests
 
 
-class VLLMEngine:
+class VLLMEngine(Colocated):
+    name = "vLLM"
+
     def __init__(self, model_dir, eos_token_id, settings, kv_bytes=None, max_batch=256, blocked_token_ids=(),
                  dtype=torch.bfloat16, bucket_mb=256, tokenizer=None):
         """kv_bytes: the KV cache's (None: mem_util's share); max_batch: sequences per generate call."""
@@ -108,12 +102,8 @@ class VLLMEngine:
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(mm)
         # greedy: vLLM takes no request of n (a sample each)
         requests = engine_requests(prompt_token_ids, limits, mm, logprob_every, group=temperature > 0)
-        sizes = None
-        if self.tp_group is not None:  # every rank of the group must submit the same requests
-            per_rank = [None] * len(self.group_ranks)
-            torch.distributed.all_gather_object(per_rank, requests, group=self.tp_group)
-            requests, _ = flatten_group(per_rank)
-            sizes = [sum(r.n for r in mine) for mine in per_rank]  # in samples, as the outputs come
+        # every rank of a group must submit the same requests; sizes in samples, as the outputs come
+        requests, sizes = self._gathered(requests, lambda mine: sum(r.n for r in mine))
         self.calls += 1
         if not requests:  # (partial rollout: a rank may have nothing left to generate in a round)
             return []
@@ -154,33 +144,15 @@ class VLLMEngine:
                                         self.tokenizer, self.stop, self.stop_token_ids))
         return slice_for_rank(gens, sizes, self.group_index) if sizes else gens
 
-    def sleep(self, needed_bytes=None):
-        if self.sleep_mode == "never" or self.sleeping:
-            return False
-        if self.sleep_mode == "auto" and not short_for_training(needed_bytes):
-            return False
-        before, _ = torch.cuda.mem_get_info()
+    def _release(self):
         self.llm.sleep(level=self.sleep_level)
-        self.slept_bytes = torch.cuda.mem_get_info()[0] - before  # weights and KV cache, as measured
-        self.sleeping = {"weights", "kv_cache"}
-        return True
 
-    def can_wake(self):
-        return wake_error("vLLM", self._wake_bytes(self.sleeping), self.sleeping) is None
-
-    def _wake_bytes(self, tags):
-        weights = sum(p.numel() * p.element_size() for p in self._runner_model().parameters())
-        need = {"weights": weights, "kv_cache": max(0, self.slept_bytes - weights)}
-        return sum(need[t] for t in tags)
-
-    def wake_up(self, tags=None):
-        tags = [t for t in (tags or ["weights", "kv_cache"]) if t in self.sleeping]
-        if not tags:
-            return
-        if error := wake_error("vLLM", self._wake_bytes(tags), tags):
-            raise error
+    def _resume(self, tags):
         self.llm.wake_up(tags=tags)
-        self.sleeping -= set(tags)
+
+    @property
+    def weight_bytes(self):
+        return sum(p.numel() * p.element_size() for p in self._runner_model().parameters())
 
     @torch.no_grad()
     def update_weights(self, model):

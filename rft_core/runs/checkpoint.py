@@ -94,9 +94,10 @@ def check_identity(ckpt, identity):
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         saved = json.load(f).get("run") or {}
     changed = [f"{name} {saved[name]!r} then, {value!r} now" for name, value in identity.items()
-               if name in saved and saved[name] != value and name not in ("model", "data")]
-    if "model" in saved and saved["model"] != identity["model"]:
-        changed.append("--pretrain: another model (its files differ from those it started from)")
+               if name in saved and saved[name] != value and name not in ("model", "teacher", "data")]
+    for name, flag in (("model", "pretrain"), ("teacher", "teacher_pretrain")):
+        if name in saved and saved[name] != identity.get(name):
+            changed.append(f"--{flag}: another model (its files differ from those it started from)")
     changed += [f"--{name}: other data (the file was edited, or is another)" for name, path in
                 identity.get("data", {}).items() if "data" in saved and saved["data"].get(name) != path]
     if changed:
@@ -180,8 +181,7 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
     try:
         accelerator.save_state(tmp)
         if accelerator.is_main_process:
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"step": step, **state}, f)
+            write_whole(os.path.join(tmp, "trainer_state.json"), json.dumps({"step": step, **state}))
             if tensors:
                 with open(os.path.join(tmp, "tensors.pt"), "wb") as f:  # (a full disk's errno kept)
                     torch.save(tensors, f)
@@ -209,9 +209,7 @@ def save_checkpoint(accelerator, output_dir, step, state, tensors=None, max_ckpt
 
 
 def _on_any_rank(accelerator, flag):
-    """Whether flag is true on any rank (collective with several processes)."""
-    if accelerator.num_processes == 1:
-        return flag
+    """Whether flag is true on any rank (collective)."""
     return accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum").item() > 0
 
 
@@ -223,8 +221,7 @@ def _save_failed(accelerator, output_dir, step, tmp, error, tensor_bytes):
     """The one-line error of a save that failed on some rank (error: this rank's, or None), the partial one
     removed; a full disk says what it needs and what is free. Other errors keep their traceback."""
     previous = [c for c in list_checkpoints(output_dir) if checkpoint_step(c) < step]
-    written = (_size(tmp) if os.path.isdir(tmp) else 0) + tensor_bytes
-    needed = max(_size(previous[-1]) if previous else 0, written)
+    needed = max(_size(previous[-1]) if previous else 0, _size(tmp) + tensor_bytes)  # (no tmp: 0)
     full = error is not None and is_full(error, output_dir)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -20,10 +20,19 @@ REPLACED = {"--use_wandb": "--report_to wandb", "--use_tensorboard": "--report_t
             "--kl_horizon": "no flag: the adaptive KL's horizon is 10,000 samples (rft_core/advantages.py)"}
 
 
-def _field_docs(cls):
-    """{field: (section, the string literal under it)}; sections from `# ---- section ----` comments."""
+def _bool(text):
+    if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+    return text.lower() in ("1", "true", "yes", "on")
+
+
+def parse_args(cls, argv=None):
+    """argv as a `cls`: bools as `--name [true|false]`, tuples as `--name A B`, Literals as choices."""
+    parser = argparse.ArgumentParser(description=inspect.getdoc(inspect.getmodule(cls)),
+                                     usage="%(prog)s [--flag value ...] (--help lists them)",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     source = textwrap.dedent(inspect.getsource(cls))
-    body, docs = ast.parse(source).body[0].body, {}
+    body, docs = ast.parse(source).body[0].body, {}  # {field: (section, the string literal under it)}
     lines, section = source.splitlines(), "the task"
     for node, nxt in zip(body, body[1:]):
         if not isinstance(node, ast.AnnAssign):
@@ -32,27 +41,10 @@ def _field_docs(cls):
         section = above.group(1) if above else section
         documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
         docs[node.target.id] = section, " ".join(str(nxt.value.value).split()) if documented else ""
-    return docs
-
-
-def _bool(text):
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def parse_args(cls, argv=None):
-    """argv as a `cls`: bools as `--name [true|false]`, tuples as `--name A B`, Literals as choices."""
-    parser = argparse.ArgumentParser(description=inspect.getdoc(inspect.getmodule(cls)),
-                                     usage="%(prog)s [--flag value ...] (--help lists them)",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    docs, hints, groups = _field_docs(cls), typing.get_type_hints(cls), {}
+    hints = typing.get_type_hints(cls)
+    groups = {s: parser.add_argument_group(s) for s, _ in [("the task", ""), *docs.values()]}
     for f in dataclasses.fields(cls):
         section, doc = docs.get(f.name, ("the task", ""))
-        if section not in groups:
-            groups[section] = parser.add_argument_group(section)
         group, kind = groups[section], hints[f.name]
         if typing.get_origin(kind) is typing.Union:  # Optional[X]
             kind = next(a for a in typing.get_args(kind) if a is not type(None))

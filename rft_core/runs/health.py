@@ -110,8 +110,7 @@ class HealthGuard:
         """Raise TrainingDiverged naming the newest intact checkpoint and the fix (advice, or a lower LR)."""
         ckpt = latest_checkpoint(self.output_dir)
         fix = advice or f"rerun with a lower --actor_learning_rate{' (or other flags)' if ckpt else ''}"
-        where = f"no checkpoint was written before it: {fix}"
-        if ckpt:
-            where = (f"{os.path.basename(ckpt)} is the newest intact checkpoint: {fix} and it resumes from "
-                     "there, or add --no_resume to start afresh")
+        where = (f"{os.path.basename(ckpt)} is the newest intact checkpoint: {fix} and it resumes from "
+                 "there, or add --no_resume to start afresh" if ckpt else
+                 f"no checkpoint was written before it: {fix}")
         raise TrainingDiverged(f"{what} at step {step}, and nothing of it was saved; {where}")

@@ -38,19 +38,17 @@ def is_full(error, directory):
                 rf"os error ({errno.ENOSPC}|{errno.EDQUOT})\b", str(error)):  # (safetensors' Rust error)
             return True
         error = error and (error.__cause__ or error.__context__)
-    try:
+    with contextlib.suppress(OSError):
         return shutil.disk_usage(directory).free < 64 << 20
-    except OSError:
-        return False
+    return False
 
 
 def write_error(error, directory):
     """What went wrong writing into directory, in words: `no space left on <dir> (N free)`, or the error."""
     if is_full(error, directory):
-        try:
+        with contextlib.suppress(OSError):
             return f"no space left on {directory} ({size_text(shutil.disk_usage(directory).free)} free)"
-        except OSError:
-            return f"no space left on {directory}"
+        return f"no space left on {directory}"
     return f"{type(error).__name__}: {error}"
 
 
@@ -159,20 +157,16 @@ def verify_checkpoint(ckpt):
     if not os.path.isdir(ckpt):
         return "missing"
     path = os.path.join(ckpt, MANIFEST)
-    if not os.path.exists(path):
-        try:
-            with open(os.path.join(ckpt, "trainer_state.json")) as f:
-                json.load(f)
-            return None
-        except (OSError, ValueError) as e:
-            return f"trainer_state.json unreadable ({e})"
-    if _written.get(ckpt) == os.stat(path).st_mtime_ns:
+    if os.path.exists(path) and _written.get(ckpt) == os.stat(path).st_mtime_ns:
         return None
+    name = MANIFEST if os.path.exists(path) else "trainer_state.json"
     try:
-        with open(path) as f:
+        with open(os.path.join(ckpt, name)) as f:
             files = json.load(f)
     except (OSError, ValueError) as e:
-        return f"{MANIFEST} unreadable ({e})"
+        return f"{name} unreadable ({e})"
+    if name != MANIFEST:
+        return None
     for rel, want in files.items():
         file = os.path.join(ckpt, rel)
         if not os.path.isfile(file):

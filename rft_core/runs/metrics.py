@@ -104,8 +104,7 @@ def rollout_metrics(samples, generate_max_len, shaped_rewards=None, reward_clip=
     if shaped_rewards is not None:
         metrics["rollout/shaped_reward_mean"] = shaped_rewards.mean().item()
     if reward_clip is not None:
-        clipped = (shaped_rewards.abs() >= reward_clip).float()  # (B,)
-        metrics["rollout/reward_clip_frac"] = clipped.mean().item()
+        metrics["rollout/reward_clip_frac"] = (shaped_rewards.abs() >= reward_clip).float().mean().item()
     return metrics
 
 
@@ -209,16 +208,17 @@ class MetricsLog:
             append(self.path, json.dumps({"step": step, **metrics}) + "\n", f"the row of step {step}")
             if print_line:
                 tqdm.write(self.line(step, metrics))
-            if metrics.get("train/grad_norm") == 0:
-                self._say_once("idle", f"[signal] step {step} trained nothing: the actor's gradient is 0, "
-                               "so every advantage was 0 (each group's rewards equal: all solved, all "
-                               "failed, or a reward that does not vary with the answer); said once, "
-                               "train/grad_norm shows the others")
-            if metrics.get("rollout/truncated") == 1:
-                self._say_once("cut", f"[signal] step {step}: every response was cut at --generate_max_len "
-                               f"{self.max_len} before it ended, so the rewards judged unfinished answers: "
-                               "raise the limit if the task needs longer ones; said once, rollout/truncated "
-                               "shows the others")
+            if metrics.get("train/grad_norm") == 0 and "idle" not in self.said:
+                self.said.add("idle")
+                tqdm.write(f"[signal] step {step} trained nothing: the actor's gradient is 0, so every "
+                           "advantage was 0 (each group's rewards equal: all solved, all failed, or a reward "
+                           "that does not vary with the answer); said once, train/grad_norm shows the others")
+            if metrics.get("rollout/truncated") == 1 and "cut" not in self.said:
+                self.said.add("cut")
+                tqdm.write(f"[signal] step {step}: every response was cut at --generate_max_len "
+                           f"{self.max_len} before it ended, so the rewards judged unfinished answers: raise "
+                           "the limit if the task needs longer ones; said once, rollout/truncated shows the "
+                           "others")
         if self.accelerator is not None and self.accelerator.trackers:
             self.accelerator.log(metrics, step=step)
 
@@ -228,22 +228,14 @@ class MetricsLog:
             path = os.path.join(os.path.dirname(self.path), run_dir.FINISHED)
             write_whole(path, json.dumps({"step": step}))
 
-    def _say_once(self, kind, message):
-        if kind not in self.said:
-            self.said.add(kind)
-            tqdm.write(message)
-
     def samples_and_plots(self, step, samples, tokenizer, lengths, last=False):
         """Every samples_every steps: 4 samples to samples.jsonl (2 printed; a wandb table with wandb) and
         the plots (also at the last step; lengths: this step's response lengths)."""
         if self.enabled and self.samples_every and step % self.samples_every == 0 and samples:
-            rows = []
-            for s in samples[:4]:
-                row = {"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion, "label": s.label,
-                       "reward": s.reward}
-                if s.episode is not None:
-                    row.update(turns=s.episode.turns, cut=s.episode.cut, env_failure=s.episode.failure)
-                rows.append(row)
+            rows = [{"prompt": tokenizer.decode(s.prompt_ids), "completion": s.completion, "label": s.label,
+                     "reward": s.reward, **({} if s.episode is None else dict(
+                         turns=s.episode.turns, cut=s.episode.cut, env_failure=s.episode.failure))}
+                    for s in samples[:4]]
             path = os.path.join(os.path.dirname(self.path), "samples.jsonl")
             text = "".join(json.dumps({"step": step, **x}) + "\n" for x in rows)
             append(path, text, f"the samples of step {step}")

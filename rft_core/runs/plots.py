@@ -1,7 +1,8 @@
 """PNG plots: reward / accuracy curves, the latest rollout's lengths (the seed's GenLenAnalyser's)."""
 
-import json
 import os
+
+from rft_core.runs.integrity import read_rows
 
 
 def write_plots(output_dir, lengths, max_len):
@@ -11,10 +12,10 @@ def write_plots(output_dir, lengths, max_len):
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    rows = read_rows(os.path.join(output_dir, "metrics.jsonl"))[0]  # (a cut last row left out)
     steps = [r for r in rows if "rollout/reward_mean" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    curves, ax = plt.subplots(figsize=(6, 4))
     x = [r["step"] for r in steps]
     ax.plot(x, [r["rollout/reward_mean"] for r in steps], label="rollout/reward_mean")
     if steps and "rollout/reward/correct" in steps[0]:
@@ -25,21 +26,16 @@ def write_plots(output_dir, lengths, max_len):
     ax.set_xlabel("step")
     ax.legend()
     ax.grid(alpha=0.3)
-    _save(fig, plt, os.path.join(output_dir, "curves.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    gen_len, ax = plt.subplots(figsize=(6, 4))
     ax.hist(lengths, bins=min(50, max_len), range=(0, max_len))
-    truncated = sum(n >= max_len for n in lengths)
     step = steps[-1]["step"] if steps else 0
     ax.set_title(f"generation lengths, step {step}: mean {sum(lengths) / max(len(lengths), 1):.1f}, "
-                 f"{truncated}/{len(lengths)} hit the limit")
-    ax.set_xlabel("response tokens")
-    ax.set_ylabel("samples")
-    _save(fig, plt, os.path.join(output_dir, "gen_len.png"))
-
-
-def _save(fig, plt, path):  # written aside and renamed: a kill never leaves half a picture
-    fig.tight_layout()
-    fig.savefig(path + ".tmp", dpi=100, format="png")
-    plt.close(fig)
-    os.replace(path + ".tmp", path)
+                 f"{sum(n >= max_len for n in lengths)}/{len(lengths)} hit the limit")
+    ax.set(xlabel="response tokens", ylabel="samples")
+    for fig, name in ((curves, "curves.png"), (gen_len, "gen_len.png")):
+        path = os.path.join(output_dir, name)  # written aside and renamed: a kill never leaves half a picture
+        fig.tight_layout()
+        fig.savefig(path + ".tmp", dpi=100, format="png")
+        plt.close(fig)
+        os.replace(path + ".tmp", path)

@@ -23,19 +23,18 @@ def run_main(main):
         if os.environ.get("RFT_DEBUG", "0") not in ("", "0"):
             raise
         if isinstance(e, (UserError, StopNow)):
-            said = "stopped" if isinstance(e, (Stopped, StopNow)) else "error"
-            print(f"{said}: {e}", file=sys.stderr, flush=True)
-            sys.exit(getattr(e, "exit_code", 2))
-        if isinstance(e, KeyboardInterrupt):  # before main's handlers were installed
-            print("interrupted: checkpoints are written atomically: rerun the same command to resume from "
-                  "the last complete one, if there is one", file=sys.stderr, flush=True)
-            sys.exit(130)
-        said = ". ".join(str(e).split(". ")[:3])  # out of memory, how much it tried, how much was free
-        print(f"error: {said}: make room with --optimizer_offload, a smaller --max_tokens_per_micro_batch or "
-              "--engine_mem_util, --gradient_checkpointing or --lora_rank, or shard further (fsdp2.yaml, an "
-              "*_offload.yaml config, more GPUs); checkpoints are written atomically, so the last complete "
-              "one is intact (RFT_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
-        sys.exit(2)
+            said = f"{'stopped' if isinstance(e, (Stopped, StopNow)) else 'error'}: {e}"
+        elif isinstance(e, KeyboardInterrupt):  # before main's handlers were installed
+            said = ("interrupted: checkpoints are written atomically: rerun the same command to resume from "
+                    "the last complete one, if there is one")
+        else:  # out of memory, how much it tried, how much was free
+            said = (f"error: {'. '.join(str(e).split('. ')[:3])}: make room with --optimizer_offload, a "
+                    "smaller --max_tokens_per_micro_batch or --engine_mem_util, --gradient_checkpointing or "
+                    "--lora_rank, or shard further (fsdp2.yaml, an *_offload.yaml config, more GPUs); "
+                    "checkpoints are written atomically, so the last complete one is intact (RFT_DEBUG=1 "
+                    "shows the traceback)")
+        print(said, file=sys.stderr, flush=True)
+        sys.exit(getattr(e, "exit_code", 130 if isinstance(e, KeyboardInterrupt) else 2))
 
 
 class StopNow(KeyboardInterrupt):

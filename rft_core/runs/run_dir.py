@@ -44,7 +44,6 @@ def _hide(match):
 
 
 class Redacting:
-
     def __init__(self, stream):
         self.stream = stream
 
@@ -82,11 +81,9 @@ def on_main(accelerator, fn):
 
 def _start_ticks(pid):
     """When the process started (clock ticks after boot; None without /proc): tells a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-    except (OSError, ValueError, IndexError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return None
 
 
 def _read_lock(path):
@@ -240,11 +237,10 @@ def _move_back(output_dir, aside, log):
 
 def finished_step(output_dir):
     """The last step whose exports are whole in output_dir (FINISHED, written after them), or None."""
-    try:
-        with open(os.path.join(output_dir, FINISHED)) as f:
-            return json.load(f)["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    with (contextlib.suppress(OSError, ValueError, KeyError, TypeError),
+          open(os.path.join(output_dir, FINISHED)) as f):
+        return json.load(f)["step"]
+    return None
 
 
 def previous_run(output_dir, rows):
@@ -282,7 +278,6 @@ def move_previous(output_dir, found, log=print):
         os.rename(os.path.join(output_dir, name), os.path.join(target + ".tmp", name))
     os.rename(target + ".tmp", target)
     log(f"[output] --no_resume: the previous run ({found[0]}) moved from {output_dir} to {target}/")
-    return target
 
 
 def _flat(config, prefix=""):
