@@ -107,15 +107,16 @@ def test_full_weights_sharded(tiny_model_dir):
 @pytest.mark.slow
 def test_deepspeed_zero3_matches_ddp_resumes_and_spans_machines(tiny_model_dir, tiny_rm_dir, tmp_path,
                                                                  chars_reward):
-    """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss)
-    and a reward model all sharded: the same rewards, grad norms, KL and exported weights as DDP on the same
-    seed (DDP by one-sample micro-batches, ZeRO-3 by a token budget, with --optimizer_offload); stopped after
-    step 1 and resumed, step 2 is still DDP's step 2. And multi_node.yaml run as two machines of one process
-    each (machine ranks 0 and 1 on this host): the same steps again (its DeepSpeed launcher once made each
-    machine a job of its own without a word)."""
+    """ZeRO-3 through accelerate_configs/deepspeed_zero3.yaml, with the actor, the reference model (KL loss),
+    a teacher (distillation) and a reward model all sharded: the same rewards, grad norms, KL, the teacher's
+    gap and exported weights as DDP on the same seed (DDP by one-sample micro-batches, ZeRO-3 by a token
+    budget, with --optimizer_offload); stopped after step 1 and resumed, step 2 is still DDP's step 2. And
+    multi_node.yaml run as two machines of one process each (machine ranks 0 and 1 on this host): the same
+    steps again (its DeepSpeed launcher once made each machine a job of its own without a word)."""
     pytest.importorskip("deepspeed")
     args = [os.path.join(ROOT, "train_ppo.py"), "--pretrain", tiny_model_dir, *RUN,
-            "--reward_fn", chars_reward, "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "1"]
+            "--reward_fn", chars_reward, "--reward_pretrain", tiny_rm_dir, "--reward_weights", "1", "1",
+            "--teacher_pretrain", tiny_model_dir, "--distill_coef", "0.5"]
     launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args,
             "--output_dir", str(tmp_path / "ddp")], ACCELERATE_USE_CPU="true")
     # ZeRO-3 with micro-batches by tokens: a budget of about one sample, so the ranks' counts can differ (and
@@ -135,9 +136,9 @@ def test_deepspeed_zero3_matches_ddp_resumes_and_spans_machines(tiny_model_dir, 
     assert [r["step"] for r in z3] == [1, 2]
     for a, b in zip(ddp, z3):
         for key in ("train/grad_norm", "train/kl", "train/policy_loss", "rollout/reward_mean",
-                    "rollout/reward/rm0"):
+                    "rollout/reward/rm0", "train/distill_kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    assert z3[1]["train/kl"] > 0  # the sharded reference model is in use
+    assert z3[1]["train/kl"] > 0 and z3[1]["train/distill_kl"] != 0  # the sharded frozen models are in use
     want, got = (load_file(str(tmp_path / d / "model" / "model.safetensors")) for d in ("ddp", "z3"))
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
     assert json.load(open(tmp_path / "z3" / "config.json"))["world_size"] == 2
