@@ -199,7 +199,9 @@ def micro_batch_logprobs(model: torch.nn.Module, mb: "Experience", fwd: Forward 
     input_ids, position_ids, keep, where = mb.pack()
     logprobs, entropy = packed_logprobs(model, input_ids, position_ids, keep, temperature, with_entropy,
                                         chunk_size)  # (1, K)
-    unpack = lambda x: x.new_zeros(mb.action_mask.shape).index_put(where, x[0])  # noqa: E731  (B, T), 0: padding
+
+    def unpack(x):  # (1, K) -> (B, T), zeros on the padding
+        return x.new_zeros(mb.action_mask.shape).index_put(where, x[0])
     return unpack(logprobs), unpack(entropy) if entropy is not None else None
 
 
